@@ -1,0 +1,145 @@
+"""Errors a client sees, as RFC 9457 ``application/problem+json`` responses.
+
+Each is a :class:`werkzeug.exceptions.HTTPException`, so an app can register its
+own error handler for any of them. The ``type`` member is a stable URI a client
+may switch on; ``title`` is fixed per type; ``detail`` is for humans.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import typing as t
+from datetime import timedelta
+
+from werkzeug.exceptions import HTTPException
+from werkzeug.sansio.response import Response as SansIOResponse
+from werkzeug.wrappers import Response
+
+PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
+PROBLEM_JSON = "application/problem+json"
+
+
+class IdempotencyError(Exception):
+    """Base class of every error this extension raises."""
+
+
+class ProblemError(HTTPException, IdempotencyError):
+    """An HTTP error answered with an ``application/problem+json`` body."""
+
+    slug = "error"
+    title = "Idempotency error"
+    code = 400
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        extra: t.Mapping[str, t.Any] | None = None,
+        headers: t.Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(description=detail)
+        self.detail = detail
+        self.extra = dict(extra or {})
+        self.extra_headers = dict(headers or {})
+
+    @property
+    def type_uri(self) -> str:
+        return PROBLEM_TYPE_BASE + self.slug
+
+    def problem(self) -> dict[str, t.Any]:
+        """The problem document, as a dict."""
+        return {
+            "type": self.type_uri,
+            "title": self.title,
+            "status": self.code,
+            "detail": self.detail,
+            **self.extra,
+        }
+
+    def get_response(  # type: ignore[override]
+        self,
+        environ: t.Any = None,
+        scope: t.Any = None,
+    ) -> SansIOResponse:
+        body = json.dumps(self.problem(), separators=(",", ":"), sort_keys=True)
+        response = Response(body, status=self.code, content_type=PROBLEM_JSON)
+        for name, value in self.extra_headers.items():
+            response.headers[name] = value
+        return response
+
+
+class InvalidKeyError(ProblemError):
+    """The ``Idempotency-Key`` header is malformed (400)."""
+
+    slug = "invalid-key"
+    title = "Invalid idempotency key"
+    code = 400
+
+
+class MissingKeyError(ProblemError):
+    """The route requires an ``Idempotency-Key`` and the request has none (400)."""
+
+    slug = "missing-key"
+    title = "Idempotency key required"
+    code = 400
+
+
+class MalformedBodyError(ProblemError):
+    """The body is not the JSON the route needs (400)."""
+
+    slug = "malformed-body"
+    title = "Malformed request body"
+    code = 400
+
+
+class UnsupportedMediaTypeError(ProblemError):
+    """The route needs a JSON body and got another content type (415)."""
+
+    slug = "unsupported-media-type"
+    title = "Unsupported media type"
+    code = 415
+
+
+class PayloadTooLargeError(ProblemError):
+    """The request body is larger than the app accepts (413)."""
+
+    slug = "payload-too-large"
+    title = "Request body too large"
+    code = 413
+
+
+class ValidationProblem(ProblemError):
+    """The body failed the route's marshmallow schema (422); ``errors`` lists why."""
+
+    slug = "validation-failed"
+    title = "Request body failed validation"
+    code = 422
+
+
+class KeyReusedError(ProblemError):
+    """The key was used before with a different payload (422)."""
+
+    slug = "key-reused"
+    title = "Idempotency key reused with a different payload"
+    code = 422
+
+
+class ConflictError(ProblemError):
+    """A request with this key is still in progress (409, with ``Retry-After``)."""
+
+    slug = "request-in-progress"
+    title = "A request with this idempotency key is in progress"
+    code = 409
+
+    def __init__(self, detail: str, *, retry_after: timedelta) -> None:
+        seconds = max(1, math.ceil(retry_after.total_seconds()))
+        super().__init__(detail, headers={"Retry-After": str(seconds)})
+        self.retry_after = seconds
+
+
+class LeaseLostError(ConflictError):
+    """This request's lease was taken over by another; its work was rolled back (409)."""
+
+    slug = "lease-lost"
+    title = "The lease on this idempotency key was lost"

@@ -1,0 +1,214 @@
+"""The ``Idempotency`` extension object: registration, config, the decorator."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import typing as t
+
+from flask import Flask, Response, current_app, g
+
+from . import config
+from .cli import idempotency_cli
+from .fingerprint import SchemaArg, resolve_schema
+from .flow import Clock, Flow, RequestState
+from .models import record_table
+from .store import Store
+
+if t.TYPE_CHECKING:
+    from flask_sqlalchemy import SQLAlchemy
+
+F = t.TypeVar("F", bound=t.Callable[..., t.Any])
+EXTENSION_KEY = "idempotency"
+
+LeaseArg = dt.timedelta | float | int | bool | None
+
+
+def utc_now() -> dt.datetime:
+    """The default clock: the app server's time, in UTC."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AppState:
+    db: SQLAlchemy
+    store: Store
+    settings: config.Settings
+    clock: Clock
+
+
+class Idempotency:
+    """Makes decorated POST routes idempotent per (scope, ``Idempotency-Key``).
+
+    Guarantee: the view runs at most once per (scope, key) within the retention
+    window (``IDEMPOTENCY_TTL``); retries get the stored response replayed. The
+    record is claimed in the app's SQLAlchemy session and commits in the same
+    transaction as the view's writes.
+
+    ``options`` are the settings of :mod:`flask_idempotency.config`, lower-case
+    and without the prefix (``ttl=``, ``header=``...); ``app.config`` wins over
+    them. ``clock`` returns the current time (timezone-aware); tests may pass a
+    controllable one.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        db: SQLAlchemy | None = None,
+        *,
+        clock: Clock | None = None,
+        **options: t.Any,
+    ) -> None:
+        self._clock = clock
+        self._options = self._check_options(options)
+        if app is not None:
+            self.init_app(app, db)
+
+    @staticmethod
+    def _check_options(options: dict[str, t.Any]) -> dict[str, t.Any]:
+        known = {name.lower() for name in config.DEFAULTS}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown Idempotency option(s): {', '.join(sorted(unknown))}")
+        return options
+
+    def init_app(
+        self,
+        app: Flask,
+        db: SQLAlchemy | None = None,
+        *,
+        clock: Clock | None = None,
+        **options: t.Any,
+    ) -> None:
+        """Register on ``app``, with the Flask-SQLAlchemy ``db`` that holds the records.
+
+        Adds the ``idempotency_keys`` table to ``db.metadata`` (so
+        ``db.create_all()`` and Alembic autogenerate see it) and the
+        ``flask idempotency`` command group.
+        """
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError(
+                "Idempotency is already registered on this Flask app; "
+                "create one Idempotency() and call init_app once per app."
+            )
+        if db is None:
+            db = app.extensions.get("sqlalchemy")
+            if db is None:
+                raise RuntimeError(
+                    "Idempotency needs Flask-SQLAlchemy: call db.init_app(app) first, "
+                    "or pass db to Idempotency(app, db) / init_app(app, db)."
+                )
+        merged = {**self._options, **self._check_options(options)}
+        for name, default in config.DEFAULTS.items():
+            app.config.setdefault(config.PREFIX + name, merged.get(name.lower(), default))
+        settings = config.Settings.from_mapping(
+            {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
+        )
+        table = record_table(db.metadata)
+        app.extensions[EXTENSION_KEY] = _AppState(
+            db=db,
+            store=Store(table),
+            settings=settings,
+            clock=clock or self._clock or utc_now,
+        )
+        app.cli.add_command(idempotency_cli)
+
+    @staticmethod
+    def _state() -> _AppState:
+        try:
+            return t.cast(_AppState, current_app.extensions[EXTENSION_KEY])
+        except KeyError:
+            raise RuntimeError(
+                "Idempotency is not registered on the current app; call init_app(app, db)."
+            ) from None
+
+    def idempotent(
+        self,
+        *,
+        schema: SchemaArg = None,
+        exclude: t.Sequence[str] = (),
+        required: bool | None = None,
+        ttl: dt.timedelta | float | None = None,
+        scope: t.Callable[[], str] | None = None,
+        lease: LeaseArg = None,
+    ) -> t.Callable[[F], F]:
+        """Protect a view: at most one execution per (scope, key), retries replayed.
+
+        :param schema: marshmallow schema (instance or class) the JSON body must
+            pass; its loaded data is what the fingerprint and ``idem.payload`` see.
+        :param exclude: field names left out of the fingerprint; dotted for nested.
+        :param required: a request without a key answers 400 (default
+            ``IDEMPOTENCY_REQUIRED``).
+        :param ttl: retention of this route's records (default ``IDEMPOTENCY_TTL``).
+        :param scope: callable returning the scope string (default: endpoint plus
+            a digest of the ``Authorization`` header).
+        :param lease: commit the in-progress record before the view runs, leased
+            for this long (``True``: ``IDEMPOTENCY_LEASE``). Use it for views whose
+            work cannot fit one transaction. Without it the record is claimed in
+            the view's transaction.
+        """
+        loaded_schema = resolve_schema(schema)
+        excluded = tuple(exclude)
+        if isinstance(excluded, str) or not all(isinstance(e, str) for e in excluded):
+            raise TypeError("exclude must be a sequence of field names")
+        overrides: dict[str, t.Any] = {}
+        if required is not None:
+            overrides["required"] = bool(required)
+        if ttl is not None:
+            overrides["ttl"] = config.as_timedelta(ttl, "ttl")
+        commit_claim = lease is not None and lease is not False
+        if commit_claim and lease is not True:
+            overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
+
+        def decorator(view: F) -> F:
+            @functools.wraps(view)
+            def wrapper(**kwargs: t.Any) -> Response:
+                state = self._state()
+                settings = (
+                    dataclasses.replace(state.settings, **overrides)
+                    if overrides
+                    else state.settings
+                )
+                flow = Flow(
+                    session=state.db.session(),
+                    store=state.store,
+                    settings=settings,
+                    clock=state.clock,
+                    commit_claim=commit_claim,
+                )
+                return flow.run(
+                    current_app.ensure_sync(view),
+                    kwargs,
+                    schema=loaded_schema,
+                    exclude=excluded,
+                    route_scope=scope,
+                )
+
+            return t.cast(F, wrapper)
+
+        return decorator
+
+    # -- what a view may read ---------------------------------------------------
+
+    @staticmethod
+    def _request_state() -> RequestState | None:
+        return t.cast("RequestState | None", g.get("_idempotency"))
+
+    @property
+    def payload(self) -> t.Any:
+        """The current request's payload: the schema's loaded data, parsed JSON or bytes."""
+        state = self._request_state()
+        return state.payload if state is not None else None
+
+    @property
+    def key(self) -> str | None:
+        """The current request's idempotency key (unquoted), or ``None``."""
+        state = self._request_state()
+        return state.key if state is not None else None
+
+    @property
+    def scope(self) -> str | None:
+        """The current request's scope, or ``None`` when it carries no key."""
+        state = self._request_state()
+        return state.scope if state is not None else None

@@ -1,0 +1,90 @@
+"""Response capture (what is stored, and whether it may be) and replay."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from flask import Response
+
+from .errors import PROBLEM_JSON, PROBLEM_TYPE_BASE
+from .models import Record
+
+#: 4xx answers that say "not now" rather than "no": replaying them would turn a
+#: transient refusal into a permanent one, so they are never stored.
+TRANSIENT_4XX = frozenset({408, 409, 423, 425, 429})
+
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+def is_storable(status: int) -> bool:
+    """2xx, 3xx and deterministic 4xx responses are stored; 5xx and transient 4xx are not."""
+    if 200 <= status < 400:
+        return True
+    return 400 <= status < 500 and status not in TRANSIENT_4XX
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """What is stored of a response."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes | None
+    body_omitted: bool
+
+
+def capture(response: Response, header_names: frozenset[str], max_body: int) -> Captured:
+    """Take the status, the replayable headers and (if small and not streamed) the body.
+
+    A streamed response is never read here: the client still gets it whole, and
+    the record keeps only status and headers.
+    """
+    headers = [(k, v) for k, v in response.headers.items() if k.lower() in header_names]
+    body: bytes | None = None
+    if not response.is_streamed and not response.direct_passthrough:
+        data = response.get_data()
+        if len(data) <= max_body:
+            body = data
+    return Captured(response.status_code, headers, body, body_omitted=body is None)
+
+
+def replay(record: Record) -> Response:
+    """The stored response: same status, byte-identical body, stored safe headers.
+
+    When the body was not kept, the answer keeps the original status (the
+    operation did succeed) and explains in a problem+json body, with the original
+    ``Location`` if there was one.
+    """
+    assert record.response_code is not None
+    if record.body_omitted or record.response_body is None:
+        response = Response(
+            json.dumps(
+                {
+                    "type": PROBLEM_TYPE_BASE + "response-not-stored",
+                    "title": "The original response body was not kept",
+                    "status": record.response_code,
+                    "detail": (
+                        "This request was already processed with this idempotency key; "
+                        "its response body was too large or streamed, so it cannot be "
+                        "replayed. Fetch the resource (see Location, if present)."
+                    ),
+                },
+                sort_keys=True,
+                separators=(",", ":"),
+            ),
+            status=record.response_code,
+            content_type=PROBLEM_JSON,
+        )
+        for name, value in record.response_headers:
+            if name.lower() == "location":
+                response.headers[name] = value
+    else:
+        response = Response(record.response_body, status=record.response_code)
+        # The stored headers replace the defaults, Content-Type included, so a
+        # replay is what the client would have seen the first time.
+        response.headers.remove("Content-Type")
+        for name, value in record.response_headers:
+            response.headers.add(name, value)
+    response.headers[REPLAYED_HEADER] = "true"
+    return response

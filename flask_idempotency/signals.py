@@ -1,0 +1,25 @@
+"""Signals, in Flask's blinker namespace. Each is sent with the app as sender.
+
+Keyword arguments: ``scope`` and ``key`` always; ``record`` (a
+:class:`~flask_idempotency.models.Record`) for ``response_replayed``,
+``request_conflict`` and ``payload_mismatch``; ``response`` for
+``record_completed``; ``fencing_token`` for ``key_claimed`` and
+``record_completed``.
+"""
+
+from __future__ import annotations
+
+from blinker import Namespace
+
+_signals = Namespace()
+
+#: A request claimed its key and is about to run the view.
+key_claimed = _signals.signal("idempotency-key-claimed")
+#: A stored response was replayed; the view did not run.
+response_replayed = _signals.signal("idempotency-response-replayed")
+#: A duplicate found the key in progress and got 409.
+request_conflict = _signals.signal("idempotency-request-conflict")
+#: The key was reused with a different payload and got 422.
+payload_mismatch = _signals.signal("idempotency-payload-mismatch")
+#: The record and the business rows were committed with the stored response.
+record_completed = _signals.signal("idempotency-record-completed")

@@ -1,0 +1,183 @@
+"""The SQL behind the record: claim, load, take over, complete, release.
+
+Every statement runs in the session it is given, so the record joins the app's
+transaction. Dialect differences live here and nowhere else:
+
+* the claim is a conflict-tolerant insert (``ON CONFLICT DO NOTHING`` on
+  PostgreSQL and SQLite); other engines insert inside a savepoint and treat a
+  unique violation as "exists";
+* on PostgreSQL a duplicate waits on the unique index for the first request's
+  transaction, bounded by ``lock_timeout``; on SQLite the driver's busy timeout
+  bounds the wait for the single writer lock.
+
+Nothing here checks and then inserts: the insert decides, and every later
+change is a conditional ``UPDATE``/``DELETE`` on the fencing token that only one
+contender can win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from .models import COMPLETED, IN_PROGRESS, Record
+
+_PG_LOCK_NOT_AVAILABLE = "55P03"
+
+
+class ClaimWaitExceeded(Exception):
+    """Waiting for another transaction on the same key took longer than allowed."""
+
+
+class Store:
+    """Statements on one ``idempotency_keys`` table."""
+
+    def __init__(self, table: sa.Table) -> None:
+        self.table = table
+
+    def _key_clause(self, scope: str, key: str) -> sa.ColumnElement[bool]:
+        c = self.table.c
+        return sa.and_(c.scope == scope, c.key == key)
+
+    @contextlib.contextmanager
+    def bounded_wait(self, session: Session, wait: dt.timedelta) -> t.Iterator[None]:
+        """Bound how long the statements inside wait on another transaction's locks.
+
+        Raises :class:`ClaimWaitExceeded` when the bound is hit. The app's own
+        ``lock_timeout`` is restored afterwards, so the view runs unaffected.
+        """
+        dialect = session.get_bind().dialect.name
+        if dialect != "postgresql":
+            try:
+                yield
+            except sa_exc.OperationalError as exc:
+                if "database is locked" in str(exc.orig):
+                    raise ClaimWaitExceeded(str(exc.orig)) from exc
+                raise
+            return
+        millis = max(1, int(wait.total_seconds() * 1000))
+        previous = session.execute(
+            sa.text("SELECT current_setting('lock_timeout'), set_config('lock_timeout', :v, true)"),
+            {"v": f"{millis}ms"},
+        ).scalar_one()
+        try:
+            yield
+        except sa_exc.OperationalError as exc:
+            if getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE:
+                raise ClaimWaitExceeded(str(exc.orig)) from exc
+            raise
+        session.execute(sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": previous})
+
+    def try_insert(self, session: Session, values: dict[str, t.Any]) -> bool:
+        """Insert a new record; ``False`` when one with the same scope and key exists."""
+        dialect = session.get_bind().dialect.name
+        if dialect in ("postgresql", "sqlite"):
+            module: t.Any = postgresql if dialect == "postgresql" else sqlite
+            stmt = module.insert(self.table).values(**values)
+            stmt = stmt.on_conflict_do_nothing(index_elements=["scope", "key"])
+            result = session.execute(stmt)
+            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+        try:
+            with session.begin_nested():
+                session.execute(sa.insert(self.table).values(**values))
+        except sa_exc.IntegrityError:
+            return False
+        return True
+
+    def load(self, session: Session, scope: str, key: str) -> Record | None:
+        """The record for (scope, key), or ``None``."""
+        row = session.execute(sa.select(self.table).where(self._key_clause(scope, key))).first()
+        return Record.from_row(row) if row is not None else None
+
+    def take_over(
+        self,
+        session: Session,
+        record: Record,
+        values: dict[str, t.Any],
+        now: dt.datetime,
+        *,
+        expired: bool,
+    ) -> bool:
+        """Claim an existing record: replace an expired one, or reclaim an ended lease.
+
+        One conditional ``UPDATE`` on the fencing token read: exactly one
+        contender can win, and it gets the token ``record.fencing_token + 1``.
+        """
+        c = self.table.c
+        condition = sa.and_(
+            self._key_clause(record.scope, record.key),
+            c.fencing_token == record.fencing_token,
+        )
+        if expired:
+            condition = sa.and_(condition, c.expires_at <= now)
+        else:
+            condition = sa.and_(
+                condition,
+                c.status == IN_PROGRESS,
+                c.request_hash == values["request_hash"],
+                sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+            )
+            # A reclaim continues the same operation: it keeps the original
+            # creation and retention times.
+            values = {k: v for k, v in values.items() if k not in ("created_at", "expires_at")}
+        stmt = (
+            sa.update(self.table)
+            .where(condition)
+            .values(**values, fencing_token=record.fencing_token + 1)
+        )
+        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+    def complete(
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        response_code: int,
+        response_headers: list[tuple[str, str]],
+        response_body: bytes | None,
+        body_omitted: bool,
+        now: dt.datetime,
+    ) -> bool:
+        """Mark the record completed with its response, fenced by ``token``.
+
+        ``False`` means another request took the record over: the caller must
+        roll back.
+        """
+        c = self.table.c
+        stmt = (
+            sa.update(self.table)
+            .where(
+                self._key_clause(scope, key),
+                c.fencing_token == token,
+                c.status == IN_PROGRESS,
+            )
+            .values(
+                status=COMPLETED,
+                response_code=response_code,
+                response_headers=json.dumps(response_headers),
+                response_body=response_body,
+                body_omitted=body_omitted,
+                completed_at=now,
+                locked_until=None,
+            )
+        )
+        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+    def release(self, session: Session, scope: str, key: str, token: int) -> bool:
+        """Delete an in-progress record this holder (``token``) still owns."""
+        c = self.table.c
+        stmt = sa.delete(self.table).where(
+            self._key_clause(scope, key),
+            c.fencing_token == token,
+            c.status == IN_PROGRESS,
+        )
+        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]

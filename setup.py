@@ -1,0 +1,35 @@
+"""Packaging for Flask-Idempotency."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="Flask-Idempotency",
+    version="0.1.0.dev0",
+    description=(
+        "Idempotency-Key support for Flask: retried POSTs run once, "
+        "recorded in the same transaction as the business rows."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["flask_idempotency", "flask_idempotency.*"]),
+    package_data={"flask_idempotency": ["py.typed"]},
+    include_package_data=True,
+    zip_safe=False,
+    install_requires=[
+        "flask>=3.0",
+        "flask-sqlalchemy>=3.1",
+        "sqlalchemy>=2.0",
+        "marshmallow>=3.18",
+        "apscheduler>=3.10,<4",
+    ],
+    extras_require={
+        "postgresql": ["psycopg2-binary>=2.9"],
+    },
+    classifiers=[
+        "Framework :: Flask",
+        "Programming Language :: Python :: 3",
+        "Typing :: Typed",
+    ],
+)
