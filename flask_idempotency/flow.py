@@ -102,7 +102,7 @@ class Flow:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
             g._idempotency = RequestState(payload=load_payload(schema), key=None, scope=None)
-            return current_app.make_response(view(**kwargs))
+            return self._run_unprotected(view, kwargs)
 
         scope = resolve_scope(settings, route_scope)
         payload, fingerprint = request_fingerprint(schema, exclude)
@@ -256,6 +256,23 @@ class Flow:
         signals.record_completed.send(
             app, scope=scope, key=key, fencing_token=token, response=response
         )
+        return response
+
+    def _run_unprotected(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
+        """No key: run the view with the same transaction rules, but keep no record.
+
+        The view's contract does not change with the header: the extension
+        commits what a storable answer wrote and rolls back the rest.
+        """
+        try:
+            response = current_app.make_response(view(**kwargs))
+            if is_storable(response.status_code):
+                self.session.commit()
+            else:
+                self.session.rollback()
+        except BaseException:
+            self.session.rollback()
+            raise
         return response
 
     def _release(self, scope: str, key: str, token: int) -> None:

@@ -2,7 +2,8 @@
 
 A key may be sent as an RFC 8941 Structured Field string (``"abc"``, the form the
 IETF draft specifies) or bare (``abc``); both name the same key. Keys are 1 to
-255 characters of printable ASCII (space to ``~``).
+255 characters of printable ASCII (space to ``~``); a bare key may not contain a
+comma, since servers join repeated headers with commas.
 """
 
 from __future__ import annotations
@@ -55,7 +56,17 @@ def parse_key(raw: str) -> str:
     value = raw.strip(" \t")
     if not _printable(value):
         raise InvalidKeyError("The Idempotency-Key must be printable ASCII.")
-    key = _unquote_sf_string(value) if value.startswith('"') else value
+    if value.startswith('"'):
+        key = _unquote_sf_string(value)
+    elif "," in value:
+        # WSGI servers join repeated headers with ", ": a bare key with a comma
+        # may be two keys. Quote it ("a,b") to send a comma.
+        raise InvalidKeyError(
+            "Send exactly one Idempotency-Key; a bare key must not contain a comma "
+            '(quote it as a string, "a,b", if it really does).'
+        )
+    else:
+        key = value
     if not key:
         raise InvalidKeyError("The Idempotency-Key must not be empty.")
     if len(key) > MAX_KEY_LENGTH:
@@ -68,7 +79,8 @@ def parse_key(raw: str) -> str:
 def key_from_request(header: str) -> str | None:
     """The key of the current request, ``None`` when the header is absent.
 
-    More than one header of that name is ambiguous and rejected.
+    More than one header of that name is ambiguous and rejected (WSGI joins them
+    with a comma, which :func:`parse_key` refuses outside a quoted string).
     """
     values = request.headers.getlist(header)
     if not values:

@@ -1,0 +1,135 @@
+"""Fixtures: a real PostgreSQL (configured or embedded), SQLite, apps and clients.
+
+Set ``IDEMPOTENCY_TEST_POSTGRES_URL`` to test against a PostgreSQL you run;
+otherwise the suite starts its own with ``pgserver`` (a PostgreSQL from PyPI).
+PostgreSQL tests are never skipped: if no server can be had, they error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import tempfile
+import typing as t
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+
+from tests import testapp
+
+POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
+
+
+def _start_embedded_postgres() -> tuple[str, t.Any]:
+    # pgserver asks platformdirs for a runtime dir, which warns (an error under
+    # filterwarnings=error) when XDG_RUNTIME_DIR is unset or shared; give it a
+    # private one.
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="idempotency-run-")
+    import pgserver
+
+    data_dir = Path(tempfile.mkdtemp(prefix="idempotency-pg-"))
+    server = pgserver.get_server(data_dir, cleanup_mode="delete")
+    uri = server.get_uri()
+    return uri.replace("postgresql://", "postgresql+psycopg2://", 1), server
+
+
+_PG: dict[str, t.Any] = {}
+
+
+def postgres_url() -> str:
+    """The PostgreSQL the suite uses, started on first use."""
+    if "url" not in _PG:
+        configured = os.environ.get(POSTGRES_ENV)
+        if configured:
+            _PG["url"], _PG["source"] = configured, f"{POSTGRES_ENV}"
+        else:
+            _PG["url"], _PG["server"] = _start_embedded_postgres()
+            _PG["source"] = "embedded pgserver"
+    return t.cast(str, _PG["url"])
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    source = os.environ.get(POSTGRES_ENV)
+    where = f"{POSTGRES_ENV}={source}" if source else "embedded (pgserver), started on first use"
+    return f"PostgreSQL for tests: {where}"
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    return postgres_url()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        return postgres_url()
+    return f"sqlite:///{tmp_path / 'test.sqlite3'}"
+
+
+def reset_tables(url: str) -> None:
+    """Drop and recreate the test app's tables (ledger and idempotency_keys)."""
+    engine = sa.create_engine(url)
+    try:
+        testapp.db.metadata.drop_all(engine)
+        testapp.db.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
+class Clock:
+    """A controllable clock: starts at the real time, moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = dt.datetime.now(dt.timezone.utc)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, **delta: float) -> None:
+        self.now += dt.timedelta(**delta)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
+    app = testapp.create_app(
+        database_url,
+        clock=clock,
+        IDEMPOTENCY_MAX_BODY=1000,
+        IDEMPOTENCY_REPLAY_HEADERS=["X-Request-Cost", "Set-Cookie"],
+    )
+    reset_tables(database_url)
+    # No app context stays pushed: each test-client request gets its own, as in
+    # production, so nothing (g, the session) leaks from one request to the next.
+    yield app
+    with app.app_context():
+        testapp.db.engine.dispose()
+
+
+@pytest.fixture
+def client(app: Flask) -> t.Any:
+    return app.test_client()
+
+
+def ledger_count(app: Flask, route: str | None = None) -> int:
+    """Ledger rows (side effects) committed, read on a fresh connection."""
+    with app.app_context():
+        stmt = sa.select(sa.func.count()).select_from(testapp.Ledger)
+        if route is not None:
+            stmt = stmt.where(testapp.Ledger.route == route)
+        with testapp.db.engine.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+
+def record_rows(app: Flask) -> list[dict[str, t.Any]]:
+    """Rows of idempotency_keys, read on a fresh connection."""
+    with app.app_context(), testapp.db.engine.connect() as conn:
+        table = testapp.db.metadata.tables["idempotency_keys"]
+        return [dict(r._mapping) for r in conn.execute(sa.select(table))]

@@ -1,0 +1,172 @@
+"""The app the tests drive: routes for each behaviour, one ledger row per side effect.
+
+Every route that "does the work" adds a :class:`Ledger` row, so tests can count
+side effects in the real database instead of trusting status codes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+import typing as t
+
+from flask import Blueprint, Flask, Response, request, stream_with_context
+from flask_sqlalchemy import SQLAlchemy
+from marshmallow import Schema, fields
+from sqlalchemy import orm
+
+from flask_idempotency import Idempotency
+
+db = SQLAlchemy()
+idem = Idempotency()
+bp = Blueprint("t", __name__)
+
+
+class Ledger(db.Model):  # type: ignore[name-defined,misc]
+    __tablename__ = "ledger"
+    id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
+    route: orm.Mapped[str] = orm.mapped_column(db.String(50))
+    key: orm.Mapped[str | None] = orm.mapped_column(db.String(300))
+    amount: orm.Mapped[int | None]
+
+
+class MetaSchema(Schema):
+    note = fields.String(load_default=None)
+    trace_id = fields.String(load_default=None)
+
+
+class ChargeSchema(Schema):
+    amount = fields.Integer(required=True)
+    currency = fields.String(required=True)
+    meta = fields.Nested(MetaSchema, load_default=None)
+    client_sent_at = fields.String(load_default=None)
+
+
+def write_ledger(route: str, amount: int | None = None) -> Ledger:
+    row = Ledger(route=route, key=idem.key, amount=amount)
+    db.session.add(row)
+    db.session.flush()
+    return row
+
+
+@bp.post("/charges")
+@idem.idempotent(schema=ChargeSchema, exclude=["client_sent_at", "meta.trace_id"])
+def charges() -> Response:
+    row = write_ledger("charges", idem.payload["amount"])
+    response = Response(
+        json.dumps({"id": row.id, "amount": row.amount, "currency": idem.payload["currency"]}),
+        status=201,
+        content_type="application/json",
+    )
+    response.headers["Location"] = f"/charges/{row.id}"
+    response.headers["X-Request-Cost"] = "3"
+    response.set_cookie("session", "secret-of-the-first-caller")
+    return response
+
+
+@bp.post("/required")
+@idem.idempotent(required=True)
+def required_route() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("required")
+    return {"id": row.id}, 201
+
+
+@bp.post("/raw")
+@idem.idempotent()
+def raw() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("raw")
+    return {"id": row.id, "seen": len(request.get_data())}, 200
+
+
+@bp.post("/status/<int:code>")
+@idem.idempotent()
+def status(code: int) -> tuple[dict[str, t.Any], int]:
+    row = write_ledger(f"status/{code}")
+    return {"id": row.id, "code": code}, code
+
+
+@bp.post("/raise")
+@idem.idempotent()
+def raise_route() -> t.NoReturn:
+    write_ledger("raise")
+    raise RuntimeError("the view failed after writing")
+
+
+@bp.post("/big/<int:size>")
+@idem.idempotent()
+def big(size: int) -> tuple[str, int, dict[str, str]]:
+    row = write_ledger("big")
+    return "x" * size, 201, {"Location": f"/big/{row.id}", "Content-Type": "text/plain"}
+
+
+@bp.post("/stream")
+@idem.idempotent()
+def stream() -> Response:
+    row = write_ledger("stream")
+
+    def chunks() -> t.Iterator[str]:
+        yield "part-1;"
+        yield "part-2"
+
+    response = Response(stream_with_context(chunks()), status=201, mimetype="text/plain")
+    response.headers["Location"] = f"/stream/{row.id}"
+    return response
+
+
+@bp.post("/slow")
+@idem.idempotent()
+def slow() -> tuple[dict[str, t.Any], int]:
+    delay = float((request.get_json(silent=True) or {}).get("delay", 0.3))
+    row = write_ledger("slow")
+    time.sleep(delay)
+    return {"id": row.id, "at": time.time()}, 201
+
+
+@bp.post("/commits-itself")
+@idem.idempotent()
+def commits_itself() -> tuple[dict[str, t.Any], int]:
+    """Commits the session in the middle of the view, as some real views do."""
+    delay = float((request.get_json(silent=True) or {}).get("delay", 0.3))
+    row = write_ledger("commits-itself")
+    db.session.commit()
+    time.sleep(delay)
+    return {"id": row.id}, 201
+
+
+def tenant_scope() -> str:
+    return "tenant:" + request.headers.get("X-Tenant", "none")
+
+
+@bp.post("/tenant")
+@idem.idempotent(scope=tenant_scope)
+def tenant() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("tenant")
+    return {"id": row.id, "tenant": request.headers.get("X-Tenant")}, 201
+
+
+@bp.post("/short-ttl")
+@idem.idempotent(ttl=dt.timedelta(minutes=5))
+def short_ttl() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("short-ttl")
+    return {"id": row.id}, 201
+
+
+def create_app(
+    database_url: str,
+    *,
+    clock: t.Callable[[], dt.datetime] | None = None,
+    **config: t.Any,
+) -> Flask:
+    app = Flask(__name__)
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=database_url,
+        SQLALCHEMY_ENGINE_OPTIONS=(
+            {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
+        ),
+        **config,
+    )
+    db.init_app(app)
+    idem.init_app(app, db, clock=clock)
+    app.register_blueprint(bp)
+    return app
