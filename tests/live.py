@@ -1,0 +1,134 @@
+"""A live server in a subprocess, and a small HTTP client for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import typing as t
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("idempotent-replayed") == "true"
+
+    def json(self) -> t.Any:
+        return json.loads(self.body)
+
+
+class LiveServer:
+    """``python -m tests.live_server`` as a child process that can be killed."""
+
+    def __init__(self, which: str, database_url: str) -> None:
+        self.which = which
+        self.database_url = database_url
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    def start(self) -> LiveServer:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.live_server", self.which, self.database_url],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = ""
+        timer = threading.Timer(30, self.proc.kill)
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        if not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"live server did not start (got {line!r})")
+        self.port = int(line.split()[1])
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_dead(self, timeout: float = 10) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def post(
+        self,
+        path: str,
+        body: t.Any,
+        key: str | None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            sent = {"Content-Type": "application/json", **(headers or {})}
+            if key is not None:
+                sent["Idempotency-Key"] = key
+            conn.request("POST", path, body=json.dumps(body), headers=sent)
+            response = conn.getresponse()
+            return Reply(
+                response.status,
+                {k.lower(): v for k, v in response.getheaders()},
+                response.read(),
+            )
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return Reply(
+                response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+            )
+        finally:
+            conn.close()
+
+
+def concurrently(n: int, call: t.Callable[[], Reply]) -> list[Reply]:
+    """Run ``call`` in ``n`` threads released at the same instant."""
+    barrier = threading.Barrier(n)
+    results: list[Reply | BaseException] = [RuntimeError("not run")] * n
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[i] = call()
+        except BaseException as exc:  # reported below, with the others
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise AssertionError(f"{len(errors)} of {n} requests failed: {errors[:3]!r}")
+    return t.cast(list[Reply], results)

@@ -1,0 +1,47 @@
+"""Serve an app in this process for the live tests: ``python -m tests.live_server APP URL``.
+
+APP is ``tests`` (tests/testapp.py) or ``example`` (example_app). Prints
+``READY <port>`` once listening. A request carrying ``X-Test-Crash: after-commit``
+kills this process with SIGKILL right after the record and the business rows
+commit, before the response is written: the crash the design must survive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import typing as t
+
+from flask import request
+from werkzeug.serving import make_server
+
+from flask_idempotency import signals
+
+
+def _crash_after_commit(sender: t.Any, **kwargs: t.Any) -> None:
+    if request.headers.get("X-Test-Crash") == "after-commit":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    which, url = sys.argv[1], sys.argv[2]
+    if which == "example":
+        os.environ["EXAMPLE_DATABASE_URL"] = url
+        from example_app import create_app
+
+        app = create_app({"SQLALCHEMY_ENGINE_OPTIONS": {"pool_size": 40, "max_overflow": 10}})
+    else:
+        from tests import testapp
+
+        app = testapp.create_app(url)
+    signals.record_completed.connect(_crash_after_commit, weak=False)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    print(f"READY {server.server_port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
