@@ -1,5 +1,7 @@
 """Packaging for Flask-Idempotency."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -9,7 +11,7 @@ setup(
         "Idempotency-Key support for Flask: retried POSTs run once, "
         "recorded in the same transaction as the business rows."
     ),
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",

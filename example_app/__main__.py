@@ -70,8 +70,10 @@ def main() -> int:
     if args.command == "demo":
         return demo()
     app = create_app()
-    print(f"payments service on http://{args.host}:{args.port}  (database: "
-          f"{app.config['SQLALCHEMY_DATABASE_URI']})")
+    print(
+        f"payments service on http://{args.host}:{args.port}  (database: "
+        f"{app.config['SQLALCHEMY_DATABASE_URI']})"
+    )
     app.run(host=args.host, port=args.port, threaded=True)
     return 0
 
