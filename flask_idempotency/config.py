@@ -18,7 +18,9 @@ key                            default                 meaning
                                                        committed blocks duplicates (409) before a
                                                        retry may reclaim it after a crash
 ``IDEMPOTENCY_WAIT``           10 seconds              how long a duplicate waits for the first
-                                                       request's transaction before answering 409
+                                                       request's transaction before answering 409;
+                                                       ``None``: as long as it takes (saves two
+                                                       statements per request on PostgreSQL)
 ``IDEMPOTENCY_MAX_BODY``       1 MiB (1048576)         largest response body stored for replay;
                                                        larger or streamed bodies are not kept
 ``IDEMPOTENCY_REPLAY_HEADERS`` ``()``                  response headers replayed in addition to
@@ -94,7 +96,7 @@ class Settings:
     required: bool
     ttl: timedelta
     lease: timedelta
-    wait: timedelta
+    wait: timedelta | None
     max_body: int
     replay_headers: tuple[str, ...]
     scope: ScopeFunc | None
@@ -117,7 +119,9 @@ class Settings:
             required=bool(values["REQUIRED"]),
             ttl=as_timedelta(values["TTL"], "IDEMPOTENCY_TTL"),
             lease=as_timedelta(values["LEASE"], "IDEMPOTENCY_LEASE"),
-            wait=as_timedelta(values["WAIT"], "IDEMPOTENCY_WAIT"),
+            wait=None
+            if values["WAIT"] is None
+            else as_timedelta(values["WAIT"], "IDEMPOTENCY_WAIT"),
             max_body=max_body,
             replay_headers=extra,
             scope=scope,

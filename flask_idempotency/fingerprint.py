@@ -58,7 +58,13 @@ def _plain(value: t.Any) -> t.Any:
         items = [_plain(v) for v in value]
         return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
     if isinstance(value, Decimal):
-        return str(value.normalize()) if value == value.to_integral_value() else str(value)
+        if not value.is_finite():
+            raise MalformedBodyError("Numbers must be finite.")
+        # One plain form per value: 1.50 == 1.5, 500.00 == 500, -0 == 0.
+        return "0" if value.is_zero() else format(value.normalize(), "f")
+    if isinstance(value, dt.datetime) and value.tzinfo is not None:
+        # The same instant written with different offsets is the same payload.
+        return value.astimezone(dt.timezone.utc).isoformat()
     if isinstance(value, (dt.datetime, dt.date, dt.time)):
         return value.isoformat()
     if isinstance(value, dt.timedelta):

@@ -47,18 +47,21 @@ class Store:
         return sa.and_(c.scope == scope, c.key == key)
 
     @contextlib.contextmanager
-    def bounded_wait(self, session: Session, wait: dt.timedelta) -> t.Iterator[None]:
+    def bounded_wait(self, session: Session, wait: dt.timedelta | None) -> t.Iterator[None]:
         """Bound how long the statements inside wait on another transaction's locks.
 
         Raises :class:`ClaimWaitExceeded` when the bound is hit. The app's own
         ``lock_timeout`` is restored afterwards, so the view runs unaffected.
+        ``wait=None`` sets no bound of ours (the session's own settings apply).
         """
         dialect = session.get_bind().dialect.name
-        if dialect != "postgresql":
+        if dialect != "postgresql" or wait is None:
             try:
                 yield
             except sa_exc.OperationalError as exc:
-                if "database is locked" in str(exc.orig):
+                if "database is locked" in str(exc.orig) or (
+                    getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE
+                ):
                     raise ClaimWaitExceeded(str(exc.orig)) from exc
                 raise
             return

@@ -33,16 +33,26 @@ class Reply:
 class LiveServer:
     """``python -m tests.live_server`` as a child process that can be killed."""
 
-    def __init__(self, which: str, database_url: str) -> None:
+    def __init__(
+        self, which: str, database_url: str, config: dict[str, t.Any] | None = None
+    ) -> None:
         self.which = which
         self.database_url = database_url
+        self.config = config or {}
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
 
     def start(self) -> LiveServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.live_server", self.which, self.database_url],
+            [
+                sys.executable,
+                "-m",
+                "tests.live_server",
+                self.which,
+                self.database_url,
+                json.dumps(self.config),
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -1,6 +1,7 @@
-"""Serve an app in this process for the live tests: ``python -m tests.live_server APP URL``.
+"""Serve an app for the live tests: ``python -m tests.live_server APP URL [CONFIG_JSON]``.
 
-APP is ``tests`` (tests/testapp.py) or ``example`` (example_app). Prints
+APP is ``tests`` (tests/testapp.py) or ``example`` (example_app); CONFIG_JSON
+is extra ``app.config`` for the test app (durations in seconds). Prints
 ``READY <port>`` once listening. A request carrying ``X-Test-Crash: after-commit``
 kills this process with SIGKILL right after the record and the business rows
 commit, before the response is written: the crash the design must survive.
@@ -8,6 +9,7 @@ commit, before the response is written: the crash the design must survive.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -35,7 +37,8 @@ def main() -> None:
     else:
         from tests import testapp
 
-        app = testapp.create_app(url)
+        extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+        app = testapp.create_app(url, **extra)
     signals.record_completed.connect(_crash_after_commit, weak=False)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = make_server("127.0.0.1", 0, app, threaded=True)

@@ -494,3 +494,67 @@ def test_view_reads_payload_and_key(database_url: str, clock: Clock) -> None:
     assert seen["payload"]["amount"] == 7
     assert seen["key"] == "abc"
     assert seen["scope"] == "echo"
+
+
+# -- records committed before the view finishes -----------------------------------
+
+
+def test_leased_route_commits_the_claim_before_the_view(database_url: str, clock: Clock) -> None:
+    app = testapp.create_app(database_url, clock=clock)
+    seen: dict[str, list[dict[str, t.Any]]] = {}
+
+    @app.post("/observe/leased")
+    @testapp.idem.idempotent(lease=30)
+    def observe_leased() -> tuple[dict[str, t.Any], int]:
+        seen["leased"] = record_rows(app)  # another connection: only committed rows
+        return {}, 201
+
+    @app.post("/observe/plain")
+    @testapp.idem.idempotent()
+    def observe_plain() -> tuple[dict[str, t.Any], int]:
+        seen["plain"] = record_rows(app)
+        return {}, 201
+
+    reset_tables(database_url)
+    client = app.test_client()
+    assert post(client, "/observe/leased", {}, key="a").status_code == 201
+    assert post(client, "/observe/plain", {}, key="b").status_code == 201
+    [leased] = seen["leased"]
+    assert leased["status"] == IN_PROGRESS
+    locked_until = leased["locked_until"]
+    if locked_until.tzinfo is None:
+        locked_until = locked_until.replace(tzinfo=dt.timezone.utc)
+    assert locked_until == clock.now + dt.timedelta(seconds=30)
+    # Without a lease the claim is invisible to others until the view's commit.
+    assert [r["key"] for r in seen["plain"]] == ["a"]
+    assert {r["key"]: r["status"] for r in record_rows(app)} == {"a": COMPLETED, "b": COMPLETED}
+    assert post(client, "/observe/leased", {}, key="a").headers["Idempotent-Replayed"] == "true"
+
+
+def test_leased_route_failure_releases_the_record(app: Flask, client: t.Any) -> None:
+    with recorded(signals.key_claimed) as claims:
+        assert post(client, "/leased/500", {}).status_code == 500
+        assert record_rows(app) == []  # released at once, not left to the lease
+        assert post(client, "/leased/500", {}).status_code == 500
+    assert len(claims) == 2
+    assert ledger_count(app) == 0
+
+
+def test_view_that_commits_then_fails_releases_the_record(app: Flask, client: t.Any) -> None:
+    with recorded(signals.key_claimed) as claims:
+        assert post(client, "/commits-then-fails", {}).status_code == 503
+        assert record_rows(app) == []
+        assert post(client, "/commits-then-fails", {}).status_code == 503
+    assert len(claims) == 2
+    # What the view committed itself stays committed (one row per attempt);
+    # what it wrote after its commit was rolled back.
+    assert ledger_count(app) == 2
+
+
+def test_unbounded_wait_setting_still_claims_and_replays(database_url: str, clock: Clock) -> None:
+    app = testapp.create_app(database_url, clock=clock, IDEMPOTENCY_WAIT=None)
+    reset_tables(database_url)
+    client = app.test_client()
+    assert post(client, "/charges", CHARGE).status_code == 201
+    assert post(client, "/charges", CHARGE).headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app) == 1

@@ -194,3 +194,25 @@ def test_configured_postgres_is_used_when_named(pg_url: str) -> None:
         assert pg_url == os.environ[POSTGRES_ENV]
     else:
         assert "host=" in pg_url  # the embedded server's socket directory
+
+
+def test_duplicate_past_the_configured_wait_gets_409(pg_url: str) -> None:
+    from tests import testapp
+
+    testapp.create_app(pg_url)
+    reset_tables(pg_url)
+    server = LiveServer("tests", pg_url, {"IDEMPOTENCY_WAIT": 0.3}).start()
+    try:
+        key = str(uuid.uuid4())
+        replies = concurrently(6, lambda: server.post("/slow", {"delay": 2.0}, key))
+        conflicts = [r for r in replies if r.status == 409]
+        assert len(conflicts) == 5
+        for reply in conflicts:
+            assert reply.headers["content-type"] == "application/problem+json"
+            assert int(reply.headers["retry-after"]) >= 1
+        assert sum(r.status == 201 for r in replies) == 1
+        # Once the first is done, a retry replays it.
+        assert server.post("/slow", {"delay": 2.0}, key).replayed
+    finally:
+        server.stop()
+    assert ledger_rows(pg_url) == 1

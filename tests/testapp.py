@@ -152,6 +152,23 @@ def short_ttl() -> tuple[dict[str, t.Any], int]:
     return {"id": row.id}, 201
 
 
+@bp.post("/leased/<int:code>")
+@idem.idempotent(lease=dt.timedelta(seconds=30))
+def leased(code: int) -> tuple[dict[str, t.Any], int]:
+    """The record is committed (leased) before this runs."""
+    row = write_ledger("leased")
+    return {"id": row.id}, code
+
+
+@bp.post("/commits-then-fails")
+@idem.idempotent()
+def commits_then_fails() -> tuple[dict[str, t.Any], int]:
+    write_ledger("commits-then-fails")
+    db.session.commit()
+    write_ledger("commits-then-fails")
+    return {"error": "downstream failed"}, 503
+
+
 def create_app(
     database_url: str,
     *,
