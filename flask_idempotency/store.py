@@ -30,6 +30,11 @@ from sqlalchemy.orm import Session
 from .models import COMPLETED, IN_PROGRESS, Record
 
 _PG_LOCK_NOT_AVAILABLE = "55P03"
+# set_config(..., true) is SET LOCAL: it ends with the transaction whatever happens.
+_SET_LOCK_TIMEOUT = sa.text(
+    "SELECT current_setting('lock_timeout'), set_config('lock_timeout', :v, true)"
+)
+_RESTORE_LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :v, true)")
 
 
 class ClaimWaitExceeded(Exception):
@@ -50,33 +55,35 @@ class Store:
     def bounded_wait(self, session: Session, wait: dt.timedelta | None) -> t.Iterator[None]:
         """Bound how long the statements inside wait on another transaction's locks.
 
-        Raises :class:`ClaimWaitExceeded` when the bound is hit. The app's own
+        Raises :class:`ClaimWaitExceeded` when the bound is hit (PostgreSQL's
+        ``lock_timeout``, or SQLite's busy timeout). On PostgreSQL the app's own
         ``lock_timeout`` is restored afterwards, so the view runs unaffected.
         ``wait=None`` sets no bound of ours (the session's own settings apply).
         """
-        dialect = session.get_bind().dialect.name
-        if dialect != "postgresql" or wait is None:
-            try:
-                yield
-            except sa_exc.OperationalError as exc:
-                if "database is locked" in str(exc.orig) or (
-                    getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE
-                ):
-                    raise ClaimWaitExceeded(str(exc.orig)) from exc
-                raise
-            return
-        millis = max(1, int(wait.total_seconds() * 1000))
-        previous = session.execute(
-            sa.text("SELECT current_setting('lock_timeout'), set_config('lock_timeout', :v, true)"),
-            {"v": f"{millis}ms"},
-        ).scalar_one()
+        bounded = wait is not None and session.get_bind().dialect.name == "postgresql"
+        previous = None
+        if bounded:
+            assert wait is not None
+            millis = max(1, int(wait.total_seconds() * 1000))
+            previous = session.execute(_SET_LOCK_TIMEOUT, {"v": f"{millis}ms"}).scalar_one()
         try:
             yield
-        except sa_exc.OperationalError as exc:
-            if getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE:
-                raise ClaimWaitExceeded(str(exc.orig)) from exc
+        except sa_exc.DBAPIError as exc:
+            # The statement failed, so the transaction is over (PostgreSQL) or
+            # will be rolled back: nothing to restore.
+            orig = str(exc.orig)
+            if getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE or (
+                "database is locked" in orig
+            ):
+                raise ClaimWaitExceeded(orig) from exc
             raise
-        session.execute(sa.text("SELECT set_config('lock_timeout', :v, true)"), {"v": previous})
+        except BaseException:
+            # An answer decided inside (409, 422): the transaction goes on.
+            if bounded:
+                session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
+            raise
+        if bounded:
+            session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
 
     def try_insert(self, session: Session, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists."""

@@ -558,3 +558,78 @@ def test_unbounded_wait_setting_still_claims_and_replays(database_url: str, cloc
     assert post(client, "/charges", CHARGE).status_code == 201
     assert post(client, "/charges", CHARGE).headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app) == 1
+
+
+def test_constructor_options_are_defaults_that_config_overrides(
+    database_url: str, clock: Clock
+) -> None:
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = Flask("opts")
+    app.config["SQLALCHEMY_DATABASE_URI"] = database_url
+    app.config["IDEMPOTENCY_HEADER"] = "X-Request-Key"
+    db = SQLAlchemy()
+    db.init_app(app)
+    idem = Idempotency(app, db, clock=clock, ttl=60, header="Ignored-Header")
+    assert app.config["IDEMPOTENCY_TTL"] == 60
+    assert app.config["IDEMPOTENCY_HEADER"] == "X-Request-Key"
+
+    @app.post("/op")
+    @idem.idempotent()
+    def op() -> tuple[dict[str, t.Any], int]:
+        return {"ok": True}, 201
+
+    with app.app_context():
+        db.drop_all()
+        db.create_all()
+    client = app.test_client()
+    client.post("/op", headers={"X-Request-Key": "k"})
+    assert client.post("/op", headers={"X-Request-Key": "k"}).headers["Idempotent-Replayed"]
+    with app.app_context(), db.engine.connect() as conn:
+        table = db.metadata.tables["idempotency_keys"]
+        expires = conn.execute(sa.select(table.c.expires_at)).scalar_one()
+        db.engine.dispose()
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=dt.timezone.utc)
+    assert expires == clock.now + dt.timedelta(seconds=60)
+
+
+def test_cli_create_tables(database_url: str) -> None:
+    app = testapp.create_app(database_url)
+    engine = sa.create_engine(database_url)
+    testapp.db.metadata.drop_all(engine)
+    result = app.test_cli_runner().invoke(args=["idempotency", "create-tables"])
+    assert result.exit_code == 0, result.output
+    tables = sa.inspect(engine).get_table_names()
+    engine.dispose()
+    assert "idempotency_keys" in tables
+    assert "ledger" not in tables  # only the extension's own tables
+
+
+def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
+    pg_url: str, clock: Clock
+) -> None:
+    """The claim's bounded wait must not leak into the app's own statements."""
+    from flask_idempotency import KeyReusedError
+
+    app = testapp.create_app(pg_url, clock=clock, IDEMPOTENCY_WAIT=2)
+
+    def lock_timeout() -> str:
+        return str(testapp.db.session.execute(sa.text("SHOW lock_timeout")).scalar_one())
+
+    @app.post("/show")
+    @testapp.idem.idempotent()
+    def show() -> dict[str, t.Any]:
+        return {"in_view": lock_timeout()}
+
+    @app.errorhandler(KeyReusedError)
+    def refused(error: KeyReusedError) -> tuple[dict[str, t.Any], int]:
+        return {"in_handler": lock_timeout()}, 422
+
+    reset_tables(pg_url)
+    client = app.test_client()
+    with app.app_context():
+        default = str(testapp.db.session.execute(sa.text("SHOW lock_timeout")).scalar_one())
+        testapp.db.session.remove()
+    assert post(client, "/show", {"a": 1}).get_json() == {"in_view": default}
+    assert post(client, "/show", {"a": 2}).get_json() == {"in_handler": default}
