@@ -28,10 +28,13 @@ from tests.conftest import postgres_url, reset_tables
 def _plain_route(app: Flask) -> None:
     @app.post("/plain")
     def plain() -> tuple[dict[str, t.Any], int]:
+        # The same work the protected view does: write, flush for the id, commit.
         row = testapp.Ledger(route="plain", key=None, amount=None)
         testapp.db.session.add(row)
+        testapp.db.session.flush()
+        row_id = row.id
         testapp.db.session.commit()
-        return {"id": row.id}, 201
+        return {"id": row_id}, 201
 
 
 BODY = json.dumps({"amount": 500, "currency": "EUR", "meta": {"note": "n"}})

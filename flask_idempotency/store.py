@@ -42,14 +42,44 @@ class ClaimWaitExceeded(Exception):
 
 
 class Store:
-    """Statements on one ``idempotency_keys`` table."""
+    """Statements on one ``idempotency_keys`` table.
+
+    The statements of the common path are built once: constructing SQLAlchemy
+    statements per request costs more than the round trips on a local database.
+    Parameters named ``w_*`` are the WHERE clause; the others are column values.
+    """
 
     def __init__(self, table: sa.Table) -> None:
         self.table = table
-
-    def _key_clause(self, scope: str, key: str) -> sa.ColumnElement[bool]:
-        c = self.table.c
-        return sa.and_(c.scope == scope, c.key == key)
+        c = table.c
+        this_key = (c.scope == sa.bindparam("w_scope"), c.key == sa.bindparam("w_key"))
+        still_held = (
+            *this_key,
+            c.fencing_token == sa.bindparam("w_token"),
+            c.status == IN_PROGRESS,
+        )
+        self._inserts = {
+            "postgresql": postgresql.insert(table).on_conflict_do_nothing(
+                index_elements=["scope", "key"]
+            ),
+            "sqlite": sqlite.insert(table).on_conflict_do_nothing(index_elements=["scope", "key"]),
+        }
+        self._portable_insert = sa.insert(table)
+        self._load = sa.select(table).where(*this_key)
+        self._complete = (
+            sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
+        )
+        self._release = sa.delete(table).where(*still_held)
+        token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
+        self._replace_expired = sa.update(table).where(
+            *token_read, c.expires_at <= sa.bindparam("w_now")
+        )
+        self._reclaim = sa.update(table).where(
+            *token_read,
+            c.status == IN_PROGRESS,
+            c.request_hash == sa.bindparam("w_request_hash"),
+            sa.or_(c.locked_until.is_(None), c.locked_until <= sa.bindparam("w_now")),
+        )
 
     @contextlib.contextmanager
     def bounded_wait(self, session: Session, wait: dt.timedelta | None) -> t.Iterator[None]:
@@ -85,25 +115,26 @@ class Store:
         if bounded:
             session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
 
+    @staticmethod
+    def _changed_one(session: Session, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+        result = session.execute(stmt, params)
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
     def try_insert(self, session: Session, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists."""
-        dialect = session.get_bind().dialect.name
-        if dialect in ("postgresql", "sqlite"):
-            module: t.Any = postgresql if dialect == "postgresql" else sqlite
-            stmt = module.insert(self.table).values(**values)
-            stmt = stmt.on_conflict_do_nothing(index_elements=["scope", "key"])
-            result = session.execute(stmt)
-            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+        conflict_tolerant = self._inserts.get(session.get_bind().dialect.name)
+        if conflict_tolerant is not None:
+            return self._changed_one(session, conflict_tolerant, values)
         try:
             with session.begin_nested():
-                session.execute(sa.insert(self.table).values(**values))
+                session.execute(self._portable_insert, values)
         except sa_exc.IntegrityError:
             return False
         return True
 
     def load(self, session: Session, scope: str, key: str) -> Record | None:
         """The record for (scope, key), or ``None``."""
-        row = session.execute(sa.select(self.table).where(self._key_clause(scope, key))).first()
+        row = session.execute(self._load, {"w_scope": scope, "w_key": key}).first()
         return Record.from_row(row) if row is not None else None
 
     def take_over(
@@ -120,29 +151,21 @@ class Store:
         One conditional ``UPDATE`` on the fencing token read: exactly one
         contender can win, and it gets the token ``record.fencing_token + 1``.
         """
-        c = self.table.c
-        condition = sa.and_(
-            self._key_clause(record.scope, record.key),
-            c.fencing_token == record.fencing_token,
-        )
+        params = {
+            **values,
+            "fencing_token": record.fencing_token + 1,
+            "w_scope": record.scope,
+            "w_key": record.key,
+            "w_token": record.fencing_token,
+            "w_now": now,
+        }
         if expired:
-            condition = sa.and_(condition, c.expires_at <= now)
-        else:
-            condition = sa.and_(
-                condition,
-                c.status == IN_PROGRESS,
-                c.request_hash == values["request_hash"],
-                sa.or_(c.locked_until.is_(None), c.locked_until <= now),
-            )
-            # A reclaim continues the same operation: it keeps the original
-            # creation and retention times.
-            values = {k: v for k, v in values.items() if k not in ("created_at", "expires_at")}
-        stmt = (
-            sa.update(self.table)
-            .where(condition)
-            .values(**values, fencing_token=record.fencing_token + 1)
-        )
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+            return self._changed_one(session, self._replace_expired, params)
+        # A reclaim continues the same operation: it keeps the original creation
+        # and retention times.
+        del params["created_at"], params["expires_at"]
+        params["w_request_hash"] = values["request_hash"]
+        return self._changed_one(session, self._reclaim, params)
 
     def complete(
         self,
@@ -162,32 +185,19 @@ class Store:
         ``False`` means another request took the record over: the caller must
         roll back.
         """
-        c = self.table.c
-        stmt = (
-            sa.update(self.table)
-            .where(
-                self._key_clause(scope, key),
-                c.fencing_token == token,
-                c.status == IN_PROGRESS,
-            )
-            .values(
-                status=COMPLETED,
-                response_code=response_code,
-                response_headers=json.dumps(response_headers),
-                response_body=response_body,
-                body_omitted=body_omitted,
-                completed_at=now,
-                locked_until=None,
-            )
-        )
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+        params = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "response_code": response_code,
+            "response_headers": json.dumps(response_headers),
+            "response_body": response_body,
+            "body_omitted": body_omitted,
+            "completed_at": now,
+        }
+        return self._changed_one(session, self._complete, params)
 
     def release(self, session: Session, scope: str, key: str, token: int) -> bool:
         """Delete an in-progress record this holder (``token``) still owns."""
-        c = self.table.c
-        stmt = sa.delete(self.table).where(
-            self._key_clause(scope, key),
-            c.fencing_token == token,
-            c.status == IN_PROGRESS,
-        )
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+        params = {"w_scope": scope, "w_key": key, "w_token": token}
+        return self._changed_one(session, self._release, params)
