@@ -4,7 +4,8 @@ APP is ``tests`` (tests/testapp.py) or ``example`` (example_app); CONFIG_JSON
 is extra ``app.config`` for the test app (durations in seconds). Prints
 ``READY <port>`` once listening. A request carrying ``X-Test-Crash: after-commit``
 kills this process with SIGKILL right after the record and the business rows
-commit, before the response is written: the crash the design must survive.
+commit, before the response is written; ``X-Test-Crash: before-commit`` kills it
+right after the claim, inside the open transaction.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from werkzeug.serving import make_server
 from flask_idempotency import signals
 
 
-def _crash_after_commit(sender: t.Any, **kwargs: t.Any) -> None:
-    if request.headers.get("X-Test-Crash") == "after-commit":
-        os.kill(os.getpid(), signal.SIGKILL)
+def _crash_at(point: str) -> t.Callable[..., None]:
+    def receiver(sender: t.Any, **kwargs: t.Any) -> None:
+        if request.headers.get("X-Test-Crash") == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return receiver
 
 
 def main() -> None:
@@ -39,7 +43,10 @@ def main() -> None:
 
         extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
         app = testapp.create_app(url, **extra)
-    signals.record_completed.connect(_crash_after_commit, weak=False)
+    # after-commit: the record and the business rows are committed, the response
+    # is not sent. before-commit: the key is claimed in the open transaction.
+    signals.record_completed.connect(_crash_at("after-commit"), weak=False)
+    signals.key_claimed.connect(_crash_at("before-commit"), weak=False)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = make_server("127.0.0.1", 0, app, threaded=True)
     print(f"READY {server.server_port}", flush=True)

@@ -139,6 +139,28 @@ def test_crash_after_commit_before_response_then_retry_replays(
     assert ledger_rows(pg_url) == 1
 
 
+def test_crash_before_commit_leaves_nothing_and_retry_runs(
+    example_server: LiveServer, pg_url: str
+) -> None:
+    key = str(uuid.uuid4())
+    with pytest.raises((ConnectionError, OSError)):
+        example_server.post("/payments", CHARGE, key, headers={"X-Test-Crash": "before-commit"})
+    assert example_server.wait_dead() != 0
+    # PostgreSQL rolled the dead connection's transaction back: no claim, no charge.
+    assert ledger_rows(pg_url) == 0
+    assert records(pg_url) == []
+
+    restarted = LiveServer("example", pg_url).start()
+    try:
+        retry = restarted.post("/payments", CHARGE, key)
+        assert retry.status == 201
+        assert not retry.replayed
+        assert restarted.post("/payments", CHARGE, key).replayed
+    finally:
+        restarted.stop()
+    assert ledger_rows(pg_url) == 1
+
+
 def test_reused_key_with_different_payload_is_422(example_server: LiveServer, pg_url: str) -> None:
     key = str(uuid.uuid4())
     assert example_server.post("/payments", CHARGE, key).status == 201
