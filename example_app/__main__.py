@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import threading
 import typing as t
 import urllib.error
@@ -36,6 +37,7 @@ def _post(base: str, body: dict[str, t.Any], key: str) -> tuple[int, dict[str, s
 def demo() -> int:
     """Run the retry story against a live server and check the ledger."""
     app = create_app()
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # keep the story readable
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
