@@ -143,3 +143,11 @@ class LeaseLostError(ConflictError):
 
     slug = "lease-lost"
     title = "The lease on this idempotency key was lost"
+
+
+class NothingToRecoverError(ProblemError):
+    """A recovery run found the record finished or gone (409); only the recovery job sees it."""
+
+    slug = "nothing-to-recover"
+    title = "Nothing to recover"
+    code = 409

@@ -12,14 +12,17 @@ from flask import Flask, Response, current_app, g
 from . import config
 from .cli import idempotency_cli
 from .fingerprint import SchemaArg, resolve_schema
-from .flow import Clock, Flow, RequestState
+from .flow import Clock, Flow, RequestState, RouteOptions
+from .keys import derive_key
 from .models import record_table
+from .recovery import run_step
 from .store import Store
 
 if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
 
 F = t.TypeVar("F", bound=t.Callable[..., t.Any])
+T = t.TypeVar("T")
 EXTENSION_KEY = "idempotency"
 
 LeaseArg = dt.timedelta | float | int | bool | None
@@ -132,6 +135,7 @@ class Idempotency:
         ttl: dt.timedelta | float | None = None,
         scope: t.Callable[[], str] | None = None,
         lease: LeaseArg = None,
+        recover: bool = False,
     ) -> t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -147,6 +151,9 @@ class Idempotency:
             for this long (``True``: ``IDEMPOTENCY_LEASE``). Use it for views whose
             work cannot fit one transaction. Without it the record is claimed in
             the view's transaction.
+        :param recover: keep the request (method, path, body) on the record so
+            the lease recovery job can finish an abandoned request without the
+            client. The view must then work without the client's credentials.
         """
         loaded_schema = resolve_schema(schema)
         excluded = tuple(exclude)
@@ -160,6 +167,13 @@ class Idempotency:
         commit_claim = lease is not None and lease is not False
         if commit_claim and lease is not True:
             overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
+        route = RouteOptions(
+            schema=loaded_schema,
+            exclude=excluded,
+            scope=scope,
+            commit_claim=commit_claim,
+            recover=bool(recover),
+        )
 
         def decorator(view: F) -> F:
             @functools.wraps(view)
@@ -175,15 +189,9 @@ class Idempotency:
                     store=state.store,
                     settings=settings,
                     clock=state.clock,
-                    commit_claim=commit_claim,
+                    route=route,
                 )
-                return flow.run(
-                    current_app.ensure_sync(view),
-                    kwargs,
-                    schema=loaded_schema,
-                    exclude=excluded,
-                    route_scope=scope,
-                )
+                return flow.run(current_app.ensure_sync(view), kwargs)
 
             return t.cast(F, wrapper)
 
@@ -212,3 +220,29 @@ class Idempotency:
         """The current request's scope, or ``None`` when it carries no key."""
         state = self._request_state()
         return state.scope if state is not None else None
+
+    def step(self, name: str, fn: t.Callable[[], T]) -> T:
+        """Run ``fn`` once per operation as the recovery point ``name``.
+
+        On a leased route, the first attempt calls ``fn`` and saves its
+        (JSON-serializable) result on the record in a short transaction of its
+        own; an attempt that resumes the record after a crash or a released
+        failure gets the saved result without calling ``fn``. Raises
+        :class:`~flask_idempotency.LeaseLostError` when another request has taken
+        the record over. Keep database writes out of ``fn``.
+        """
+        state = self._request_state()
+        if state is None:
+            raise RuntimeError("idem.step() can only be called inside an idempotent view")
+        return run_step(state, name, fn)
+
+    def derived_key(self, step: str) -> str:
+        """The idempotency key to send downstream for ``step`` of this operation.
+
+        ``sha256(scope, key, step)``: the same on every retry and resume, unique
+        per step and per scope.
+        """
+        state = self._request_state()
+        if state is None or state.key is None or state.scope is None:
+            raise RuntimeError("idem.derived_key() needs an idempotent request with a key")
+        return derive_key(state.scope, state.key, step)

@@ -3,6 +3,8 @@ then run the view and finish, or replay, or refuse.
 
 The claim is an insert in the app's session; the view runs in the same session
 and transaction; the completed record commits with the business rows, once.
+On a leased route the claim commits first, and the completion is a second step
+fenced by the fencing token.
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ import datetime as dt
 import logging
 import typing as t
 
-from flask import Response, current_app, g
+from flask import Response, current_app, g, request
+from marshmallow import Schema
 from sqlalchemy.orm import Session
 
 from . import signals
 from .config import Settings
-from .errors import ConflictError, KeyReusedError, LeaseLostError, MissingKeyError
-from .fingerprint import load_payload, request_fingerprint
+from .errors import (
+    ConflictError,
+    KeyReusedError,
+    LeaseLostError,
+    MissingKeyError,
+    NothingToRecoverError,
+)
+from .fingerprint import load_payload, read_body, request_fingerprint
 from .keys import default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .responses import capture, is_storable, replay
@@ -30,8 +39,33 @@ MAX_SCOPE_LENGTH = 512
 # A claim attempt only repeats when another request changed the row between
 # our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
 _CLAIM_ROUNDS = 5
+#: WSGI environ key the recovery job sets to re-run a stored request. Only code
+#: in the same process can put a Python object there, never an HTTP client.
+RECOVERY_ENVIRON_KEY = "flask_idempotency.recovery"
 
 Clock = t.Callable[[], dt.datetime]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryRun:
+    """Marks a request the recovery job re-runs for an abandoned record."""
+
+    scope: str
+
+
+class RecordGone(Exception):
+    """A recovery run found no abandoned record to resume (someone else finished it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteOptions:
+    """What ``@idem.idempotent(...)`` fixed for one view."""
+
+    schema: Schema | None
+    exclude: tuple[str, ...]
+    scope: t.Callable[[], str] | None
+    commit_claim: bool
+    recover: bool
 
 
 @dataclasses.dataclass
@@ -42,12 +76,15 @@ class RequestState:
     key: str | None
     scope: str | None
     fencing_token: int | None = None
+    recovery_points: dict[str, t.Any] = dataclasses.field(default_factory=dict)
+    claim_committed: bool = False
+    flow: Flow | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Claimed:
     token: int
-    reclaimed: bool
+    recovery_points: dict[str, t.Any]
 
 
 def _now(clock: Clock) -> dt.datetime:
@@ -79,52 +116,57 @@ class Flow:
         store: Store,
         settings: Settings,
         clock: Clock,
-        commit_claim: bool,
+        route: RouteOptions,
     ) -> None:
         self.session = session
         self.store = store
         self.settings = settings
         self.clock = clock
-        self.commit_claim = commit_claim
+        self.route = route
 
-    def run(
-        self,
-        view: t.Callable[..., t.Any],
-        kwargs: dict[str, t.Any],
-        *,
-        schema: t.Any,
-        exclude: t.Sequence[str],
-        route_scope: t.Callable[[], str] | None,
-    ) -> Response:
-        settings = self.settings
+    def now(self) -> dt.datetime:
+        return _now(self.clock)
+
+    def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
+        settings, route = self.settings, self.route
         key = key_from_request(settings.header)
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
-            g._idempotency = RequestState(payload=load_payload(schema), key=None, scope=None)
+            g._idempotency = RequestState(payload=load_payload(route.schema), key=None, scope=None)
             return self._run_unprotected(view, kwargs)
 
-        scope = resolve_scope(settings, route_scope)
-        payload, fingerprint = request_fingerprint(schema, exclude)
-        state = RequestState(payload=payload, key=key, scope=scope)
+        recovery = request.environ.get(RECOVERY_ENVIRON_KEY)
+        if not isinstance(recovery, RecoveryRun):
+            recovery = None
+        scope = recovery.scope if recovery else resolve_scope(settings, route.scope)
+        payload, fingerprint = request_fingerprint(route.schema, route.exclude)
+        state = RequestState(payload=payload, key=key, scope=scope, flow=self)
         g._idempotency = state
 
-        outcome = self._claim(scope, key, fingerprint)
+        try:
+            outcome = self._claim(scope, key, fingerprint, allow_new=recovery is None)
+        except RecordGone:
+            raise NothingToRecoverError(
+                "No abandoned record to resume for this key; another request finished it."
+            ) from None
         if isinstance(outcome, Response):
             return outcome
         state.fencing_token = outcome.token
+        state.recovery_points = dict(outcome.recovery_points)
         app = current_app._get_current_object()  # type: ignore[attr-defined]
         logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
         signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
-        if self.commit_claim:
+        if route.commit_claim:
             self.session.commit()
-        return self._run_claimed(view, kwargs, scope, key, outcome.token, app)
+            state.claim_committed = True
+        return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 
     # -- claim -------------------------------------------------------------------
 
     def _claim_values(self, fingerprint: str, now: dt.datetime) -> dict[str, t.Any]:
         settings = self.settings
-        return {
+        values: dict[str, t.Any] = {
             "request_hash": fingerprint,
             "status": IN_PROGRESS,
             "response_code": None,
@@ -136,32 +178,49 @@ class Flow:
             "completed_at": None,
             "expires_at": now + settings.ttl,
         }
+        if self.route.recover:
+            values.update(
+                request_method=request.method,
+                request_path=request.full_path.rstrip("?"),
+                request_content_type=request.content_type,
+                request_body=read_body(),
+            )
+        return values
 
-    def _claim(self, scope: str, key: str, fingerprint: str) -> Claimed | Response:
-        """Claim (scope, key), or answer for the record that already holds it."""
+    def _claim(
+        self, scope: str, key: str, fingerprint: str, *, allow_new: bool
+    ) -> Claimed | Response:
+        """Claim (scope, key), or answer for the record that already holds it.
+
+        ``allow_new=False`` (a recovery run) only resumes an abandoned record:
+        it never starts an operation no client asked for.
+        """
         store, session = self.store, self.session
         try:
             with store.bounded_wait(session, self.settings.wait):
                 for _ in range(_CLAIM_ROUNDS):
-                    now = _now(self.clock)
+                    now = self.now()
                     values = self._claim_values(fingerprint, now)
-                    if store.try_insert(
-                        session, {"scope": scope, "key": key, "fencing_token": 1, **values}
-                    ):
-                        return Claimed(token=1, reclaimed=False)
+                    fresh = {"scope": scope, "key": key, "fencing_token": 1, **values}
+                    if allow_new and store.try_insert(session, fresh):
+                        return Claimed(token=1, recovery_points={})
                     record = store.load(session, scope, key)
-                    if record is None:
+                    if record is None or (not allow_new and record.is_expired(now)):
+                        if not allow_new:
+                            raise RecordGone(f"{scope!r} {key!r}")
                         continue  # deleted since our insert; insert again
                     if record.is_expired(now):
                         if store.take_over(session, record, values, now, expired=True):
-                            return Claimed(token=record.fencing_token + 1, reclaimed=False)
+                            return Claimed(token=record.fencing_token + 1, recovery_points={})
                         continue
                     answer = self._answer_existing(record, fingerprint, now)
                     if answer is not None:
+                        if not allow_new:
+                            raise RecordGone(f"{scope!r} {key!r}")
                         return answer
                     if store.take_over(session, record, values, now, expired=False):
                         logger.info("reclaimed %r in scope %r after its lease ended", key, scope)
-                        return Claimed(token=record.fencing_token + 1, reclaimed=True)
+                        return Claimed(record.fencing_token + 1, record.recovery_points)
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)
@@ -210,19 +269,28 @@ class Flow:
         self,
         view: t.Callable[..., t.Any],
         kwargs: dict[str, t.Any],
-        scope: str,
-        key: str,
-        token: int,
+        state: RequestState,
         app: t.Any,
+        *,
+        recovery: bool,
     ) -> Response:
         session = self.session
+        assert state.scope is not None
+        assert state.key is not None
+        assert state.fencing_token is not None
+        scope, key, token = state.scope, state.key, state.fencing_token
         try:
             response = current_app.make_response(view(**kwargs))
         except BaseException:
-            self._release(scope, key, token)
+            self._release(state)
             raise
-        if not is_storable(response.status_code):
-            self._release(scope, key, token)
+        storable = is_storable(response.status_code)
+        if recovery:
+            # Without the client, only success is worth keeping: a 4xx here may
+            # come from missing credentials, not from the request itself.
+            storable = storable and response.status_code < 400
+        if not storable:
+            self._release(state)
             return response
         try:
             captured = capture(
@@ -237,7 +305,7 @@ class Flow:
                 response_headers=captured.headers,
                 response_body=captured.body,
                 body_omitted=captured.body_omitted,
-                now=_now(self.clock),
+                now=self.now(),
             )
             if not completed:
                 session.rollback()
@@ -251,7 +319,7 @@ class Flow:
         except LeaseLostError:
             raise
         except BaseException:
-            self._release(scope, key, token)
+            self._release(state)
             raise
         signals.record_completed.send(
             app, scope=scope, key=key, fencing_token=token, response=response
@@ -275,19 +343,30 @@ class Flow:
             raise
         return response
 
-    def _release(self, scope: str, key: str, token: int) -> None:
+    def _release(self, state: RequestState) -> None:
         """Roll back the view's work and free the key so a retry runs again.
 
-        When the view committed on its own, the in-progress record is durable;
-        it is deleted here, fenced by the token so a record another request has
-        taken over is left alone.
+        A record that is durable (leased, or committed by the view itself) is
+        deleted, or, when it has recovery points, kept with its lease ended so
+        the retry resumes from them. Fenced by the token: a record another
+        request has taken over is left alone.
         """
+        assert state.scope is not None
+        assert state.key is not None
+        assert state.fencing_token is not None
         session = self.session
         session.rollback()
         try:
-            if self.store.release(session, scope, key, token):
-                logger.debug("released %r in scope %r", key, scope)
+            released = self.store.release(
+                session,
+                state.scope,
+                state.key,
+                state.fencing_token,
+                keep_recovery_points=bool(state.recovery_points),
+            )
             session.commit()
+            if released:
+                logger.debug("released %r in scope %r", state.key, state.scope)
         except Exception:  # the original failure matters more; the lease still frees the key
-            logger.exception("could not release %r in scope %r", key, scope)
+            logger.exception("could not release %r in scope %r", state.key, state.scope)
             session.rollback()

@@ -103,3 +103,18 @@ def default_scope() -> str:
         return endpoint
     digest = hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return f"{endpoint}|{digest}"
+
+
+def derive_key(scope: str, key: str, step: str) -> str:
+    """The key for one downstream call of the operation (scope, key): SHA-256, hex.
+
+    Stable on every retry and resume of the same operation, different for each
+    ``step``, and different across scopes, so two tenants that chose the same
+    key never collide downstream. Minting a fresh random key per attempt instead
+    would let the downstream run the call once per attempt.
+    """
+    if not step:
+        raise ValueError("a derived key needs a non-empty step name")
+    parent = f"{scope}\x00{key}".encode("utf-8", "surrogateescape")
+    digest = hashlib.sha256(parent + b"\x00" + step.encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()

@@ -77,8 +77,18 @@ def record_table(metadata: sa.MetaData) -> sa.Table:
         sa.Column("created_at", UTCDateTime, nullable=False),
         sa.Column("completed_at", UTCDateTime, nullable=True),
         sa.Column("expires_at", UTCDateTime, nullable=False),
+        # Recovery points: {step name: JSON result}, saved as steps finish.
+        sa.Column("recovery_points", sa.Text, nullable=True),
+        # The request itself, kept only for routes that let the recovery job
+        # finish an abandoned request without the client (recover=True).
+        sa.Column("request_method", sa.String(16), nullable=True),
+        sa.Column("request_path", sa.Text, nullable=True),
+        sa.Column("request_content_type", sa.String(255), nullable=True),
+        sa.Column("request_body", sa.LargeBinary, nullable=True),
         sa.PrimaryKeyConstraint("scope", "key", name="idempotency_keys_scope_key"),
         sa.Index("idempotency_keys_expires_at", "expires_at"),
+        # The recovery job looks for in-progress records whose lease ended.
+        sa.Index("idempotency_keys_locked_until", "locked_until"),
     )
 
 
@@ -99,6 +109,16 @@ class Record:
     created_at: dt.datetime
     completed_at: dt.datetime | None
     expires_at: dt.datetime
+    recovery_points: dict[str, t.Any] = dataclasses.field(default_factory=dict)
+    request_method: str | None = None
+    request_path: str | None = None
+    request_content_type: str | None = None
+    request_body: bytes | None = None
+
+    @property
+    def recoverable(self) -> bool:
+        """The request was stored, so the recovery job can run it without the client."""
+        return self.request_method is not None and self.request_path is not None
 
     @classmethod
     def from_row(cls, row: t.Any) -> Record:
@@ -119,6 +139,11 @@ class Record:
             created_at=m["created_at"],
             completed_at=m["completed_at"],
             expires_at=m["expires_at"],
+            recovery_points=json.loads(m["recovery_points"]) if m["recovery_points"] else {},
+            request_method=m["request_method"],
+            request_path=m["request_path"],
+            request_content_type=m["request_content_type"],
+            request_body=bytes(m["request_body"]) if m["request_body"] is not None else None,
         )
 
     def is_expired(self, now: dt.datetime) -> bool:

@@ -70,6 +70,8 @@ class Store:
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
         self._release = sa.delete(table).where(*still_held)
+        # An UPDATE of a held record; the SET clause comes from the parameters.
+        self._update_held = sa.update(table).where(*still_held)
         token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
         self._replace_expired = sa.update(table).where(
             *token_read, c.expires_at <= sa.bindparam("w_now")
@@ -116,7 +118,9 @@ class Store:
             session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
 
     @staticmethod
-    def _changed_one(session: Session, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+    def _changed_one(
+        session: Session | sa.Connection, stmt: t.Any, params: dict[str, t.Any]
+    ) -> bool:
         result = session.execute(stmt, params)
         return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
@@ -132,7 +136,7 @@ class Store:
             return False
         return True
 
-    def load(self, session: Session, scope: str, key: str) -> Record | None:
+    def load(self, session: Session | sa.Connection, scope: str, key: str) -> Record | None:
         """The record for (scope, key), or ``None``."""
         row = session.execute(self._load, {"w_scope": scope, "w_key": key}).first()
         return Record.from_row(row) if row is not None else None
@@ -197,7 +201,60 @@ class Store:
         }
         return self._changed_one(session, self._complete, params)
 
-    def release(self, session: Session, scope: str, key: str, token: int) -> bool:
-        """Delete an in-progress record this holder (``token``) still owns."""
-        params = {"w_scope": scope, "w_key": key, "w_token": token}
+    def release(
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        keep_recovery_points: bool = False,
+    ) -> bool:
+        """Free a record this holder (``token``) still owns, so a retry runs at once.
+
+        The record is deleted, unless it has recovery points to keep: then its
+        lease is ended instead, and the retry reclaims it and resumes.
+        """
+        params: dict[str, t.Any] = {"w_scope": scope, "w_key": key, "w_token": token}
+        if keep_recovery_points:
+            return self._changed_one(session, self._update_held, {**params, "locked_until": None})
         return self._changed_one(session, self._release, params)
+
+    def save_recovery_points(
+        self, conn: sa.Connection, scope: str, key: str, token: int, points: dict[str, t.Any]
+    ) -> bool:
+        """Store the recovery points, fenced by ``token``; ``False``: the lease was lost."""
+        params = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "recovery_points": json.dumps(points, sort_keys=True, separators=(",", ":")),
+        }
+        return self._changed_one(conn, self._update_held, params)
+
+    def find_abandoned(self, conn: sa.Connection, now: dt.datetime, limit: int) -> list[Record]:
+        """In-progress, unexpired records whose lease has ended, oldest lease first."""
+        c = self.table.c
+        stmt = (
+            sa.select(self.table)
+            .where(
+                c.status == IN_PROGRESS,
+                sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+                c.expires_at > now,
+            )
+            .order_by(c.locked_until)
+            .limit(limit)
+        )
+        return [Record.from_row(row) for row in conn.execute(stmt)]
+
+    def release_abandoned(self, conn: sa.Connection, record: Record, now: dt.datetime) -> bool:
+        """Delete an abandoned record, unless someone reclaimed it since it was read."""
+        c = self.table.c
+        stmt = sa.delete(self.table).where(
+            c.scope == record.scope,
+            c.key == record.key,
+            c.fencing_token == record.fencing_token,
+            c.status == IN_PROGRESS,
+            sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+        )
+        return self._changed_one(conn, stmt, {})

@@ -1,0 +1,117 @@
+"""Maintenance jobs as plain functions: the CLI and the scheduler call them.
+
+Each takes the app (or uses the current one) and is safe to run from several
+processes at once: every change it makes is a conditional statement on the
+record's fencing token, the same ones requests use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing as t
+
+from flask import Flask, current_app
+
+from .flow import RECOVERY_ENVIRON_KEY, RecoveryRun
+from .models import Record
+from .responses import REPLAYED_HEADER
+
+if t.TYPE_CHECKING:
+    from .extension import _AppState
+
+logger = logging.getLogger("flask_idempotency")
+
+
+@dataclasses.dataclass
+class RecoveryReport:
+    """What one run of :func:`recover_abandoned` did, by record."""
+
+    completed: int = 0  #: driven to completion from the stored request
+    released: int = 0  #: deleted, so the client's next retry runs again
+    skipped: int = 0  #: finished or reclaimed by someone else meanwhile
+
+    def __str__(self) -> str:
+        return f"completed {self.completed}, released {self.released}, skipped {self.skipped}"
+
+
+def _state(app: Flask) -> _AppState:
+    return t.cast("_AppState", app.extensions["idempotency"])
+
+
+def _quoted(key: str) -> str:
+    """The key as a Structured Field string, safe whatever characters it has."""
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _rerun(app: Flask, record: Record) -> bool | None:
+    """Re-run the stored request through the app; ``True`` if it completed,
+    ``None`` if someone else finished or holds it, ``False`` if it failed."""
+    assert record.request_method is not None
+    assert record.request_path is not None
+    settings = _state(app).settings
+    headers = {settings.header: _quoted(record.key)}
+    if record.request_content_type:
+        headers["Content-Type"] = record.request_content_type
+    client = app.test_client()
+    response = client.open(
+        record.request_path,
+        method=record.request_method,
+        data=record.request_body or b"",
+        headers=headers,
+        environ_overrides={RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope)},
+    )
+    if response.status_code == 409:
+        return None
+    if response.status_code < 400 and response.headers.get(REPLAYED_HEADER) != "true":
+        return True
+    logger.warning(
+        "recovery of %r in scope %r answered %d", record.key, record.scope, response.status_code
+    )
+    return False
+
+
+def recover_abandoned(app: Flask | None = None, *, limit: int = 100) -> RecoveryReport:
+    """Move in-progress records whose lease has ended forward, so none stays stuck.
+
+    A record of a route declared with ``recover=True`` is driven to completion:
+    its stored request is re-run through the app with the same key and scope,
+    resuming from its recovery points, and the response is stored for the
+    client's retry. Any other abandoned record, or one whose re-run fails, is
+    released (deleted), so the client's next retry runs the view again. At most
+    ``limit`` records per call.
+    """
+    app = app or t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
+    report = RecoveryReport()
+    with app.app_context():
+        state = _state(app)
+        engine = state.db.engine
+        with engine.connect() as conn:
+            abandoned = state.store.find_abandoned(conn, state.clock(), limit)
+        for record in abandoned:
+            outcome = _rerun(app, record) if record.recoverable else False
+            if outcome is True:
+                report.completed += 1
+                continue
+            if outcome is None:
+                report.skipped += 1
+                continue
+            with engine.begin() as conn:
+                # A failed re-run reclaimed the record (new token) before it
+                # failed: release what is there now, if still abandoned.
+                current = (
+                    state.store.load(conn, record.scope, record.key)
+                    if record.recoverable
+                    else record
+                )
+                released = current is not None and state.store.release_abandoned(
+                    conn, current, state.clock()
+                )
+            if released:
+                report.released += 1
+            else:
+                report.skipped += 1
+        state.db.session.remove()
+    if abandoned:
+        logger.info("lease recovery: %s", report)
+    return report
