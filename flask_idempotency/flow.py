@@ -101,6 +101,8 @@ def resolve_scope(settings: Settings, route_scope: t.Callable[[], str] | None) -
         raise TypeError(
             f"the idempotency scope callable must return a non-empty str, got {scope!r}"
         )
+    if "\x00" in scope:
+        raise ValueError("an idempotency scope must not contain NUL")
     if len(scope) > MAX_SCOPE_LENGTH:
         raise ValueError(f"an idempotency scope must be at most {MAX_SCOPE_LENGTH} characters")
     return scope

@@ -115,6 +115,10 @@ def derive_key(scope: str, key: str, step: str) -> str:
     """
     if not step:
         raise ValueError("a derived key needs a non-empty step name")
+    # NUL separates the parts; keys are printable ASCII, so refusing it in the
+    # scope and step keeps every (scope, key, step) apart.
+    if "\x00" in scope or "\x00" in step:
+        raise ValueError("a scope or step name must not contain NUL")
     parent = f"{scope}\x00{key}".encode("utf-8", "surrogateescape")
     digest = hashlib.sha256(parent + b"\x00" + step.encode("utf-8", "surrogateescape"))
     return digest.hexdigest()

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import signal
 import time
 import typing as t
+import urllib.error
+import urllib.request
 
-from flask import Blueprint, Flask, Response, request, stream_with_context
+from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from flask_sqlalchemy import SQLAlchemy
 from marshmallow import Schema, fields
 from sqlalchemy import orm
@@ -167,6 +171,61 @@ def commits_then_fails() -> tuple[dict[str, t.Any], int]:
     db.session.commit()
     write_ledger("commits-then-fails")
     return {"error": "downstream failed"}, 503
+
+
+class DownstreamError(Exception):
+    pass
+
+
+def crash_point(name: str) -> None:
+    """Kill this process (SIGKILL) here when the request asks for it: a real crash."""
+    if request.headers.get("X-Test-Crash") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def call_downstream(operation: str, key: str, body: dict[str, t.Any]) -> dict[str, t.Any]:
+    """POST to the fake downstream with the derived key, as a real client would."""
+    req = urllib.request.Request(
+        current_app.config["DOWNSTREAM_URL"] + "/" + operation,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Idempotency-Key": key},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as response:
+            answer: dict[str, t.Any] = json.load(response)
+    except urllib.error.HTTPError as error:
+        raise DownstreamError(f"{operation} answered {error.code}") from error
+    crash_point(f"in-{operation}")  # the call happened; its step is not saved yet
+    return answer
+
+
+@bp.post("/checkout")
+@idem.idempotent(lease=True, recover=True)
+def checkout() -> tuple[dict[str, t.Any], int]:
+    """Charge a card and email a receipt (two external steps), then book it."""
+    order = idem.payload
+    crash_point("before-charge")
+    try:
+        charge = idem.step(
+            "charge", lambda: call_downstream("charge", idem.derived_key("charge"), order)
+        )
+        crash_point("between-steps")
+        receipt = idem.step(
+            "email", lambda: call_downstream("email", idem.derived_key("email"), order)
+        )
+    except DownstreamError as error:
+        return {"error": str(error)}, 502
+    crash_point("before-complete")
+    time.sleep(float(request.headers.get("X-Test-Slow", 0)))
+    write_ledger("checkout", order.get("amount"))
+    return {"charge": charge["id"], "receipt": receipt["id"]}, 201
+
+
+@bp.post("/step-without-lease")
+@idem.idempotent()
+def step_without_lease() -> dict[str, t.Any]:
+    return {"x": idem.step("x", lambda: 1)}
 
 
 def create_app(
