@@ -92,6 +92,30 @@ def record_table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+JOB_LOCK_TABLE_NAME = "idempotency_job_locks"
+
+
+def job_lock_table(metadata: sa.MetaData) -> sa.Table:
+    """The ``idempotency_job_locks`` table: one row per scheduled job.
+
+    A plain row with a holder and an expiry, claimed with a conditional UPDATE,
+    so the "one runner at a time" rule works on every engine, with or without
+    advisory locks.
+    """
+    existing = metadata.tables.get(JOB_LOCK_TABLE_NAME)
+    if existing is not None:
+        return existing
+    return sa.Table(
+        JOB_LOCK_TABLE_NAME,
+        metadata,
+        sa.Column("name", sa.String(100), primary_key=True),
+        sa.Column("holder", sa.String(255), nullable=True),
+        sa.Column("locked_until", UTCDateTime, nullable=True),
+        sa.Column("last_started_at", UTCDateTime, nullable=True),
+        sa.Column("last_finished_at", UTCDateTime, nullable=True),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One row of ``idempotency_keys``, as read."""

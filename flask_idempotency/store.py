@@ -258,3 +258,72 @@ class Store:
             sa.or_(c.locked_until.is_(None), c.locked_until <= now),
         )
         return self._changed_one(conn, stmt, {})
+
+    def purge_batch(self, conn: sa.Connection, now: dt.datetime, limit: int) -> int:
+        """Delete up to ``limit`` expired records in one statement; the number deleted.
+
+        On PostgreSQL the batch is chosen ``FOR UPDATE SKIP LOCKED``: rows another
+        cleaner (or a request replacing an expired record) holds are skipped, so
+        cleaners never wait on each other and cannot deadlock. Elsewhere the
+        delete re-checks ``expires_at``, so a record replaced meanwhile stays.
+        """
+        c = self.table.c
+        dialect = conn.dialect.name
+        batch = (
+            sa.select(c.scope, c.key).where(c.expires_at <= now).order_by(c.expires_at).limit(limit)
+        )
+        if dialect == "postgresql":
+            batch = batch.with_for_update(skip_locked=True)
+        if dialect in ("postgresql", "sqlite"):
+            stmt = sa.delete(self.table).where(
+                sa.tuple_(c.scope, c.key).in_(batch.scalar_subquery().subquery().select()),
+                c.expires_at <= now,
+            )
+            return int(conn.execute(stmt).rowcount)
+        # Engines that refuse LIMIT in an IN subquery (MySQL): read, then delete.
+        keys = [tuple(row) for row in conn.execute(batch)]
+        if not keys:
+            return 0
+        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), c.expires_at <= now)
+        return int(conn.execute(stmt).rowcount)
+
+    def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
+        """How many records are past their retention and await cleanup."""
+        c = self.table.c
+        stmt = sa.select(sa.func.count()).select_from(self.table).where(c.expires_at <= now)
+        return int(conn.execute(stmt).scalar_one())
+
+    def stats(self, conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
+        """Counts by status (unexpired), expired awaiting cleanup, oldest in progress,
+        and the table's size in bytes where the database tells it."""
+        c = self.table.c
+        live = c.expires_at > now
+        by_status = {
+            status: int(n)
+            for status, n in conn.execute(
+                sa.select(c.status, sa.func.count()).where(live).group_by(c.status)
+            )
+        }
+        oldest = conn.execute(
+            sa.select(sa.func.min(c.created_at)).where(live, c.status == IN_PROGRESS)
+        ).scalar_one()
+        size = None
+        if conn.dialect.name == "postgresql":
+            size = conn.execute(
+                sa.text("SELECT pg_total_relation_size(CAST(:t AS regclass))"),
+                {"t": self.table.name},
+            ).scalar_one()
+        if oldest is not None and oldest.tzinfo is None:
+            oldest = oldest.replace(tzinfo=dt.timezone.utc)
+        return {
+            "by_status": by_status,
+            "expired_awaiting_cleanup": self.count_expired(conn, now),
+            "oldest_in_progress": oldest,
+            "table_bytes": size,
+        }
+
+    def delete_record(self, conn: sa.Connection, scope: str, key: str) -> bool:
+        """Delete one record whatever its state (the operator's ``release``)."""
+        c = self.table.c
+        stmt = sa.delete(self.table).where(c.scope == scope, c.key == key)
+        return self._changed_one(conn, stmt, {})
