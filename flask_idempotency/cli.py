@@ -1,20 +1,142 @@
-"""The ``flask idempotency`` command group."""
+"""The ``flask idempotency`` command group: tables, cleanup, inspection, jobs."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import signal
+import threading
+import typing as t
+
 import click
-from flask import current_app
+from flask import Flask, current_app
 from flask.cli import AppGroup
 
 idempotency_cli = AppGroup("idempotency", help="Inspect and maintain idempotency records.")
 
 
+def _app() -> Flask:
+    return t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
+
+
+def _state() -> t.Any:
+    try:
+        return current_app.extensions["idempotency"]
+    except KeyError:
+        raise click.ClickException("Idempotency is not registered on this app") from None
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
 @idempotency_cli.command("create-tables")
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist."""
-    state = current_app.extensions["idempotency"]
-    state.store.table.create(state.db.engine, checkfirst=True)
-    click.echo(f"created {state.store.table.name} (if it was missing)")
+    state = _state()
+    for table in (state.store.table, state.job_lock_table):
+        table.create(state.db.engine, checkfirst=True)
+        click.echo(f"{table.name}: present")
+
+
+@idempotency_cli.command("purge")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1, max=100_000),
+    default=None,
+    help="Records deleted per transaction (default IDEMPOTENCY_PURGE_BATCH).",
+)
+@click.option("--dry-run", is_flag=True, help="Count the expired records; delete nothing.")
+def purge(batch_size: int | None, dry_run: bool) -> None:
+    """Delete expired records in small batches, each its own transaction."""
+    from .jobs import purge_expired
+
+    _state()
+    report = purge_expired(_app(), batch_size=batch_size, dry_run=dry_run)
+    if dry_run:
+        click.echo(f"{report.deleted} expired record(s) would be deleted")
+    else:
+        click.echo(str(report))
+
+
+@idempotency_cli.command("stats")
+def stats() -> None:
+    """Records by status, oldest in progress, expired awaiting cleanup, table size."""
+    state = _state()
+    with state.db.engine.connect() as conn:
+        numbers = state.store.stats(conn, state.clock())
+    numbers["oldest_in_progress"] = _iso(numbers["oldest_in_progress"])
+    click.echo(json.dumps(numbers, indent=2, sort_keys=True))
+
+
+def _load(scope: str, key: str) -> t.Any:
+    state = _state()
+    with state.db.engine.connect() as conn:
+        record = state.store.load(conn, scope, key)
+    if record is None:
+        raise click.ClickException(f"no record for scope {scope!r} and key {key!r}")
+    return record
+
+
+@idempotency_cli.command("show")
+@click.argument("scope")
+@click.argument("key")
+def show(scope: str, key: str) -> None:
+    """Print one record as JSON (the body as text when it is UTF-8)."""
+    record = _load(scope, key)
+    body: str | None = None
+    if record.response_body is not None:
+        try:
+            body = record.response_body.decode("utf-8")
+        except UnicodeDecodeError:
+            body = f"<{len(record.response_body)} bytes, not UTF-8>"
+    click.echo(
+        json.dumps(
+            {
+                "scope": record.scope,
+                "key": record.key,
+                "status": record.status,
+                "request_hash": record.request_hash,
+                "fencing_token": record.fencing_token,
+                "response_code": record.response_code,
+                "response_headers": record.response_headers,
+                "response_body": body,
+                "body_omitted": record.body_omitted,
+                "recovery_points": record.recovery_points,
+                "recoverable": record.recoverable,
+                "locked_until": _iso(record.locked_until),
+                "created_at": _iso(record.created_at),
+                "completed_at": _iso(record.completed_at),
+                "expires_at": _iso(record.expires_at),
+            },
+            indent=2,
+        )
+    )
+
+
+@idempotency_cli.command("release")
+@click.argument("scope")
+@click.argument("key")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Also release a completed record.")
+def release(scope: str, key: str, yes: bool, force: bool) -> None:
+    """Delete a stuck record so the next retry with this key runs the view again."""
+    record = _load(scope, key)
+    if record.status != "in_progress" and not force:
+        raise click.ClickException(
+            f"the record is {record.status}: releasing it lets the operation run again. "
+            "Use --force if that is what you want."
+        )
+    if not yes:
+        click.confirm(
+            f"Release {record.status} record {key!r} in scope {scope!r}? "
+            "A retry with this key will run the view again",
+            abort=True,
+        )
+    state = _state()
+    with state.db.engine.begin() as conn:
+        deleted = state.store.delete_record(conn, scope, key)
+    click.echo("released" if deleted else "already gone")
 
 
 @idempotency_cli.command("recover")
@@ -29,5 +151,31 @@ def recover(limit: int) -> None:
     """Finish or release in-progress records whose lease has ended, once."""
     from .jobs import recover_abandoned
 
-    report = recover_abandoned(current_app._get_current_object(), limit=limit)  # type: ignore[attr-defined]
+    _state()
+    report = recover_abandoned(_app(), limit=limit)
     click.echo(f"lease recovery: {report}")
+
+
+@idempotency_cli.command("scheduler")
+def scheduler() -> None:
+    """Run all jobs in the foreground, as one dedicated process, until SIGTERM/SIGINT."""
+    from .scheduler import JobScheduler
+
+    _state()
+    jobs = JobScheduler(_app())
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    jobs.start()
+    click.echo(f"idempotency scheduler running as {jobs.holder}; SIGTERM or Ctrl-C stops it")
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        jobs.shutdown(wait=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        click.echo("idempotency scheduler stopped")

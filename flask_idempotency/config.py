@@ -28,6 +28,13 @@ key                            default                 meaning
 ``IDEMPOTENCY_SCOPE``          ``None``                callable returning the scope string; ``None``
                                                        means the endpoint plus a digest of the
                                                        ``Authorization`` header when present
+``IDEMPOTENCY_PURGE_BATCH``    1000                    expired records deleted per transaction
+``IDEMPOTENCY_SCHEDULER``      ``False``               run the jobs in each serving process
+                                                       (started on its first request)
+``IDEMPOTENCY_PURGE_EVERY``    5 minutes               interval of the cleanup job
+``IDEMPOTENCY_RECOVER_EVERY``  30 seconds              interval of the lease recovery job
+``IDEMPOTENCY_JOB_LOCK``       2 minutes               how long a job run holds its lock before
+                                                       renewing; a dead runner's lock frees after
 =============================  ======================  ============================================
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
@@ -50,6 +57,11 @@ DEFAULTS: dict[str, t.Any] = {
     "MAX_BODY": 1024 * 1024,
     "REPLAY_HEADERS": (),
     "SCOPE": None,
+    "PURGE_BATCH": 1000,
+    "SCHEDULER": False,
+    "PURGE_EVERY": timedelta(minutes=5),
+    "RECOVER_EVERY": timedelta(seconds=30),
+    "JOB_LOCK": timedelta(minutes=2),
 }
 
 #: Response headers that are never stored or replayed, whatever the configuration
@@ -88,6 +100,13 @@ def as_timedelta(value: timedelta | float | int, name: str) -> timedelta:
     return result
 
 
+def positive_int(value: t.Any, name: str) -> int:
+    """An int of at least 1 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The resolved settings for one app (or one route, after its overrides)."""
@@ -100,6 +119,11 @@ class Settings:
     max_body: int
     replay_headers: tuple[str, ...]
     scope: ScopeFunc | None
+    purge_batch: int = 1000
+    scheduler: bool = False
+    purge_every: timedelta = timedelta(minutes=5)
+    recover_every: timedelta = timedelta(seconds=30)
+    job_lock: timedelta = timedelta(minutes=2)
 
     @classmethod
     def from_mapping(cls, values: t.Mapping[str, t.Any]) -> Settings:
@@ -125,6 +149,11 @@ class Settings:
             max_body=max_body,
             replay_headers=extra,
             scope=scope,
+            purge_batch=positive_int(values["PURGE_BATCH"], "IDEMPOTENCY_PURGE_BATCH"),
+            scheduler=bool(values["SCHEDULER"]),
+            purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
+            recover_every=as_timedelta(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
+            job_lock=as_timedelta(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
         )
 
     def replayed_header_names(self) -> frozenset[str]:

@@ -7,6 +7,7 @@ import datetime as dt
 import functools
 import typing as t
 
+import sqlalchemy as sa
 from flask import Flask, Response, current_app, g
 
 from . import config
@@ -14,8 +15,9 @@ from .cli import idempotency_cli
 from .fingerprint import SchemaArg, resolve_schema
 from .flow import Clock, Flow, RequestState, RouteOptions
 from .keys import derive_key
-from .models import record_table
+from .models import job_lock_table, record_table
 from .recovery import run_step
+from .scheduler import InProcessScheduler
 from .store import Store
 
 if t.TYPE_CHECKING:
@@ -39,6 +41,8 @@ class _AppState:
     store: Store
     settings: config.Settings
     clock: Clock
+    job_lock_table: sa.Table
+    in_process: InProcessScheduler
 
 
 class Idempotency:
@@ -87,8 +91,10 @@ class Idempotency:
         """Register on ``app``, with the Flask-SQLAlchemy ``db`` that holds the records.
 
         Adds the ``idempotency_keys`` table to ``db.metadata`` (so
-        ``db.create_all()`` and Alembic autogenerate see it) and the
-        ``flask idempotency`` command group.
+        ``db.create_all()`` and Alembic autogenerate see it), the
+        ``idempotency_job_locks`` table, and the ``flask idempotency`` command
+        group. With ``IDEMPOTENCY_SCHEDULER`` on, each serving process starts the
+        maintenance jobs on its first request.
         """
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
@@ -109,13 +115,20 @@ class Idempotency:
             {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
         )
         table = record_table(db.metadata)
-        app.extensions[EXTENSION_KEY] = _AppState(
+        state = _AppState(
             db=db,
             store=Store(table),
             settings=settings,
             clock=clock or self._clock or utc_now,
+            job_lock_table=job_lock_table(db.metadata),
+            in_process=InProcessScheduler(),
         )
+        app.extensions[EXTENSION_KEY] = state
         app.cli.add_command(idempotency_cli)
+        if settings.scheduler:
+            # Started by the first request a process serves: never at import, not
+            # in the reloader's watcher, once per worker after a fork.
+            app.before_request(lambda: state.in_process.ensure_started(app))
 
     @staticmethod
     def _state() -> _AppState:

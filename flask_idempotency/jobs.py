@@ -23,6 +23,61 @@ if t.TYPE_CHECKING:
 logger = logging.getLogger("flask_idempotency")
 
 
+KeepGoing = t.Callable[[], bool]
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclasses.dataclass
+class PurgeReport:
+    """What one run of :func:`purge_expired` did."""
+
+    deleted: int = 0  #: records deleted (or, with ``dry_run``, that would be)
+    batches: int = 0  #: transactions used
+
+    def __str__(self) -> str:
+        return f"deleted {self.deleted} expired record(s) in {self.batches} batch(es)"
+
+
+def purge_expired(
+    app: Flask | None = None,
+    *,
+    batch_size: int | None = None,
+    dry_run: bool = False,
+    keep_going: KeepGoing = _always,
+) -> PurgeReport:
+    """Delete expired records in batches, each its own short transaction.
+
+    Writers are never blocked for longer than one batch, and several cleaners can
+    run at once: on PostgreSQL each skips the rows another holds. Stops when a
+    batch comes back short, or when ``keep_going()`` says so (the scheduler's
+    lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
+    ``IDEMPOTENCY_PURGE_BATCH``.
+    """
+    app = app or t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
+    report = PurgeReport()
+    with app.app_context():
+        state = _state(app)
+        size = batch_size or state.settings.purge_batch
+        engine = state.db.engine
+        if dry_run:
+            with engine.connect() as conn:
+                report.deleted = state.store.count_expired(conn, state.clock())
+            return report
+        while True:
+            with engine.begin() as conn:
+                deleted = state.store.purge_batch(conn, state.clock(), size)
+            report.batches += 1
+            report.deleted += deleted
+            if deleted < size or not keep_going():
+                break
+    if report.deleted:
+        logger.info("cleanup: %s", report)
+    return report
+
+
 @dataclasses.dataclass
 class RecoveryReport:
     """What one run of :func:`recover_abandoned` did, by record."""
@@ -71,7 +126,9 @@ def _rerun(app: Flask, record: Record) -> bool | None:
     return False
 
 
-def recover_abandoned(app: Flask | None = None, *, limit: int = 100) -> RecoveryReport:
+def recover_abandoned(
+    app: Flask | None = None, *, limit: int = 100, keep_going: KeepGoing = _always
+) -> RecoveryReport:
     """Move in-progress records whose lease has ended forward, so none stays stuck.
 
     A record of a route declared with ``recover=True`` is driven to completion:
@@ -89,6 +146,8 @@ def recover_abandoned(app: Flask | None = None, *, limit: int = 100) -> Recovery
         with engine.connect() as conn:
             abandoned = state.store.find_abandoned(conn, state.clock(), limit)
         for record in abandoned:
+            if not keep_going():
+                break
             outcome = _rerun(app, record) if record.recoverable else False
             if outcome is True:
                 report.completed += 1

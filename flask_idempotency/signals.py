@@ -4,7 +4,7 @@ Keyword arguments: ``scope`` and ``key`` always; ``record`` (a
 :class:`~flask_idempotency.models.Record`) for ``response_replayed``,
 ``request_conflict`` and ``payload_mismatch``; ``response`` for
 ``record_completed``; ``fencing_token`` for ``key_claimed`` and
-``record_completed``.
+``record_completed``. The job signals carry ``name`` and ``holder``.
 """
 
 from __future__ import annotations
@@ -23,3 +23,7 @@ request_conflict = _signals.signal("idempotency-request-conflict")
 payload_mismatch = _signals.signal("idempotency-payload-mismatch")
 #: The record and the business rows were committed with the stored response.
 record_completed = _signals.signal("idempotency-record-completed")
+#: A scheduled job took its lock and starts a run here (``name``, ``holder``).
+job_started = _signals.signal("idempotency-job-started")
+#: That run ended, just before its lock is freed (``name``, ``holder``, ``error``).
+job_finished = _signals.signal("idempotency-job-finished")
