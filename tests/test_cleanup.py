@@ -281,3 +281,43 @@ def test_a_dead_runners_lock_frees_after_its_ttl(app: Flask, clock: Clock) -> No
         assert locks.acquire(engine, "demo", "live-host:2", dt.timedelta(minutes=2), clock())
         # The dead holder cannot renew what it lost.
         assert not locks.renew(engine, "demo", "dead-host:1", dt.timedelta(minutes=2), clock())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_worker_starts_its_own_scheduler(pg_url: str, clock: Clock) -> None:
+    """As under gunicorn: the parent served (and started a scheduler) before the
+    fork; the child's first request must start one in the child, since the
+    parent's thread does not exist there."""
+    import os
+
+    app = testapp.create_app(pg_url, clock=clock, IDEMPOTENCY_SCHEDULER=True)
+    reset_tables(pg_url)
+    slot = app.extensions["idempotency"].in_process
+    post(app.test_client(), "/status/200", {}, key="parent")
+    parent_scheduler = slot.scheduler
+    assert parent_scheduler is not None
+    with app.app_context():
+        testapp.db.engine.dispose()  # no pooled connection crosses the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        ok = False
+        try:
+            post(app.test_client(), "/status/200", {}, key="child")
+            ok = (
+                slot.scheduler is not None
+                and slot.scheduler is not parent_scheduler
+                and slot.scheduler.running
+            )
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    try:
+        answer = os.read(read, 1)
+        os.waitpid(pid, 0)
+    finally:
+        os.close(read)
+        slot.shutdown()
+    assert answer == b"1"
+    assert keys(testapp.create_app(pg_url)) == {"parent", "child"}
