@@ -321,3 +321,34 @@ def test_a_forked_worker_starts_its_own_scheduler(pg_url: str, clock: Clock) -> 
         slot.shutdown()
     assert answer == b"1"
     assert keys(testapp.create_app(pg_url)) == {"parent", "child"}
+
+
+def test_cli_scheduler_runs_jobs_and_stops_on_sigterm(database_url: str, clock: Clock) -> None:
+    import os
+    import signal as os_signal
+
+    app = testapp.create_app(
+        database_url, clock=clock, IDEMPOTENCY_PURGE_EVERY=0.1, IDEMPOTENCY_RECOVER_EVERY=0.1
+    )
+    reset_tables(database_url)
+    make_records(app, clock, 20, expired=True)
+    done: list[str] = []
+
+    def on_finish(sender: t.Any, **kw: t.Any) -> None:
+        done.append(kw["name"])
+        if kw["name"] == "purge" and len(done) >= 2:
+            # The command's own handler catches this; without it pytest would die.
+            os.kill(os.getpid(), os_signal.SIGTERM)
+
+    signals.job_finished.connect(on_finish)
+    try:
+        result = cli(app, "scheduler")
+    finally:
+        signals.job_finished.disconnect(on_finish)
+    assert result.exit_code == 0, result.output
+    assert "stopped" in result.output
+    assert record_rows(app) == []
+    assert not scheduler_threads()
+    assert os_signal.getsignal(os_signal.SIGTERM) is os_signal.SIG_DFL  # handler restored
+    bad = cli(app, "scheduler", "--bogus")
+    assert bad.exit_code == 2
