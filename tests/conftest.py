@@ -118,6 +118,21 @@ def client(app: Flask) -> t.Any:
     return app.test_client()
 
 
+def run_sql(url: str, sql: str, **params: t.Any) -> list[t.Any]:
+    """Run one statement on a fresh connection and commit; the rows, if any.
+
+    For tests that look at the database from outside the app under test (a live
+    server in a subprocess, several processes).
+    """
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(sa.text(sql), params)
+            return list(result) if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
 def ledger_count(app: Flask, route: str | None = None) -> int:
     """Ledger rows (side effects) committed, read on a fresh connection."""
     with app.app_context():

@@ -21,25 +21,15 @@ import pytest
 import sqlalchemy as sa
 
 from tests import cli_app, testapp
-from tests.conftest import reset_tables
+from tests.conftest import reset_tables, run_sql
 from tests.live import ROOT, LiveServer, Reply
 
 pytestmark = pytest.mark.slow
 
 
-def execute(url: str, sql: str, **params: t.Any) -> list[t.Any]:
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            result = conn.execute(sa.text(sql), params)
-            return list(result) if result.returns_rows else []
-    finally:
-        engine.dispose()
-
-
 def seed_expired(url: str, n: int, prefix: str = "old") -> None:
     """``n`` completed records that expired an hour ago."""
-    execute(
+    run_sql(
         url,
         """
         INSERT INTO idempotency_keys
@@ -55,7 +45,7 @@ def seed_expired(url: str, n: int, prefix: str = "old") -> None:
 
 
 def count(url: str, where: str = "") -> int:
-    return int(execute(url, f"SELECT count(*) FROM idempotency_keys {where}")[0][0])
+    return int(run_sql(url, f"SELECT count(*) FROM idempotency_keys {where}")[0][0])
 
 
 @pytest.fixture
@@ -133,7 +123,7 @@ def test_100k_expired_purged_while_requests_keep_succeeding(db: str) -> None:
     assert len(replies) > 20
     assert {r.status for r in replies} == {200}
     assert count(db) == len(replies)  # every request's record is still there
-    assert int(execute(db, "SELECT count(*) FROM ledger")[0][0]) == len(replies)
+    assert int(run_sql(db, "SELECT count(*) FROM ledger")[0][0]) == len(replies)
     assert lock_waits == []  # nothing ever waited on a lock
 
 
@@ -151,7 +141,7 @@ def test_two_cleaners_at_once_delete_everything_once(db: str) -> None:
 
 def test_two_scheduler_processes_run_each_job_one_at_a_time(db: str) -> None:
     cli_app.job_runs.create(sa.create_engine(db), checkfirst=True)
-    execute(db, "DELETE FROM job_runs")
+    run_sql(db, "DELETE FROM job_runs")
     seed_expired(db, 5_000)
     config = {"IDEMPOTENCY_PURGE_EVERY": 0.2, "IDEMPOTENCY_RECOVER_EVERY": 0.2}
     schedulers = [
@@ -160,7 +150,7 @@ def test_two_scheduler_processes_run_each_job_one_at_a_time(db: str) -> None:
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            runs = execute(db, "SELECT count(*) FROM job_runs")[0][0]
+            runs = run_sql(db, "SELECT count(*) FROM job_runs")[0][0]
             if runs >= 12 and count(db) == 0:
                 break
             time.sleep(0.2)
@@ -173,11 +163,11 @@ def test_two_scheduler_processes_run_each_job_one_at_a_time(db: str) -> None:
         assert "stopped" in out
         assert "Traceback" not in err
     assert count(db) == 0  # every expired record deleted
-    runs = execute(db, "SELECT job, pid, started, finished FROM job_runs ORDER BY started")
+    runs = run_sql(db, "SELECT job, pid, started, finished FROM job_runs ORDER BY started")
     assert len(runs) >= 12
     for job in ("purge", "recover"):
         spans = [(r.started, r.finished) for r in runs if r.job == job]
         assert spans, job
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"two {job} runs overlapped"
-    execute(db, "DROP TABLE job_runs")
+    run_sql(db, "DROP TABLE job_runs")

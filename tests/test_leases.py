@@ -16,10 +16,9 @@ import typing as t
 import uuid
 
 import pytest
-import sqlalchemy as sa
 
 from tests import testapp
-from tests.conftest import reset_tables
+from tests.conftest import reset_tables, run_sql
 from tests.downstream import Downstream
 from tests.live import LiveServer, Reply, concurrently
 
@@ -59,12 +58,7 @@ def start(servers: list[LiveServer], pg_url: str, config: dict[str, t.Any]) -> L
 
 
 def query(url: str, sql: str) -> list[dict[str, t.Any]]:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(sa.text(sql))]
-    finally:
-        engine.dispose()
+    return [dict(r._mapping) for r in run_sql(url, sql)]
 
 
 def ledger_rows(url: str) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import POSTGRES_ENV, reset_tables
+from tests.conftest import POSTGRES_ENV, reset_tables, run_sql
 from tests.live import LiveServer, concurrently
 
 pytestmark = pytest.mark.slow
@@ -21,25 +21,13 @@ pytestmark = pytest.mark.slow
 CHARGE = {"customer_id": "cus_1", "amount": 1250, "currency": "EUR"}
 
 
-def ledger_rows(url: str, where: str = "") -> int:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text(f"SELECT count(*) FROM ledger {where}")).scalar_one())
-    finally:
-        engine.dispose()
+def ledger_rows(url: str) -> int:
+    return int(run_sql(url, "SELECT count(*) FROM ledger")[0][0])
 
 
 def records(url: str) -> list[dict[str, t.Any]]:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                sa.text("SELECT scope, key, status, fencing_token FROM idempotency_keys")
-            )
-            return [dict(r._mapping) for r in rows]
-    finally:
-        engine.dispose()
+    rows = run_sql(url, "SELECT scope, key, status, fencing_token FROM idempotency_keys")
+    return [dict(r._mapping) for r in rows]
 
 
 @pytest.fixture
