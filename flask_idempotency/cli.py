@@ -9,21 +9,18 @@ import threading
 import typing as t
 
 import click
-from flask import Flask, current_app
 from flask.cli import AppGroup
+
+from .state import AppState, app_state, resolve_app
 
 idempotency_cli = AppGroup("idempotency", help="Inspect and maintain idempotency records.")
 
 
-def _app() -> Flask:
-    return t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
-
-
-def _state() -> t.Any:
+def _state() -> AppState:
     try:
-        return current_app.extensions["idempotency"]
-    except KeyError:
-        raise click.ClickException("Idempotency is not registered on this app") from None
+        return app_state()
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -52,7 +49,7 @@ def purge(batch_size: int | None, dry_run: bool) -> None:
     from .jobs import purge_expired
 
     _state()
-    report = purge_expired(_app(), batch_size=batch_size, dry_run=dry_run)
+    report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run)
     if dry_run:
         click.echo(f"{report.deleted} expired record(s) would be deleted")
     else:
@@ -152,7 +149,7 @@ def recover(limit: int) -> None:
     from .jobs import recover_abandoned
 
     _state()
-    report = recover_abandoned(_app(), limit=limit)
+    report = recover_abandoned(resolve_app(), limit=limit)
     click.echo(f"lease recovery: {report}")
 
 
@@ -162,7 +159,7 @@ def scheduler() -> None:
     from .scheduler import JobScheduler
 
     _state()
-    jobs = JobScheduler(_app())
+    jobs = JobScheduler(resolve_app())
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -7,7 +7,6 @@ import datetime as dt
 import functools
 import typing as t
 
-import sqlalchemy as sa
 from flask import Flask, Response, current_app, g
 
 from . import config
@@ -18,6 +17,7 @@ from .keys import derive_key
 from .models import job_lock_table, record_table
 from .recovery import run_step
 from .scheduler import InProcessScheduler
+from .state import EXTENSION_KEY, AppState, app_state
 from .store import Store
 
 if t.TYPE_CHECKING:
@@ -25,7 +25,6 @@ if t.TYPE_CHECKING:
 
 F = t.TypeVar("F", bound=t.Callable[..., t.Any])
 T = t.TypeVar("T")
-EXTENSION_KEY = "idempotency"
 
 LeaseArg = dt.timedelta | float | int | bool | None
 
@@ -33,16 +32,6 @@ LeaseArg = dt.timedelta | float | int | bool | None
 def utc_now() -> dt.datetime:
     """The default clock: the app server's time, in UTC."""
     return dt.datetime.now(dt.timezone.utc)
-
-
-@dataclasses.dataclass(frozen=True)
-class _AppState:
-    db: SQLAlchemy
-    store: Store
-    settings: config.Settings
-    clock: Clock
-    job_lock_table: sa.Table
-    in_process: InProcessScheduler
 
 
 class Idempotency:
@@ -115,7 +104,7 @@ class Idempotency:
             {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
         )
         table = record_table(db.metadata)
-        state = _AppState(
+        state = AppState(
             db=db,
             store=Store(table),
             settings=settings,
@@ -129,15 +118,6 @@ class Idempotency:
             # Started by the first request a process serves: never at import, not
             # in the reloader's watcher, once per worker after a fork.
             app.before_request(lambda: state.in_process.ensure_started(app))
-
-    @staticmethod
-    def _state() -> _AppState:
-        try:
-            return t.cast(_AppState, current_app.extensions[EXTENSION_KEY])
-        except KeyError:
-            raise RuntimeError(
-                "Idempotency is not registered on the current app; call init_app(app, db)."
-            ) from None
 
     def idempotent(
         self,
@@ -191,7 +171,7 @@ class Idempotency:
         def decorator(view: F) -> F:
             @functools.wraps(view)
             def wrapper(**kwargs: t.Any) -> Response:
-                state = self._state()
+                state = app_state()
                 settings = (
                     dataclasses.replace(state.settings, **overrides)
                     if overrides

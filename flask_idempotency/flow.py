@@ -31,6 +31,7 @@ from .fingerprint import load_payload, read_body, request_fingerprint
 from .keys import default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .responses import capture, is_storable, replay
+from .state import resolve_app
 from .store import ClaimWaitExceeded, Store
 
 logger = logging.getLogger("flask_idempotency")
@@ -156,7 +157,7 @@ class Flow:
             return outcome
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
-        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        app = resolve_app()
         logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
         signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
         if route.commit_claim:
@@ -238,14 +239,14 @@ class Flow:
         )
 
     def _signal_conflict(self, scope: str, key: str, record: Record | None) -> None:
-        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        app = resolve_app()
         signals.request_conflict.send(app, scope=scope, key=key, record=record)
 
     def _answer_existing(
         self, record: Record, fingerprint: str, now: dt.datetime
     ) -> Response | None:
         """Replay, 422 or 409 for an unexpired record; ``None`` means "reclaim it"."""
-        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        app = resolve_app()
         if record.request_hash != fingerprint:
             signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
             raise KeyReusedError(

@@ -11,14 +11,12 @@ import dataclasses
 import logging
 import typing as t
 
-from flask import Flask, current_app
+from flask import Flask
 
 from .flow import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .models import Record
 from .responses import REPLAYED_HEADER
-
-if t.TYPE_CHECKING:
-    from .extension import _AppState
+from .state import app_state, resolve_app
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -56,10 +54,10 @@ def purge_expired(
     lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
     ``IDEMPOTENCY_PURGE_BATCH``.
     """
-    app = app or t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
+    app = resolve_app(app)
     report = PurgeReport()
     with app.app_context():
-        state = _state(app)
+        state = app_state(app)
         size = batch_size or state.settings.purge_batch
         engine = state.db.engine
         if dry_run:
@@ -90,10 +88,6 @@ class RecoveryReport:
         return f"completed {self.completed}, released {self.released}, skipped {self.skipped}"
 
 
-def _state(app: Flask) -> _AppState:
-    return t.cast("_AppState", app.extensions["idempotency"])
-
-
 def _quoted(key: str) -> str:
     """The key as a Structured Field string, safe whatever characters it has."""
     return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -104,7 +98,7 @@ def _rerun(app: Flask, record: Record) -> bool | None:
     ``None`` if someone else finished or holds it, ``False`` if it failed."""
     assert record.request_method is not None
     assert record.request_path is not None
-    settings = _state(app).settings
+    settings = app_state(app).settings
     headers = {settings.header: _quoted(record.key)}
     if record.request_content_type:
         headers["Content-Type"] = record.request_content_type
@@ -138,10 +132,10 @@ def recover_abandoned(
     released (deleted), so the client's next retry runs the view again. At most
     ``limit`` records per call.
     """
-    app = app or t.cast(Flask, current_app._get_current_object())  # type: ignore[attr-defined]
+    app = resolve_app(app)
     report = RecoveryReport()
     with app.app_context():
-        state = _state(app)
+        state = app_state(app)
         engine = state.db.engine
         with engine.connect() as conn:
             abandoned = state.store.find_abandoned(conn, state.clock(), limit)

@@ -24,9 +24,7 @@ from flask import Flask
 from . import signals
 from .jobs import KeepGoing, purge_expired, recover_abandoned
 from .locks import JobLocks, new_holder_id
-
-if t.TYPE_CHECKING:
-    from .extension import _AppState
+from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -38,7 +36,7 @@ class JobScheduler:
 
     def __init__(self, app: Flask) -> None:
         self.app = app
-        self.state: _AppState = app.extensions["idempotency"]
+        self.state = app_state(app)
         self.holder = new_holder_id()
         self.locks = JobLocks(self.state.job_lock_table)
         self._scheduler = BackgroundScheduler(
