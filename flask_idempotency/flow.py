@@ -208,11 +208,12 @@ class Flow:
                     if allow_new and store.try_insert(session, fresh):
                         return Claimed(token=1, recovery_points={})
                     record = store.load(session, scope, key)
-                    if record is None or (not allow_new and record.is_expired(now)):
-                        if not allow_new:
-                            raise RecordGone(f"{scope!r} {key!r}")
+                    expired = record is not None and record.is_expired(now)
+                    if not allow_new and (record is None or expired):
+                        raise RecordGone(f"{scope!r} {key!r}")
+                    if record is None:
                         continue  # deleted since our insert; insert again
-                    if record.is_expired(now):
+                    if expired:
                         if store.take_over(session, record, values, now, expired=True):
                             return Claimed(token=record.fencing_token + 1, recovery_points={})
                         continue
