@@ -276,7 +276,7 @@ class Store:
             batch = batch.with_for_update(skip_locked=True)
         if dialect in ("postgresql", "sqlite"):
             stmt = sa.delete(self.table).where(
-                sa.tuple_(c.scope, c.key).in_(batch.scalar_subquery().subquery().select()),
+                sa.tuple_(c.scope, c.key).in_(batch),
                 c.expires_at <= now,
             )
             return int(conn.execute(stmt).rowcount)
