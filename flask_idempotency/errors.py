@@ -151,3 +151,16 @@ class NothingToRecoverError(ProblemError):
     slug = "nothing-to-recover"
     title = "Nothing to recover"
     code = 409
+
+
+class DatabaseUnavailableError(ProblemError):
+    """The record's database could not be reached; nothing was stored (503, ``Retry-After``)."""
+
+    slug = "database-unavailable"
+    title = "The database is unavailable"
+    code = 503
+
+    def __init__(self, detail: str, *, retry_after: timedelta = timedelta(seconds=1)) -> None:
+        seconds = max(1, math.ceil(retry_after.total_seconds()))
+        super().__init__(detail, headers={"Retry-After": str(seconds)})
+        self.retry_after = seconds
