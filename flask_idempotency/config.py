@@ -100,6 +100,24 @@ def as_timedelta(value: timedelta | float | int, name: str) -> timedelta:
     return result
 
 
+def check_retention(ttl: timedelta, lease: timedelta, where: str) -> None:
+    """Refuse a TTL or lease that is not positive, or a TTL not longer than the lease.
+
+    A record that expires while its lease still runs counts as absent: a retry
+    would start a new operation beside the running one.
+    """
+    if ttl <= timedelta(0):
+        raise ValueError(f"{where}: the ttl must be positive, got {ttl}")
+    if lease <= timedelta(0):
+        raise ValueError(f"{where}: the lease must be positive, got {lease}")
+    if ttl <= lease:
+        raise ValueError(
+            f"{where}: the ttl ({ttl}) must be longer than the lease ({lease}); a record "
+            "that expired while its lease ran would let a retry start a second operation "
+            "beside the running one"
+        )
+
+
 def positive_int(value: t.Any, name: str) -> int:
     """An int of at least 1 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -124,6 +142,10 @@ class Settings:
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
     job_lock: timedelta = timedelta(minutes=2)
+
+    def __post_init__(self) -> None:
+        # Also runs for dataclasses.replace(), so route overrides are checked too.
+        check_retention(self.ttl, self.lease, "IDEMPOTENCY_TTL/IDEMPOTENCY_LEASE")
 
     @classmethod
     def from_mapping(cls, values: t.Mapping[str, t.Any]) -> Settings:

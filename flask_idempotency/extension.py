@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import functools
 import typing as t
+import weakref
 
 from flask import Flask, Response, current_app, g
 
-from . import config
+from . import config, session_guard
 from .cli import idempotency_cli
 from .fingerprint import SchemaArg, resolve_schema
 from .flow import Clock, Flow, RequestState, RouteOptions
@@ -58,6 +58,10 @@ class Idempotency:
     ) -> None:
         self._clock = clock
         self._options = self._check_options(options)
+        # Routes decorated so far and the apps registered so far: each route's
+        # settings are checked against each app's as soon as both are known.
+        self._routes: list[RouteOptions] = []
+        self._states: weakref.WeakSet[AppState] = weakref.WeakSet()
         if app is not None:
             self.init_app(app, db)
 
@@ -112,7 +116,11 @@ class Idempotency:
             job_lock_table=job_lock_table(db.metadata),
             in_process=InProcessScheduler(),
         )
+        for route in self._routes:
+            state.route_settings[route] = route.settings_for(settings)
+        session_guard.listen(db.session.session_factory)
         app.extensions[EXTENSION_KEY] = state
+        self._states.add(state)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:
             # Started by the first request a process serves: never at import, not
@@ -160,23 +168,27 @@ class Idempotency:
         commit_claim = lease is not None and lease is not False
         if commit_claim and lease is not True:
             overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
+        if "ttl" in overrides and "lease" in overrides:
+            config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
         route = RouteOptions(
             schema=loaded_schema,
             exclude=excluded,
             scope=scope,
             commit_claim=commit_claim,
             recover=bool(recover),
+            overrides=overrides,
         )
+        self._routes.append(route)
+        for known in list(self._states):
+            known.route_settings[route] = route.settings_for(known.settings)
 
         def decorator(view: F) -> F:
             @functools.wraps(view)
             def wrapper(**kwargs: t.Any) -> Response:
                 state = app_state()
-                settings = (
-                    dataclasses.replace(state.settings, **overrides)
-                    if overrides
-                    else state.settings
-                )
+                settings = state.route_settings.get(route)
+                if settings is None:  # an app this Idempotency object did not register
+                    settings = state.route_settings[route] = route.settings_for(state.settings)
                 flow = Flow(
                     session=state.db.session(),
                     store=state.store,

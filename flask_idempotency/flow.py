@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import typing as t
 
@@ -31,8 +32,9 @@ from .fingerprint import load_payload, read_body, request_fingerprint
 from .keys import default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .responses import capture, is_storable, replay
+from .session_guard import Claim, ClaimGuard, Reassert, lost_error
 from .state import resolve_app
-from .store import ClaimWaitExceeded, Store
+from .store import ClaimWaitExceeded, Store, new_fencing_token
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -58,15 +60,23 @@ class RecordGone(Exception):
     """A recovery run found no abandoned record to resume (someone else finished it)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RouteOptions:
-    """What ``@idem.idempotent(...)`` fixed for one view."""
+    """What ``@idem.idempotent(...)`` fixed for one view (hashed by identity)."""
 
     schema: Schema | None
     exclude: tuple[str, ...]
     scope: t.Callable[[], str] | None
     commit_claim: bool
     recover: bool
+    #: Settings this route overrides (lower-case ``Settings`` field names).
+    overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
+
+    def settings_for(self, app_settings: Settings) -> Settings:
+        """The app's settings with this route's overrides; validated."""
+        if not self.overrides:
+            return app_settings
+        return dataclasses.replace(app_settings, **self.overrides)
 
 
 @dataclasses.dataclass
@@ -78,21 +88,29 @@ class RequestState:
     scope: str | None
     fencing_token: int | None = None
     recovery_points: dict[str, t.Any] = dataclasses.field(default_factory=dict)
-    claim_committed: bool = False
+    guard: ClaimGuard | None = None
     flow: Flow | None = None
+
+    @property
+    def claim_committed(self) -> bool:
+        """The claimed record is committed (leased route, or the view committed)."""
+        return self.guard is not None and self.guard.claim is Claim.DURABLE
 
 
 @dataclasses.dataclass(frozen=True)
 class Claimed:
     token: int
     recovery_points: dict[str, t.Any]
+    #: Repeats the claim in a later transaction, if the view rolls this one back.
+    reassert: Reassert
 
 
 def _now(clock: Clock) -> dt.datetime:
     now = clock()
     if now.tzinfo is None:
         raise ValueError("the idempotency clock must return timezone-aware datetimes")
-    return now
+    # Every engine gets UTC: SQLite and MySQL store the wall-clock fields only.
+    return now.astimezone(dt.timezone.utc)
 
 
 def resolve_scope(settings: Settings, route_scope: t.Callable[[], str] | None) -> str:
@@ -157,12 +175,26 @@ class Flow:
             return outcome
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
+        state.guard = ClaimGuard(
+            store=self.store,
+            scope=scope,
+            key=key,
+            token=outcome.token,
+            reassert=outcome.reassert,
+            wait=settings.wait,
+            lease=settings.lease,
+            clock=self.now,
+        )
         app = resolve_app()
         logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
         signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
-        if route.commit_claim:
-            self.session.commit()
-            state.claim_committed = True
+        state.guard.watch(self.session)
+        try:
+            if route.commit_claim:
+                self.session.commit()
+        except BaseException:
+            state.guard.stop()
+            raise
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 
     # -- claim -------------------------------------------------------------------
@@ -180,6 +212,13 @@ class Flow:
             "created_at": now,
             "completed_at": None,
             "expires_at": now + settings.ttl,
+            # Every column of an operation is set, so that a replaced record
+            # keeps nothing of the operation before it.
+            "recovery_points": None,
+            "request_method": None,
+            "request_path": None,
+            "request_content_type": None,
+            "request_body": None,
         }
         if self.route.recover:
             values.update(
@@ -204,27 +243,43 @@ class Flow:
                 for _ in range(_CLAIM_ROUNDS):
                     now = self.now()
                     values = self._claim_values(fingerprint, now)
-                    fresh = {"scope": scope, "key": key, "fencing_token": 1, **values}
-                    if allow_new and store.try_insert(session, fresh):
-                        return Claimed(token=1, recovery_points={})
+                    if allow_new:
+                        token = new_fencing_token()
+                        fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
+                        if store.try_insert(session, fresh):
+                            insert = functools.partial(store.try_insert, values=fresh)
+                            return Claimed(token, {}, insert)
                     record = store.load(session, scope, key)
                     expired = record is not None and record.is_expired(now)
                     if not allow_new and (record is None or expired):
                         raise RecordGone(f"{scope!r} {key!r}")
                     if record is None:
                         continue  # deleted since our insert; insert again
-                    if expired:
-                        if store.take_over(session, record, values, now, expired=True):
-                            return Claimed(token=record.fencing_token + 1, recovery_points={})
-                        continue
-                    answer = self._answer_existing(record, fingerprint, now)
-                    if answer is not None:
-                        if not allow_new:
-                            raise RecordGone(f"{scope!r} {key!r}")
-                        return answer
-                    if store.take_over(session, record, values, now, expired=False):
-                        logger.info("reclaimed %r in scope %r after its lease ended", key, scope)
-                        return Claimed(record.fencing_token + 1, record.recovery_points)
+                    if not expired:
+                        answer = self._answer_existing(record, fingerprint, now)
+                        if answer is not None:
+                            if not allow_new:
+                                raise RecordGone(f"{scope!r} {key!r}")
+                            return answer
+                    # Replace the expired record (a new operation, starting
+                    # clean), or reclaim one whose lease ended (the same
+                    # operation, resuming from its recovery points).
+                    token = new_fencing_token(record.fencing_token)
+                    take: Reassert = functools.partial(
+                        store.take_over,
+                        record=record,
+                        values=values,
+                        now=now,
+                        expired=expired,
+                        token=token,
+                    )
+                    if take(session):
+                        if not expired:
+                            logger.info(
+                                "reclaimed %r in scope %r after its lease ended", key, scope
+                            )
+                        points = {} if expired else record.recovery_points
+                        return Claimed(token, points, take)
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)
@@ -278,16 +333,25 @@ class Flow:
         *,
         recovery: bool,
     ) -> Response:
-        session = self.session
+        session, guard = self.session, state.guard
         assert state.scope is not None
         assert state.key is not None
         assert state.fencing_token is not None
+        assert guard is not None
         scope, key, token = state.scope, state.key, state.fencing_token
         try:
             response = current_app.make_response(view(**kwargs))
-        except BaseException:
+        except BaseException as exc:
+            guard.stop()
             self._release(state)
+            if guard.claim is Claim.LOST and not isinstance(exc, LeaseLostError):
+                # Whatever the view made of it, the cause is the lost key.
+                raise lost_error() from exc
             raise
+        guard.stop()
+        if guard.claim is Claim.LOST:
+            session.rollback()
+            raise lost_error()
         storable = is_storable(response.status_code)
         if recovery:
             # Without the client, only success is worth keeping: a 4xx here may
@@ -297,6 +361,11 @@ class Flow:
             self._release(state)
             return response
         try:
+            if guard.claim is Claim.ROLLED_BACK and not guard.reclaim(session):
+                # The view rolled its transaction back and left it at that; a
+                # duplicate took the key in between.
+                session.rollback()
+                raise lost_error()
             captured = capture(
                 response, self.settings.replayed_header_names(), self.settings.max_body
             )
@@ -350,16 +419,21 @@ class Flow:
     def _release(self, state: RequestState) -> None:
         """Roll back the view's work and free the key so a retry runs again.
 
-        A record that is durable (leased, or committed by the view itself) is
-        deleted, or, when it has recovery points, kept with its lease ended so
-        the retry resumes from them. Fenced by the token: a record another
-        request has taken over is left alone.
+        A claim that was never committed goes with the rollback. A durable one
+        (leased, or committed by the view itself) is deleted, or, when it has
+        recovery points, kept with its lease ended so the retry resumes from
+        them. Fenced by the token: a record another request has taken over (or
+        claimed afresh after a delete, with a token of its own) is left alone.
         """
         assert state.scope is not None
         assert state.key is not None
         assert state.fencing_token is not None
+        assert state.guard is not None
         session = self.session
+        durable = state.guard.claim is Claim.DURABLE
         session.rollback()
+        if not durable:
+            return
         try:
             released = self.store.release(
                 session,

@@ -20,9 +20,10 @@ if t.TYPE_CHECKING:
 EXTENSION_KEY = "idempotency"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class AppState:
-    """What ``init_app`` resolved for one app; read-only afterwards."""
+    """What ``init_app`` resolved for one app; read-only afterwards (the route
+    settings cache only fills)."""
 
     db: SQLAlchemy
     store: Store
@@ -30,6 +31,8 @@ class AppState:
     clock: t.Callable[[], dt.datetime]
     job_lock_table: sa.Table
     in_process: InProcessScheduler
+    #: Each route's settings (the app's, with the route's overrides), built once.
+    route_settings: dict[t.Any, Settings] = dataclasses.field(default_factory=dict)
 
 
 def resolve_app(app: Flask | None = None) -> Flask:

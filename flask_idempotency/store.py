@@ -1,18 +1,23 @@
 """The SQL behind the record: claim, load, take over, complete, release.
 
-Every statement runs in the session it is given, so the record joins the app's
-transaction. Dialect differences live here and nowhere else:
+Every statement runs in the session (or connection) it is given, so the record
+joins the app's transaction. Dialect differences live here and nowhere else:
 
-* the claim is a conflict-tolerant insert (``ON CONFLICT DO NOTHING`` on
-  PostgreSQL and SQLite); other engines insert inside a savepoint and treat a
-  unique violation as "exists";
-* on PostgreSQL a duplicate waits on the unique index for the first request's
-  transaction, bounded by ``lock_timeout``; on SQLite the driver's busy timeout
-  bounds the wait for the single writer lock.
+* the claim is a conflict-tolerant insert: ``ON CONFLICT DO NOTHING`` on
+  PostgreSQL and SQLite, ``INSERT IGNORE`` on MySQL/MariaDB (the values are
+  ours and bounded, so IGNORE can only skip the duplicate); other engines insert
+  inside a savepoint and treat a unique violation as "exists";
+* a duplicate waits for the first request's transaction, bounded by
+  ``IDEMPOTENCY_WAIT``: PostgreSQL's ``lock_timeout`` (transaction-local),
+  MySQL's ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout;
+* on MySQL the record is read with a locking read, so that a REPEATABLE READ
+  snapshot taken earlier in the transaction cannot hide the winner's row.
 
 Nothing here checks and then inserts: the insert decides, and every later
 change is a conditional ``UPDATE``/``DELETE`` on the fencing token that only one
-contender can win.
+contender can win. Fencing tokens are random 63-bit numbers drawn anew by every
+claim and reclaim, so a token never repeats for a key, even after the record is
+deleted (release, purge, recovery, the CLI) and the key claimed again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
+import secrets
 import typing as t
 
 import sqlalchemy as sa
@@ -27,18 +34,63 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .models import COMPLETED, IN_PROGRESS, Record
+from . import dberrors
+from .models import COMPLETED, IN_PROGRESS, Record, as_utc
 
-_PG_LOCK_NOT_AVAILABLE = "55P03"
-# set_config(..., true) is SET LOCAL: it ends with the transaction whatever happens.
-_SET_LOCK_TIMEOUT = sa.text(
+Executor = Session | sa.Connection
+
+_MYSQL = ("mysql", "mariadb")
+
+# PostgreSQL: set_config(..., true) is SET LOCAL: it ends with the transaction
+# whatever happens, so a failed statement needs no restore.
+_PG_SET_WAIT = sa.text(
     "SELECT current_setting('lock_timeout'), set_config('lock_timeout', :v, true)"
 )
-_RESTORE_LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :v, true)")
+_PG_RESTORE_WAIT = sa.text("SELECT set_config('lock_timeout', :v, true)")
+# MySQL/MariaDB: the variable is per connection, not per transaction: it is
+# restored even after a failure, or the pooled connection would keep our bound.
+_MYSQL_SET_WAIT = sa.text(
+    "SET @flask_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = :v"
+)
+_MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
+
+
+def new_fencing_token(previous: int | None = None) -> int:
+    """A fresh fencing token: random, 63 bits, positive, never ``previous``.
+
+    Random rather than counted, because a counter kept on the row restarts
+    whenever the row is deleted; two draws for one key collide with odds of
+    about one in 2**62.
+    """
+    while True:
+        token = secrets.randbits(63)
+        if token and token != previous:
+            return token
+
+
+def dialect_name(executor: Executor) -> str:
+    """The engine behind a session or a connection (``postgresql``, ``sqlite``...)."""
+    if isinstance(executor, Session):
+        return executor.get_bind().dialect.name
+    return executor.dialect.name
+
+
+#: Columns a reclaim leaves alone: they belong to the operation it continues.
+RECLAIM_KEEPS = (
+    "created_at",
+    "expires_at",
+    "recovery_points",
+    "request_method",
+    "request_path",
+    "request_content_type",
+    "request_body",
+)
 
 
 class ClaimWaitExceeded(Exception):
-    """Waiting for another transaction on the same key took longer than allowed."""
+    """The database gave up on this transaction while it waited for another on the
+    same key (lock timeout, deadlock victim, serialization failure)."""
 
 
 class Store:
@@ -58,14 +110,18 @@ class Store:
             c.fencing_token == sa.bindparam("w_token"),
             c.status == IN_PROGRESS,
         )
-        self._inserts = {
+        self._inserts: dict[str, t.Any] = {
             "postgresql": postgresql.insert(table).on_conflict_do_nothing(
                 index_elements=["scope", "key"]
             ),
             "sqlite": sqlite.insert(table).on_conflict_do_nothing(index_elements=["scope", "key"]),
         }
+        for name in _MYSQL:
+            self._inserts[name] = sa.insert(table).prefix_with("IGNORE", dialect=name)
         self._portable_insert = sa.insert(table)
         self._load = sa.select(table).where(*this_key)
+        # A locking read sees the latest committed row whatever the isolation level.
+        self._load_locking = self._load.with_for_update(read=True)
         self._complete = (
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
@@ -84,96 +140,115 @@ class Store:
         )
 
     @contextlib.contextmanager
-    def bounded_wait(self, session: Session, wait: dt.timedelta | None) -> t.Iterator[None]:
+    def bounded_wait(self, executor: Executor, wait: dt.timedelta | None) -> t.Iterator[None]:
         """Bound how long the statements inside wait on another transaction's locks.
 
-        Raises :class:`ClaimWaitExceeded` when the bound is hit (PostgreSQL's
-        ``lock_timeout``, or SQLite's busy timeout). On PostgreSQL the app's own
-        ``lock_timeout`` is restored afterwards, so the view runs unaffected.
-        ``wait=None`` sets no bound of ours (the session's own settings apply).
+        Raises :class:`ClaimWaitExceeded` when the database gives up on the
+        wait: the bound is hit, or this transaction is chosen as a deadlock or
+        serialization victim. The engine's own setting is restored afterwards,
+        so the view runs unaffected. ``wait=None`` sets no bound of ours (the
+        connection's own settings apply).
         """
-        bounded = wait is not None and session.get_bind().dialect.name == "postgresql"
-        previous = None
-        if bounded:
-            assert wait is not None
-            millis = max(1, int(wait.total_seconds() * 1000))
-            previous = session.execute(_SET_LOCK_TIMEOUT, {"v": f"{millis}ms"}).scalar_one()
+        name = dialect_name(executor)
+        previous: t.Any = None
+        if wait is not None:
+            previous = self._set_wait(executor, name, wait)
+        failed = False
         try:
             yield
         except sa_exc.DBAPIError as exc:
-            # The statement failed, so the transaction is over (PostgreSQL) or
-            # will be rolled back: nothing to restore.
-            orig = str(exc.orig)
-            if getattr(exc.orig, "pgcode", None) == _PG_LOCK_NOT_AVAILABLE or (
-                "database is locked" in orig
-            ):
-                raise ClaimWaitExceeded(orig) from exc
+            failed = True
+            if dberrors.classify(exc) is dberrors.CONFLICT:
+                raise ClaimWaitExceeded(str(exc.orig)) from exc
             raise
-        except BaseException:
-            # An answer decided inside (409, 422): the transaction goes on.
-            if bounded:
-                session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
-            raise
-        if bounded:
-            session.execute(_RESTORE_LOCK_TIMEOUT, {"v": previous})
+        finally:
+            if wait is not None:
+                self._restore_wait(executor, name, previous, failed=failed)
 
     @staticmethod
-    def _changed_one(
-        session: Session | sa.Connection, stmt: t.Any, params: dict[str, t.Any]
-    ) -> bool:
-        result = session.execute(stmt, params)
+    def _set_wait(executor: Executor, name: str, wait: dt.timedelta) -> t.Any:
+        millis = max(1, math.ceil(wait.total_seconds() * 1000))
+        if name == "postgresql":
+            return executor.execute(_PG_SET_WAIT, {"v": f"{millis}ms"}).scalar_one()
+        if name in _MYSQL:
+            executor.execute(_MYSQL_SET_WAIT, {"v": max(1, math.ceil(millis / 1000))})
+            return None
+        if name == "sqlite":
+            previous = executor.execute(sa.text("PRAGMA busy_timeout")).scalar_one()
+            executor.execute(sa.text(f"PRAGMA busy_timeout = {int(millis)}"))
+            return previous
+        return None
+
+    @staticmethod
+    def _restore_wait(executor: Executor, name: str, previous: t.Any, *, failed: bool) -> None:
+        if name == "postgresql":
+            if not failed:  # after a failure the transaction is over, and SET LOCAL with it
+                executor.execute(_PG_RESTORE_WAIT, {"v": previous})
+        elif name in _MYSQL:
+            executor.execute(_MYSQL_RESTORE_WAIT)
+        elif name == "sqlite":
+            executor.execute(sa.text(f"PRAGMA busy_timeout = {int(previous)}"))
+
+    @staticmethod
+    def _changed_one(executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+        result = executor.execute(stmt, params)
         return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
-    def try_insert(self, session: Session, values: dict[str, t.Any]) -> bool:
+    def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists."""
-        conflict_tolerant = self._inserts.get(session.get_bind().dialect.name)
+        conflict_tolerant = self._inserts.get(dialect_name(executor))
         if conflict_tolerant is not None:
-            return self._changed_one(session, conflict_tolerant, values)
+            return self._changed_one(executor, conflict_tolerant, values)
         try:
-            with session.begin_nested():
-                session.execute(self._portable_insert, values)
+            with executor.begin_nested():
+                executor.execute(self._portable_insert, values)
         except sa_exc.IntegrityError:
             return False
         return True
 
-    def load(self, session: Session | sa.Connection, scope: str, key: str) -> Record | None:
-        """The record for (scope, key), or ``None``."""
-        row = session.execute(self._load, {"w_scope": scope, "w_key": key}).first()
+    def load(self, executor: Executor, scope: str, key: str) -> Record | None:
+        """The record for (scope, key), or ``None``: the latest committed version."""
+        stmt = self._load_locking if dialect_name(executor) in _MYSQL else self._load
+        row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
         return Record.from_row(row) if row is not None else None
 
     def take_over(
         self,
-        session: Session,
+        executor: Executor,
         record: Record,
         values: dict[str, t.Any],
         now: dt.datetime,
         *,
         expired: bool,
+        token: int,
     ) -> bool:
-        """Claim an existing record: replace an expired one, or reclaim an ended lease.
+        """Claim an existing record with the fresh fencing ``token``.
 
-        One conditional ``UPDATE`` on the fencing token read: exactly one
-        contender can win, and it gets the token ``record.fencing_token + 1``.
+        An expired record is replaced: ``values`` must set every column of an
+        operation, so nothing of the old operation (recovery points, stored
+        request, response) survives into the new one. A record whose lease ended
+        is reclaimed: the same operation goes on, keeping its recovery points,
+        stored request, creation and retention times. One conditional ``UPDATE``
+        on the fencing token read: exactly one contender can win.
         """
         params = {
             **values,
-            "fencing_token": record.fencing_token + 1,
+            "fencing_token": token,
             "w_scope": record.scope,
             "w_key": record.key,
             "w_token": record.fencing_token,
             "w_now": now,
         }
         if expired:
-            return self._changed_one(session, self._replace_expired, params)
-        # A reclaim continues the same operation: it keeps the original creation
-        # and retention times.
-        del params["created_at"], params["expires_at"]
+            return self._changed_one(executor, self._replace_expired, params)
+        for kept in RECLAIM_KEEPS:
+            params.pop(kept, None)
         params["w_request_hash"] = values["request_hash"]
-        return self._changed_one(session, self._reclaim, params)
+        return self._changed_one(executor, self._reclaim, params)
 
     def complete(
         self,
-        session: Session,
+        executor: Executor,
         scope: str,
         key: str,
         token: int,
@@ -199,11 +274,11 @@ class Store:
             "body_omitted": body_omitted,
             "completed_at": now,
         }
-        return self._changed_one(session, self._complete, params)
+        return self._changed_one(executor, self._complete, params)
 
     def release(
         self,
-        session: Session,
+        executor: Executor,
         scope: str,
         key: str,
         token: int,
@@ -217,8 +292,20 @@ class Store:
         """
         params: dict[str, t.Any] = {"w_scope": scope, "w_key": key, "w_token": token}
         if keep_recovery_points:
-            return self._changed_one(session, self._update_held, {**params, "locked_until": None})
-        return self._changed_one(session, self._release, params)
+            return self._changed_one(executor, self._update_held, {**params, "locked_until": None})
+        return self._changed_one(executor, self._release, params)
+
+    def renew_lease(
+        self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
+    ) -> bool:
+        """Extend the lease of a record this holder (``token``) still owns.
+
+        Run inside a transaction that commits business rows, it also locks the
+        record until that commit, so nobody can take the key over in between.
+        ``False``: the record was taken over or deleted.
+        """
+        params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
+        return self._changed_one(executor, self._update_held, params)
 
     def save_recovery_points(
         self, conn: sa.Connection, scope: str, key: str, token: int, points: dict[str, t.Any]
@@ -272,7 +359,8 @@ class Store:
         batch = (
             sa.select(c.scope, c.key).where(c.expires_at <= now).order_by(c.expires_at).limit(limit)
         )
-        if dialect == "postgresql":
+        if dialect == "postgresql" or dialect in _MYSQL:
+            # MySQL 8 and MariaDB 10.6 know SKIP LOCKED too.
             batch = batch.with_for_update(skip_locked=True)
         if dialect in ("postgresql", "sqlite"):
             stmt = sa.delete(self.table).where(
@@ -280,7 +368,8 @@ class Store:
                 c.expires_at <= now,
             )
             return int(conn.execute(stmt).rowcount)
-        # Engines that refuse LIMIT in an IN subquery (MySQL): read, then delete.
+        # Engines that refuse LIMIT in an IN subquery (MySQL): read (and lock),
+        # then delete, in the caller's transaction.
         keys = [tuple(row) for row in conn.execute(batch)]
         if not keys:
             return 0
@@ -313,12 +402,10 @@ class Store:
                 sa.text("SELECT pg_total_relation_size(CAST(:t AS regclass))"),
                 {"t": self.table.name},
             ).scalar_one()
-        if oldest is not None and oldest.tzinfo is None:
-            oldest = oldest.replace(tzinfo=dt.timezone.utc)
         return {
             "by_status": by_status,
             "expired_awaiting_cleanup": self.count_expired(conn, now),
-            "oldest_in_progress": oldest,
+            "oldest_in_progress": as_utc(oldest),
             "table_bytes": size,
         }
 

@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
+from flask_idempotency.models import as_utc
 from tests import testapp
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
@@ -143,8 +144,23 @@ def ledger_count(app: Flask, route: str | None = None) -> int:
             return int(conn.execute(stmt).scalar_one())
 
 
+def _portable(value: t.Any) -> t.Any:
+    """A column value as PostgreSQL returns it, whatever the engine: aware UTC
+    timestamps, ``str`` scope and key (MySQL's VARBINARY gives bytes)."""
+    if isinstance(value, dt.datetime):
+        return as_utc(value)
+    return value
+
+
 def record_rows(app: Flask) -> list[dict[str, t.Any]]:
     """Rows of idempotency_keys, read on a fresh connection."""
     with app.app_context(), testapp.db.engine.connect() as conn:
         table = testapp.db.metadata.tables["idempotency_keys"]
-        return [dict(r._mapping) for r in conn.execute(sa.select(table))]
+        rows = [
+            {k: _portable(v) for k, v in r._mapping.items()} for r in conn.execute(sa.select(table))
+        ]
+        for row in rows:
+            for name in ("scope", "key"):
+                if isinstance(row[name], bytes):
+                    row[name] = row[name].decode("utf-8")
+        return rows

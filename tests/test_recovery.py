@@ -42,6 +42,7 @@ def test_step_refused_after_a_takeover_rolls_back(database_url: str, clock: Cloc
     """Another request takes the record over while a step runs: the step's
     result is not saved, and the request ends with lease-lost, its writes undone."""
     app = testapp.create_app(database_url, clock=clock)
+    taken_over_by = 424242
 
     @app.post("/taken-over")
     @testapp.idem.idempotent(lease=30)
@@ -55,7 +56,7 @@ def test_step_refused_after_a_takeover_rolls_back(database_url: str, clock: Cloc
             # What a reclaim by another worker does to the row: a new token.
             table = testapp.db.metadata.tables["idempotency_keys"]
             with testapp.db.engine.begin() as conn:
-                conn.execute(sa.update(table).values(fencing_token=table.c.fencing_token + 1))
+                conn.execute(sa.update(table).values(fencing_token=taken_over_by))
             return "ch_1"
 
         testapp.idem.step("charge", charge)
@@ -67,7 +68,7 @@ def test_step_refused_after_a_takeover_rolls_back(database_url: str, clock: Cloc
     assert response.get_json()["type"].endswith("lease-lost")
     [record] = record_rows(app)
     assert record["status"] == IN_PROGRESS
-    assert record["fencing_token"] == 2
+    assert record["fencing_token"] == taken_over_by
     assert record["recovery_points"] is None  # the step was not saved
     assert ledger_count(app) == 0
 

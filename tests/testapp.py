@@ -157,7 +157,7 @@ def short_ttl() -> tuple[dict[str, t.Any], int]:
 
 
 @bp.post("/leased/<int:code>")
-@idem.idempotent(lease=dt.timedelta(seconds=30))
+@idem.idempotent(lease=True)
 def leased(code: int) -> tuple[dict[str, t.Any], int]:
     """The record is committed (leased) before this runs."""
     row = write_ledger("leased")
