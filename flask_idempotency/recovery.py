@@ -20,6 +20,7 @@ import logging
 import typing as t
 
 from .errors import LeaseLostError
+from .session_guard import Claim
 
 if t.TYPE_CHECKING:
     from .flow import RequestState
@@ -33,11 +34,13 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     """Return the saved result of step ``name``, or call ``fn`` and save its result.
 
     The result must be JSON-serializable; what a resumed attempt gets is the
-    JSON round trip of it. Raises :class:`LeaseLostError` if another request
-    took the record over, so this attempt stops before doing more.
+    JSON round trip of it. Before calling ``fn`` the record's lease is renewed,
+    fenced by the token, and after it the result is saved the same way: an
+    attempt that another request has overtaken gets :class:`LeaseLostError`
+    instead of calling ``fn``, and stops before doing more.
     """
-    flow = state.flow
-    if flow is None or state.fencing_token is None:
+    flow, guard = state.flow, state.guard
+    if flow is None or guard is None or state.fencing_token is None:
         raise RuntimeError("idem.step() can only be called inside an idempotent request with a key")
     if not state.claim_committed:
         raise RuntimeError(
@@ -49,26 +52,39 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     if name in state.recovery_points:
         logger.debug("step %r of %r already done; reusing its result", name, state.key)
         return t.cast(T, state.recovery_points[name])
+    _fenced(state, name, None)
     result = fn()
     try:
         saved = json.loads(json.dumps(result))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the result of step {name!r} must be JSON-serializable") from exc
     points = {**state.recovery_points, name: saved}
+    _fenced(state, name, points)
+    state.recovery_points = points
+    return t.cast(T, saved)
+
+
+def _fenced(state: RequestState, name: str, points: dict[str, t.Any] | None) -> None:
+    """Renew the lease (and save ``points``, if given) while this holder still has
+    the record; otherwise mark the claim lost and raise."""
+    flow, guard = state.flow, state.guard
+    assert flow is not None
+    assert guard is not None
     assert state.scope is not None
     assert state.key is not None
+    assert state.fencing_token is not None
+    locked_until = flow.now() + flow.settings.lease
     # A connection of its own: the view's transaction (its business writes)
-    # must not commit here, only the recovery point.
+    # must not commit here, only the lease and the recovery point.
     with flow.session.get_bind().engine.connect() as conn:
         ok = flow.store.save_recovery_points(
-            conn, state.scope, state.key, state.fencing_token, points
+            conn, state.scope, state.key, state.fencing_token, points, locked_until
         )
         conn.commit()
     if not ok:
+        guard.claim = Claim.LOST
         raise LeaseLostError(
-            f"Another request took this idempotency key over during step {name!r}; "
+            f"Another request took this idempotency key over at step {name!r}; "
             "this request stops here and its work is rolled back.",
             retry_after=dt.timedelta(seconds=1),
         )
-    state.recovery_points = points
-    return t.cast(T, saved)

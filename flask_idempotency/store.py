@@ -308,16 +308,25 @@ class Store:
         return self._changed_one(executor, self._update_held, params)
 
     def save_recovery_points(
-        self, conn: sa.Connection, scope: str, key: str, token: int, points: dict[str, t.Any]
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        points: dict[str, t.Any] | None,
+        locked_until: dt.datetime,
     ) -> bool:
-        """Store the recovery points, fenced by ``token``; ``False``: the lease was lost."""
-        params = {
+        """Renew the lease and, unless ``points`` is ``None``, store the recovery
+        points, fenced by ``token``; ``False``: the lease was lost."""
+        params: dict[str, t.Any] = {
             "w_scope": scope,
             "w_key": key,
             "w_token": token,
-            "recovery_points": json.dumps(points, sort_keys=True, separators=(",", ":")),
+            "locked_until": locked_until,
         }
-        return self._changed_one(conn, self._update_held, params)
+        if points is not None:
+            params["recovery_points"] = json.dumps(points, sort_keys=True, separators=(",", ":"))
+        return self._changed_one(executor, self._update_held, params)
 
     def find_abandoned(self, conn: sa.Connection, now: dt.datetime, limit: int) -> list[Record]:
         """In-progress, unexpired records whose lease has ended, oldest lease first."""
