@@ -28,6 +28,7 @@ setup(
     ],
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],
+        "mysql": ["pymysql>=1.1"],
     },
     classifiers=[
         "Framework :: Flask",

@@ -46,7 +46,9 @@ def _timestamp() -> t.Any:
 
 
 def _exact_text(length: int, mysql_bytes: int) -> t.Any:
-    return _mysql_variant(sa.String(length), mysql.VARBINARY(mysql_bytes))
+    # CHARACTER SET binary makes the server store a VARBINARY, while SQLAlchemy
+    # still binds str (VARBINARY's own type insists on bytes).
+    return _mysql_variant(sa.String(length), mysql.VARCHAR(mysql_bytes, charset="binary"))
 
 
 def _long_text() -> t.Any:

@@ -1,8 +1,15 @@
-"""Fixtures: a real PostgreSQL (configured or embedded), SQLite, apps and clients.
+"""Fixtures: a real PostgreSQL (configured or embedded), SQLite, MariaDB/MySQL,
+apps and clients.
 
 Set ``IDEMPOTENCY_TEST_POSTGRES_URL`` to test against a PostgreSQL you run;
 otherwise the suite starts its own with ``pgserver`` (a PostgreSQL from PyPI).
 PostgreSQL tests are never skipped: if no server can be had, they error.
+
+MariaDB/MySQL runs every engine-parametrized test too, at
+``IDEMPOTENCY_TEST_MYSQL_URL`` (default: root without a password on
+127.0.0.1:3306, database ``idempotency_test``, created if missing). When no
+server answers there, those tests are skipped with the reason, and the report
+header says so.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from flask_idempotency.models import as_utc
 from tests import testapp
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
+MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"
+DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/idempotency_test?charset=utf8mb4"
 
 
 def _start_embedded_postgres() -> tuple[str, t.Any]:
@@ -52,10 +61,42 @@ def postgres_url() -> str:
     return t.cast(str, _PG["url"])
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+_MYSQL: dict[str, t.Any] = {}
+
+
+def mysql_url() -> str | None:
+    """The MariaDB/MySQL the suite uses, or ``None`` (with the reason kept) when
+    none answers. The database is created if missing."""
+    if "url" not in _MYSQL:
+        url = sa.make_url(os.environ.get(MYSQL_ENV) or DEFAULT_MYSQL_URL)
+        _MYSQL["shown"] = url.render_as_string(hide_password=True)
+        server = sa.create_engine(url.set(database=""), connect_args={"connect_timeout": 3})
+        try:
+            with server.begin() as conn:
+                conn.execute(
+                    sa.text(f"CREATE DATABASE IF NOT EXISTS `{url.database}` CHARACTER SET utf8mb4")
+                )
+                _MYSQL["version"] = conn.execute(sa.text("SELECT VERSION()")).scalar_one()
+            _MYSQL["url"] = url.render_as_string(hide_password=False)
+        except Exception as exc:  # any failure to reach it means "not here"
+            _MYSQL["url"], _MYSQL["reason"] = None, f"{type(exc).__name__}: {exc}"
+        finally:
+            server.dispose()
+    return t.cast("str | None", _MYSQL["url"])
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
     source = os.environ.get(POSTGRES_ENV)
     where = f"{POSTGRES_ENV}={source}" if source else "embedded (pgserver), started on first use"
-    return f"PostgreSQL for tests: {where}"
+    lines = [f"PostgreSQL for tests: {where}"]
+    if mysql_url() is not None:
+        lines.append(f"MariaDB/MySQL for tests: {_MYSQL['shown']} (server {_MYSQL['version']})")
+    else:
+        lines.append(
+            f"MariaDB/MySQL for tests: NOT REACHABLE at {_MYSQL['shown']} "
+            f"({_MYSQL['reason']}); its tests are skipped. Set {MYSQL_ENV} to run them."
+        )
+    return lines
 
 
 @pytest.fixture(scope="session")
@@ -63,10 +104,15 @@ def pg_url() -> str:
     return postgres_url()
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgresql":
         return postgres_url()
+    if request.param == "mysql":
+        url = mysql_url()
+        if url is None:
+            pytest.skip(f"no MariaDB/MySQL at {_MYSQL['shown']}: {_MYSQL['reason']}")
+        return url
     return f"sqlite:///{tmp_path / 'test.sqlite3'}"
 
 

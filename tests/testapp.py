@@ -240,8 +240,8 @@ def create_app(
         SQLALCHEMY_ENGINE_OPTIONS=(
             {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
         ),
-        **config,
     )
+    app.config.update(**config)
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
     app.register_blueprint(bp)

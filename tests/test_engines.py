@@ -1,0 +1,286 @@
+"""The record is exact on every engine, and every engine's refusals are a 409.
+
+Run on PostgreSQL, SQLite and MariaDB/MySQL: scope and key compare byte for
+byte (no case folding, no trailing-space padding), timestamps keep microseconds,
+large response bodies are stored, a duplicate waits no longer than
+``IDEMPOTENCY_WAIT``, and the engine's own lock timeout, a deadlock or a
+snapshot that hides the winner end in the documented answer (409 problem+json or
+the replay), never a 500.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask, request
+
+from tests import testapp
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.gates import Gates, send
+from tests.test_flow import assert_problem
+
+
+def make_app(database_url: str, clock: Clock | None = None, **config: t.Any) -> Flask:
+    app = testapp.create_app(database_url, clock=clock, **config)
+    reset_tables(database_url)
+    return app
+
+
+def post(client: t.Any, path: str, body: t.Any, key: str, **headers: str) -> t.Any:
+    return client.post(
+        path,
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"Idempotency-Key": key, **headers},
+    )
+
+
+# -- exact comparison ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("Order-42", "order-42"), ("k", '"k "'), ('"k "', '"k  "'), ("abc", "ABC")],
+)
+def test_keys_differing_in_case_or_trailing_spaces_are_different_keys(
+    database_url: str, first: str, second: str
+) -> None:
+    app = make_app(database_url)
+    client = app.test_client()
+    one = post(client, "/tenant", {"amount": 1}, first, **{"X-Tenant": "a"})
+    two = post(client, "/tenant", {"amount": 1}, second, **{"X-Tenant": "a"})
+    assert one.status_code == two.status_code == 201
+    assert two.headers.get("Idempotent-Replayed") is None
+    assert one.get_json()["id"] != two.get_json()["id"]
+    assert ledger_count(app, "tenant") == 2
+    assert sorted(r["key"] for r in record_rows(app)) == sorted(
+        k.strip('"') for k in (first, second)
+    )
+
+
+@pytest.mark.parametrize(("first", "second"), [("Acme", "acme"), ("acme", "acme ")])
+def test_scopes_differing_in_case_or_trailing_spaces_never_share(
+    database_url: str, first: str, second: str
+) -> None:
+    app = make_app(database_url)
+    client = app.test_client()
+    post(client, "/tenant", {"amount": 1}, "k", **{"X-Tenant": first})
+    two = post(client, "/tenant", {"amount": 1}, "k", **{"X-Tenant": second})
+    assert two.headers.get("Idempotent-Replayed") is None
+    assert two.get_json()["tenant"] == second  # not the other tenant's response
+    assert ledger_count(app, "tenant") == 2
+    assert {r["scope"] for r in record_rows(app)} == {f"tenant:{first}", f"tenant:{second}"}
+
+
+def test_non_ascii_scope_round_trips(database_url: str) -> None:
+    app = testapp.create_app(database_url)
+
+    @app.post("/intl")
+    @testapp.idem.idempotent(scope=lambda: "tenant:Zürich-東京")
+    def intl() -> tuple[dict[str, t.Any], int]:
+        return {"id": testapp.write_ledger("intl").id}, 201
+
+    reset_tables(database_url)
+    client = app.test_client()
+    assert post(client, "/intl", {}, "k").status_code == 201
+    assert post(client, "/intl", {}, "k").headers["Idempotent-Replayed"] == "true"
+    [record] = record_rows(app)
+    assert record["scope"] == "tenant:Zürich-東京"
+    assert ledger_count(app, "intl") == 1
+
+
+# -- precision and size -----------------------------------------------------------
+
+
+def test_timestamps_keep_microseconds(database_url: str, clock: Clock) -> None:
+    clock.now = clock.now.replace(microsecond=123456)
+    app = make_app(database_url, clock)
+    assert post(app.test_client(), "/short-ttl", {}, "k").status_code == 201
+    [record] = record_rows(app)
+    assert record["created_at"] == clock.now
+    assert record["expires_at"] == clock.now + dt.timedelta(minutes=5)
+    assert record["created_at"].microsecond == 123456
+
+
+def test_sub_second_expiry_is_exact(database_url: str, clock: Clock) -> None:
+    app = make_app(database_url, clock)
+    client = app.test_client()
+    post(client, "/short-ttl", {}, "k")
+    clock.advance(minutes=5, microseconds=-1)
+    assert post(client, "/short-ttl", {}, "k").headers.get("Idempotent-Replayed") == "true"
+    clock.advance(microseconds=1)  # exactly at expires_at: expired
+    assert post(client, "/short-ttl", {}, "k").headers.get("Idempotent-Replayed") is None
+    assert ledger_count(app, "short-ttl") == 2
+
+
+def test_response_body_over_64_kib_is_stored_and_replayed(database_url: str) -> None:
+    app = make_app(database_url, IDEMPOTENCY_MAX_BODY=1024 * 1024)
+    client = app.test_client()
+    first = post(client, "/big/300000", {}, "big")
+    assert first.status_code == 201
+    again = post(client, "/big/300000", {}, "big")
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.get_data() == first.get_data()
+    assert len(again.get_data()) == 300000
+    assert ledger_count(app, "big") == 1
+
+
+# -- waiting, and what each engine does when it stops waiting ---------------------
+
+
+def slow_app(database_url: str, **config: t.Any) -> tuple[Flask, Gates]:
+    gates = Gates()
+    app = testapp.create_app(database_url, **config)
+
+    @app.post("/held")
+    @testapp.idem.idempotent()
+    def held() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("held")
+        who = request.headers.get("X-Who", "")
+        if who.startswith("first"):
+            gates.pause(who)
+        if who.endswith("fails"):
+            return {"error": "boom"}, 500
+        return {"id": row.id}, 201
+
+    reset_tables(database_url)
+    return app, gates
+
+
+def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str) -> None:
+    """The first request holds its claim; the duplicate gives up after
+    IDEMPOTENCY_WAIT with 409 and Retry-After, long before the first ends."""
+    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=0.5)
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        started = time.monotonic()
+        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
+        waited = time.monotonic() - started
+    finally:
+        gates.open("first")
+    assert_problem(dup, 409)
+    assert dup.headers["Retry-After"] == "1"
+    assert waited < 15  # bounded by the setting, not by the first request (held 30 s)
+    assert first.result().status_code == 201
+    assert ledger_count(app, "held") == 1
+
+
+def _engine_timeout_options(database_url: str) -> dict[str, t.Any]:
+    """Engine options that make the database itself stop waiting after ~1 s."""
+    if database_url.startswith("postgresql"):
+        return {"connect_args": {"options": "-c lock_timeout=1000"}, "pool_size": 10}
+    if database_url.startswith("mysql"):
+
+        def on_connect(dbapi_conn: t.Any, record: t.Any) -> None:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
+
+        return {"_on_connect": on_connect}
+    return {"connect_args": {"timeout": 1}}
+
+
+def test_engines_own_lock_timeout_is_a_409_not_a_500(database_url: str) -> None:
+    """No bound of ours (IDEMPOTENCY_WAIT=None): the engine's own lock timeout
+    (PostgreSQL lock_timeout, innodb_lock_wait_timeout, SQLite's busy timeout)
+    ends the wait, and the client still gets the documented 409."""
+    options = _engine_timeout_options(database_url)
+    on_connect = options.pop("_on_connect", None)
+    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
+    if on_connect is not None:
+        with app.app_context():
+            sa.event.listen(testapp.db.engine, "connect", on_connect)
+            testapp.db.engine.dispose()
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
+    finally:
+        gates.open("first")
+    assert_problem(dup, 409)
+    assert first.result().status_code == 201
+    assert ledger_count(app, "held") == 1
+
+
+def test_first_request_failing_under_waiting_duplicates_never_shows_a_500_page(
+    database_url: str,
+) -> None:
+    """The first request rolls back while two duplicates wait on its claim: on
+    MySQL one of them becomes a deadlock victim. Each duplicate either runs the
+    view (its own answer) or gets 409 problem+json; none gets an HTML 500."""
+    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=20)
+    first = send(app, "/held", {}, **{"X-Who": "first-fails"})
+    try:
+        assert gates.arrived("first-fails")
+        dups = [send(app, "/held", {}, **{"X-Who": f"dup{i}-fails"}) for i in range(2)]
+        time.sleep(0.5)  # both are waiting on the first request's claim
+    finally:
+        gates.open("first-fails")
+    assert first.result().status_code == 500
+    for dup in dups:
+        answer = dup.result()
+        if answer.status_code == 409:
+            assert_problem(answer, 409)
+        else:
+            assert answer.status_code == 500
+            assert answer.get_json() == {"error": "boom"}  # the view's own answer
+    assert ledger_count(app, "held") == 0
+    assert record_rows(app) == []
+
+
+def test_duplicate_replays_even_after_an_earlier_read_in_its_transaction(
+    database_url: str,
+) -> None:
+    """A before_request hook reads through db.session, so under REPEATABLE READ
+    (MySQL's default) the duplicate's snapshot predates the winner's commit.
+    It must still find the winner's record and replay it."""
+    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=20)
+
+    @app.before_request
+    def load_user() -> None:
+        testapp.db.session.execute(sa.text("SELECT 1 FROM ledger")).all()
+
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"})
+        time.sleep(0.5)  # the duplicate has read, and now waits on the claim
+    finally:
+        gates.open("first")
+    assert first.result().status_code == 201
+    answer = dup.result()
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "held") == 1
+
+
+def test_serialization_failure_under_repeatable_read_is_a_409(pg_url: str) -> None:
+    """PostgreSQL at REPEATABLE READ refuses the duplicate's insert when the
+    winner committed after its snapshot: that is a 409 (retry), not a 500."""
+    app, gates = slow_app(
+        pg_url,
+        IDEMPOTENCY_WAIT=20,
+        SQLALCHEMY_ENGINE_OPTIONS={"isolation_level": "REPEATABLE READ"},
+    )
+
+    @app.before_request
+    def load_user() -> None:
+        testapp.db.session.execute(sa.text("SELECT 1 FROM ledger")).all()
+
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"})
+        time.sleep(0.5)
+    finally:
+        gates.open("first")
+    assert first.result().status_code == 201
+    assert_problem(dup.result(), 409)
+    retry = send(app, "/held", {}, **{"X-Who": "dup"}).result()
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "held") == 1
