@@ -26,8 +26,10 @@ key                            default                 meaning
 ``IDEMPOTENCY_REPLAY_HEADERS`` ``()``                  response headers replayed in addition to
                                                        ``Content-Type`` and ``Location``
 ``IDEMPOTENCY_SCOPE``          ``None``                callable returning the scope string; ``None``
-                                                       means the endpoint plus a digest of the
-                                                       ``Authorization`` header when present
+                                                       means the endpoint plus the caller's
+                                                       identity (Flask-Login user, Basic user,
+                                                       bearer token digest, session cookie
+                                                       digest): see :func:`.keys.default_scope`
 ``IDEMPOTENCY_PURGE_BATCH``    1000                    expired records deleted per transaction
 ``IDEMPOTENCY_SCHEDULER``      ``False``               run the jobs in each serving process
                                                        (started on its first request)
@@ -46,11 +48,15 @@ import dataclasses
 import typing as t
 from datetime import timedelta
 
+from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
+
 PREFIX = "IDEMPOTENCY_"
 
 DEFAULTS: dict[str, t.Any] = {
     "HEADER": "Idempotency-Key",
     "REQUIRED": False,
+    "KEY_FORMAT": None,
+    "KEY_MAX_LENGTH": MAX_KEY_LENGTH,
     "TTL": timedelta(hours=24),
     "LEASE": timedelta(seconds=60),
     "WAIT": timedelta(seconds=10),
@@ -124,6 +130,8 @@ class Settings:
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
     job_lock: timedelta = timedelta(minutes=2)
+    key_format: KeyFormat | None = None
+    key_max_length: int = MAX_KEY_LENGTH
 
     @classmethod
     def from_mapping(cls, values: t.Mapping[str, t.Any]) -> Settings:
@@ -154,6 +162,10 @@ class Settings:
             purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
             recover_every=as_timedelta(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
             job_lock=as_timedelta(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
+            key_format=resolve_key_format(values["KEY_FORMAT"], "IDEMPOTENCY_KEY_FORMAT"),
+            key_max_length=resolve_key_max_length(
+                values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
+            ),
         )
 
     def replayed_header_names(self) -> frozenset[str]:

@@ -28,7 +28,7 @@ from .errors import (
     NothingToRecoverError,
 )
 from .fingerprint import load_payload, read_body, request_fingerprint
-from .keys import default_scope, key_from_request
+from .keys import MAX_SCOPE_LENGTH, default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .responses import capture, is_storable, replay
 from .state import resolve_app
@@ -36,7 +36,6 @@ from .store import ClaimWaitExceeded, Store
 
 logger = logging.getLogger("flask_idempotency")
 
-MAX_SCOPE_LENGTH = 512
 # A claim attempt only repeats when another request changed the row between
 # our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
 _CLAIM_ROUNDS = 5
@@ -132,7 +131,9 @@ class Flow:
 
     def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         settings, route = self.settings, self.route
-        key = key_from_request(settings.header)
+        key = key_from_request(
+            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
+        )
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
