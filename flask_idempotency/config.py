@@ -12,6 +12,13 @@ key                            default                 meaning
 ``IDEMPOTENCY_HEADER``         ``"Idempotency-Key"``   request header that carries the key
 ``IDEMPOTENCY_REQUIRED``       ``False``               a protected route without a key answers 400
                                                        (otherwise the request runs unprotected)
+``IDEMPOTENCY_KEY_FORMAT``     ``None``                what a key must look like, else 400
+                                                       ``invalid-key``: ``None`` any printable
+                                                       ASCII; ``"uuid"`` a canonical UUID (either
+                                                       case, with hyphens); or a regular expression
+                                                       (str or compiled) the whole key must match
+``IDEMPOTENCY_KEY_MAX_LENGTH`` 255                     longest key accepted, 1 to 255 (the key
+                                                       column's size), checked before the format
 ``IDEMPOTENCY_TTL``            24 hours                how long a record is kept (retention window);
                                                        a retry after that runs again
 ``IDEMPOTENCY_LEASE``          60 seconds              how long an in-progress record that has been
