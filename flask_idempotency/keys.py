@@ -261,12 +261,14 @@ def _credential_identity(header: str) -> str:
 _warned: weakref.WeakKeyDictionary[Flask, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
-def _warn_once(endpoint: str, fallback: str) -> None:
+def _warn_once(endpoint: str, cookie_name: str | None) -> None:
+    """Say, once per endpoint, that the scope fell back to a cookie (or to nothing)."""
+    fallback = "anonymous" if cookie_name is None else "cookie"
     seen = _warned.setdefault(resolve_app(), set())
     if (endpoint, fallback) in seen:
         return
     seen.add((endpoint, fallback))
-    if fallback == "anonymous":
+    if cookie_name is None:
         logger.warning(
             "Idempotency scope of endpoint %r: the request carries no identity (no "
             "IDEMPOTENCY_SCOPE, no Flask-Login user, no Authorization header, no "
@@ -284,7 +286,7 @@ def _warn_once(endpoint: str, fallback: str) -> None:
             "Flask-Login or set IDEMPOTENCY_SCOPE to the user's id, e.g. "
             'lambda: f"user:{g.user.id}". Logged once per endpoint.',
             endpoint,
-            fallback,
+            cookie_name,
         )
 
 
@@ -308,8 +310,10 @@ def default_scope() -> str:
 
     A user id or user name longer than 128 characters, or not printable ASCII,
     appears as ``user-sha256:<hex>`` / ``basic-sha256:<hex>`` (SHA-256 of its
-    UTF-8). The Basic password is not part of the scope: the same user with a
-    changed password keeps its scope. The scope names the caller, it does not
+    UTF-8); a whole scope that would still exceed 512 characters (only an
+    absurdly long endpoint name can do that) becomes ``sha256:<hex>`` of it.
+    The Basic password is not part of the scope: the same user with a changed
+    password keeps its scope. The scope names the caller, it does not
     authenticate them: authenticate before the idempotency layer runs.
 
     The last two rows are not an identity: a scope from the cookie changes with
@@ -326,7 +330,7 @@ def default_scope() -> str:
         cookie_name = current_app.config.get("SESSION_COOKIE_NAME") or "session"
         cookie = request.cookies.get(cookie_name)
         if not cookie:
-            _warn_once(endpoint, "anonymous")
+            _warn_once(endpoint, None)
             return _fit(endpoint)
         _warn_once(endpoint, cookie_name)
         identity = f"session:{_sha256(cookie)}"
