@@ -11,6 +11,8 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
+from .errors import InvalidKeyError
+from .keys import MAX_SCOPE_LENGTH, parse_key
 from .state import AppState, app_state, resolve_app
 
 idempotency_cli = AppGroup("idempotency", help="Inspect and maintain idempotency records.")
@@ -25,6 +27,27 @@ def _state() -> AppState:
 
 def _iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
+
+
+def _key_argument(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The key as the client sent it in the header: quoted (``'"order-42"'``) or bare."""
+    if value is None:
+        return None
+    try:
+        return parse_key(value)
+    except InvalidKeyError as exc:
+        raise click.BadParameter(exc.detail) from None
+
+
+def _scope_argument(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A scope exactly as stored: byte for byte, so no trimming or case folding."""
+    if not value:
+        raise click.BadParameter("the scope must not be empty")
+    if "\x00" in value:
+        raise click.BadParameter("the scope must not contain NUL")
+    if len(value) > MAX_SCOPE_LENGTH:
+        raise click.BadParameter(f"the scope must be at most {MAX_SCOPE_LENGTH} characters")
+    return value
 
 
 @idempotency_cli.command("create-tables")
@@ -76,8 +99,8 @@ def _load(scope: str, key: str) -> t.Any:
 
 
 @idempotency_cli.command("show")
-@click.argument("scope")
-@click.argument("key")
+@click.argument("scope", callback=_scope_argument)
+@click.argument("key", callback=_key_argument)
 def show(scope: str, key: str) -> None:
     """Print one record as JSON (the body as text when it is UTF-8)."""
     record = _load(scope, key)
@@ -112,8 +135,8 @@ def show(scope: str, key: str) -> None:
 
 
 @idempotency_cli.command("release")
-@click.argument("scope")
-@click.argument("key")
+@click.argument("scope", callback=_scope_argument)
+@click.argument("key", callback=_key_argument)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Also release a completed record.")
 def release(scope: str, key: str, yes: bool, force: bool) -> None:
@@ -134,6 +157,54 @@ def release(scope: str, key: str, yes: bool, force: bool) -> None:
     with state.db.engine.begin() as conn:
         deleted = state.store.delete_record(conn, scope, key)
     click.echo("released" if deleted else "already gone")
+
+
+@idempotency_cli.command("list")
+@click.option("--key", callback=_key_argument, help="Only this key (quoted or bare).")
+@click.option("--scope-prefix", default=None, help="Only scopes that start with this text.")
+@click.option(
+    "--status",
+    type=click.Choice(["in_progress", "completed"]),
+    default=None,
+    help="Only records in this state.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=10_000),
+    default=20,
+    show_default=True,
+    help="Most records printed, newest first.",
+)
+def list_records(key: str | None, scope_prefix: str | None, status: str | None, limit: int) -> None:
+    """Find records (scope, key, status, times) as JSON, newest first.
+
+    For a client's key whose scope you cannot build (a bearer token or cookie
+    digest): ``list --key KEY``, then ``show`` or ``release`` with its scope.
+    """
+    state = _state()
+    with state.db.engine.connect() as conn:
+        records = state.store.find(
+            conn, key=key, scope_prefix=scope_prefix, status=status, limit=limit
+        )
+    now = state.clock()
+    click.echo(
+        json.dumps(
+            [
+                {
+                    "scope": record.scope,
+                    "key": record.key,
+                    "status": record.status,
+                    "response_code": record.response_code,
+                    "created_at": _iso(record.created_at),
+                    "locked_until": _iso(record.locked_until),
+                    "expires_at": _iso(record.expires_at),
+                    "expired": record.is_expired(now),
+                }
+                for record in records
+            ],
+            indent=2,
+        )
+    )
 
 
 @idempotency_cli.command("recover")

@@ -12,6 +12,13 @@ key                            default                 meaning
 ``IDEMPOTENCY_HEADER``         ``"Idempotency-Key"``   request header that carries the key
 ``IDEMPOTENCY_REQUIRED``       ``False``               a protected route without a key answers 400
                                                        (otherwise the request runs unprotected)
+``IDEMPOTENCY_KEY_FORMAT``     ``None``                what a key must look like, else 400
+                                                       ``invalid-key``: ``None`` any printable
+                                                       ASCII; ``"uuid"`` a canonical UUID (either
+                                                       case, with hyphens); or a regular expression
+                                                       (str or compiled) the whole key must match
+``IDEMPOTENCY_KEY_MAX_LENGTH`` 255                     longest key accepted, 1 to 255 (the key
+                                                       column's size), checked before the format
 ``IDEMPOTENCY_TTL``            24 hours                how long a record is kept (retention window);
                                                        a retry after that runs again
 ``IDEMPOTENCY_LEASE``          60 seconds              how long an in-progress record that has been
@@ -26,8 +33,10 @@ key                            default                 meaning
 ``IDEMPOTENCY_REPLAY_HEADERS`` ``()``                  response headers replayed in addition to
                                                        ``Content-Type`` and ``Location``
 ``IDEMPOTENCY_SCOPE``          ``None``                callable returning the scope string; ``None``
-                                                       means the endpoint plus a digest of the
-                                                       ``Authorization`` header when present
+                                                       means the endpoint plus the caller's
+                                                       identity (Flask-Login user, Basic user,
+                                                       bearer token digest, session cookie
+                                                       digest): see :func:`.keys.default_scope`
 ``IDEMPOTENCY_PURGE_BATCH``    1000                    expired records deleted per transaction
 ``IDEMPOTENCY_SCHEDULER``      ``False``               run the jobs in each serving process
                                                        (started on its first request)
@@ -46,11 +55,15 @@ import dataclasses
 import typing as t
 from datetime import timedelta
 
+from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
+
 PREFIX = "IDEMPOTENCY_"
 
 DEFAULTS: dict[str, t.Any] = {
     "HEADER": "Idempotency-Key",
     "REQUIRED": False,
+    "KEY_FORMAT": None,
+    "KEY_MAX_LENGTH": MAX_KEY_LENGTH,
     "TTL": timedelta(hours=24),
     "LEASE": timedelta(seconds=60),
     "WAIT": timedelta(seconds=10),
@@ -142,6 +155,8 @@ class Settings:
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
     job_lock: timedelta = timedelta(minutes=2)
+    key_format: KeyFormat | None = None
+    key_max_length: int = MAX_KEY_LENGTH
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -176,6 +191,10 @@ class Settings:
             purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
             recover_every=as_timedelta(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
             job_lock=as_timedelta(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
+            key_format=resolve_key_format(values["KEY_FORMAT"], "IDEMPOTENCY_KEY_FORMAT"),
+            key_max_length=resolve_key_max_length(
+                values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
+            ),
         )
 
     def replayed_header_names(self) -> frozenset[str]:

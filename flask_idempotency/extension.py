@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import re
 import typing as t
 import weakref
 
@@ -13,7 +14,7 @@ from . import config, session_guard
 from .cli import idempotency_cli
 from .fingerprint import SchemaArg, resolve_schema
 from .flow import Clock, Flow, RequestState, RouteOptions
-from .keys import derive_key
+from .keys import derive_key, resolve_key_format, resolve_key_max_length
 from .models import job_lock_table, record_table
 from .recovery import run_step
 from .scheduler import InProcessScheduler
@@ -137,6 +138,8 @@ class Idempotency:
         scope: t.Callable[[], str] | None = None,
         lease: LeaseArg = None,
         recover: bool = False,
+        key_format: str | re.Pattern[str] | None = None,
+        key_max_length: int | None = None,
     ) -> t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -146,8 +149,9 @@ class Idempotency:
         :param required: a request without a key answers 400 (default
             ``IDEMPOTENCY_REQUIRED``).
         :param ttl: retention of this route's records (default ``IDEMPOTENCY_TTL``).
-        :param scope: callable returning the scope string (default: endpoint plus
-            a digest of the ``Authorization`` header).
+        :param scope: callable returning the scope string (default
+            ``IDEMPOTENCY_SCOPE``, else the endpoint plus the caller's identity:
+            see :func:`~flask_idempotency.keys.default_scope`).
         :param lease: commit the in-progress record before the view runs, leased
             for this long (``True``: ``IDEMPOTENCY_LEASE``). Use it for views whose
             work cannot fit one transaction. Without it the record is claimed in
@@ -155,6 +159,10 @@ class Idempotency:
         :param recover: keep the request (method, path, body) on the record so
             the lease recovery job can finish an abandoned request without the
             client. The view must then work without the client's credentials.
+        :param key_format: ``"uuid"`` or a regular expression the whole key must
+            match, else 400 (default ``IDEMPOTENCY_KEY_FORMAT``).
+        :param key_max_length: longest key accepted, at most 255 (default
+            ``IDEMPOTENCY_KEY_MAX_LENGTH``).
         """
         loaded_schema = resolve_schema(schema)
         excluded = tuple(exclude)
@@ -170,6 +178,10 @@ class Idempotency:
             overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
         if "ttl" in overrides and "lease" in overrides:
             config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
+        if key_format is not None:
+            overrides["key_format"] = resolve_key_format(key_format, "key_format")
+        if key_max_length is not None:
+            overrides["key_max_length"] = resolve_key_max_length(key_max_length, "key_max_length")
         route = RouteOptions(
             schema=loaded_schema,
             exclude=excluded,

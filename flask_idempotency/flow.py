@@ -29,7 +29,7 @@ from .errors import (
     NothingToRecoverError,
 )
 from .fingerprint import load_payload, read_body, request_fingerprint
-from .keys import default_scope, key_from_request
+from .keys import MAX_SCOPE_LENGTH, default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .responses import capture, is_storable, replay
 from .session_guard import Claim, ClaimGuard, Reassert, lost_error
@@ -38,7 +38,6 @@ from .store import ClaimWaitExceeded, Store, new_fencing_token
 
 logger = logging.getLogger("flask_idempotency")
 
-MAX_SCOPE_LENGTH = 512
 # A claim attempt only repeats when another request changed the row between
 # our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
 _CLAIM_ROUNDS = 5
@@ -150,7 +149,9 @@ class Flow:
 
     def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         settings, route = self.settings, self.route
-        key = key_from_request(settings.header)
+        key = key_from_request(
+            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
+        )
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")

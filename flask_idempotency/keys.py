@@ -1,24 +1,52 @@
-"""The ``Idempotency-Key`` header: parsing, validation, and the default scope.
+"""The ``Idempotency-Key`` header (parsing, validation, formats) and the default scope.
 
 A key may be sent as an RFC 8941 Structured Field string (``"abc"``, the form the
 IETF draft specifies) or bare (``abc``); both name the same key. Keys are 1 to
 255 characters of printable ASCII (space to ``~``); a bare key may not contain a
-comma, since servers join repeated headers with commas.
+comma, since servers join repeated headers with commas. An app may ask for less:
+a shorter maximum (``IDEMPOTENCY_KEY_MAX_LENGTH``) and a format the whole key
+must match (``IDEMPOTENCY_KEY_FORMAT``: ``"uuid"`` or a regular expression).
+
+The default scope is the endpoint plus the caller's identity, see
+:func:`default_scope`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
+import logging
+import re
+import typing as t
+import weakref
 
-from flask import request
+from flask import Flask, current_app, request
 
 from .errors import InvalidKeyError
+from .state import resolve_app
 
+#: The most characters a key may have: the size of the record's key column.
 MAX_KEY_LENGTH = 255
+#: The most characters a scope may have: the size of the record's scope column.
+MAX_SCOPE_LENGTH = 512
+# An identity (user id, Basic user name) longer than this, or not printable
+# ASCII, is stored as a digest: the scope stays readable for operators where it
+# can, and always fits its column whatever the endpoint's name.
+_MAX_VERBATIM_IDENTITY = 128
+
+logger = logging.getLogger("flask_idempotency")
 
 
 def _printable(text: str) -> bool:
     return all(" " <= ch <= "~" for ch in text)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+# -- the key ------------------------------------------------------------------------
 
 
 def _unquote_sf_string(value: str) -> str:
@@ -48,10 +76,11 @@ def _unquote_sf_string(value: str) -> str:
     raise InvalidKeyError("The Idempotency-Key is a malformed quoted string: no closing quote.")
 
 
-def parse_key(raw: str) -> str:
+def parse_key(raw: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
     """Return the key named by one header value, or raise :class:`InvalidKeyError`.
 
     ``"abc"`` and ``abc`` both return ``abc``. Surrounding whitespace is ignored.
+    A key longer than ``max_length`` characters (after unquoting) is refused.
     """
     value = raw.strip(" \t")
     if not _printable(value):
@@ -69,40 +98,251 @@ def parse_key(raw: str) -> str:
         key = value
     if not key:
         raise InvalidKeyError("The Idempotency-Key must not be empty.")
-    if len(key) > MAX_KEY_LENGTH:
+    if len(key) > max_length:
         raise InvalidKeyError(
-            f"The Idempotency-Key must be at most {MAX_KEY_LENGTH} characters, got {len(key)}."
+            f"The Idempotency-Key must be at most {max_length} characters, got {len(key)}."
         )
     return key
 
 
-def key_from_request(header: str) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class KeyFormat:
+    """A format the whole key must match (``IDEMPOTENCY_KEY_FORMAT``, ``key_format=``)."""
+
+    #: Matched with ``fullmatch`` against the unquoted key.
+    pattern: re.Pattern[str]
+    #: ``"uuid"`` or ``"regex"``: what the problem document's ``expected_format`` says.
+    kind: str
+
+    def check(self, key: str) -> None:
+        """Raise :class:`InvalidKeyError` (400) naming the format when ``key`` does not match."""
+        if self.pattern.fullmatch(key) is not None:
+            return
+        if self.kind == "uuid":
+            raise InvalidKeyError(
+                "The Idempotency-Key must be a UUID: 32 hexadecimal digits in groups "
+                "8-4-4-4-12 separated by hyphens, such as "
+                f'"{_UUID_EXAMPLE}".',
+                extra={"expected_format": "uuid"},
+            )
+        raise InvalidKeyError(
+            "The Idempotency-Key must match the regular expression "
+            f"{self.pattern.pattern!r} (the whole key).",
+            extra={"expected_format": "regex", "pattern": self.pattern.pattern},
+        )
+
+
+_UUID_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+# The canonical textual form (RFC 9562): hex digits of either case, with hyphens;
+# no braces, no "urn:uuid:" prefix, no hyphen-less form.
+_UUID = KeyFormat(
+    re.compile(
+        "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+        re.ASCII,
+    ),
+    "uuid",
+)
+
+
+def resolve_key_format(value: t.Any, name: str) -> KeyFormat | None:
+    """Check a key format setting at start-up; raise ``TypeError``/``ValueError`` if wrong.
+
+    ``None``: any key (printable ASCII). ``"uuid"``: a canonical UUID. Any other
+    string, or a compiled :class:`re.Pattern` of ``str``: a regular expression
+    the whole key must match. ``name`` is the setting, for the messages.
+    """
+    if value is None:
+        return None
+    if isinstance(value, KeyFormat):
+        return value
+    if value == "uuid":
+        return _UUID
+    if isinstance(value, re.Pattern):
+        if not isinstance(value.pattern, str):
+            raise TypeError(f"{name} must be a str pattern, not a bytes pattern")
+        return KeyFormat(value, "regex")
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f'{name} must not be empty (None accepts any key, "uuid" a UUID)')
+        try:
+            return KeyFormat(re.compile(value), "regex")
+        except re.error as exc:
+            raise ValueError(
+                f"{name} is not a valid regular expression: {value!r}: {exc}"
+            ) from None
+    raise TypeError(
+        f'{name} must be None, "uuid", a regular expression (str) or a compiled '
+        f"re.Pattern, not {value!r}"
+    )
+
+
+def resolve_key_max_length(value: t.Any, name: str) -> int:
+    """Check a maximum key length setting at start-up: an int from 1 to 255."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > MAX_KEY_LENGTH:
+        raise ValueError(
+            f"{name} must be at most {MAX_KEY_LENGTH}, the size of the idempotency "
+            f"key column; got {value}"
+        )
+    return value
+
+
+def key_from_request(
+    header: str,
+    *,
+    max_length: int = MAX_KEY_LENGTH,
+    key_format: KeyFormat | None = None,
+) -> str | None:
     """The key of the current request, ``None`` when the header is absent.
 
     More than one header of that name is ambiguous and rejected (WSGI joins them
-    with a comma, which :func:`parse_key` refuses outside a quoted string).
+    with a comma, which :func:`parse_key` refuses outside a quoted string). A key
+    longer than ``max_length``, or not matching ``key_format``, raises
+    :class:`InvalidKeyError` (400). The length is checked before the format, so a
+    pattern never runs on more than ``max_length`` characters.
     """
     values = request.headers.getlist(header)
     if not values:
         return None
     if len(values) > 1:
         raise InvalidKeyError(f"Send exactly one {header} header, got {len(values)}.")
-    return parse_key(values[0])
+    key = parse_key(values[0], max_length=max_length)
+    if key_format is not None:
+        key_format.check(key)
+    return key
+
+
+# -- the default scope ----------------------------------------------------------------
+
+
+def _identity(kind: str, value: str) -> str:
+    """``kind:value``, or ``kind-sha256:<hex>`` when ``value`` is long or not printable ASCII.
+
+    The digest form has its own kind, so a verbatim value can never look like
+    another value's digest.
+    """
+    if len(value) <= _MAX_VERBATIM_IDENTITY and _printable(value):
+        return f"{kind}:{value}"
+    return f"{kind}-sha256:{_sha256(value)}"
+
+
+def _flask_login_user() -> str | None:
+    """The authenticated Flask-Login user's id, when the app uses Flask-Login."""
+    # Flask-Login is optional: it is imported only for an app that has a
+    # LoginManager (LoginManager.init_app sets app.login_manager), so the
+    # package never needs it installed.
+    if getattr(current_app, "login_manager", None) is None:
+        return None
+    flask_login = importlib.import_module("flask_login")
+    user = flask_login.current_user
+    if user is None or not user.is_authenticated:
+        return None
+    user_id = user.get_id()
+    return None if user_id is None or str(user_id) == "" else str(user_id)
+
+
+def _credential_identity(header: str) -> str:
+    """The identity an ``Authorization`` header carries (see :func:`default_scope`)."""
+    scheme, _, credential = header.strip().partition(" ")
+    scheme = scheme.lower()
+    credential = credential.strip()
+    if scheme == "basic":
+        auth = request.authorization
+        if auth is not None and auth.type == "basic" and auth.username:
+            return _identity("basic", auth.username)
+    elif scheme == "bearer" and credential:
+        return f"bearer:{_sha256(credential)}"
+    return f"auth:{_sha256(header.strip())}"
+
+
+# Endpoints already warned about, per app, so each warning is logged once per
+# process. Weak keys: apps (many in a test run) are not kept alive by this.
+_warned: weakref.WeakKeyDictionary[Flask, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(endpoint: str, cookie_name: str | None) -> None:
+    """Say, once per endpoint, that the scope fell back to a cookie (or to nothing)."""
+    fallback = "anonymous" if cookie_name is None else "cookie"
+    seen = _warned.setdefault(resolve_app(), set())
+    if (endpoint, fallback) in seen:
+        return
+    seen.add((endpoint, fallback))
+    if cookie_name is None:
+        logger.warning(
+            "Idempotency scope of endpoint %r: the request carries no identity (no "
+            "IDEMPOTENCY_SCOPE, no Flask-Login user, no Authorization header, no "
+            "session cookie), so all such callers share one scope and one caller's "
+            "key can replay another's response. Set IDEMPOTENCY_SCOPE (or scope= on "
+            'the route) to the caller\'s identity, e.g. lambda: f"user:{g.user.id}". '
+            "Logged once per endpoint.",
+            endpoint,
+        )
+    else:
+        logger.warning(
+            "Idempotency scope of endpoint %r: the request carries no identity, only "
+            "the %r cookie; the scope follows a digest of its value, which keeps "
+            "callers apart, but a retry sent with a changed cookie runs again. Use "
+            "Flask-Login or set IDEMPOTENCY_SCOPE to the user's id, e.g. "
+            'lambda: f"user:{g.user.id}". Logged once per endpoint.',
+            endpoint,
+            cookie_name,
+        )
 
 
 def default_scope() -> str:
-    """The endpoint, plus a digest of the ``Authorization`` header when present.
+    """The scope used when neither the route nor ``IDEMPOTENCY_SCOPE`` gives one.
 
-    Two callers with different credentials never share a scope, so a key one of
-    them chose can never replay the other's response. Apps with tenants should
-    pass their own ``scope`` (for example the tenant id).
+    The endpoint, then ``|`` and the best identity of the caller found, in order:
+
+    ========================================  ===========================================
+    caller                                    scope
+    ========================================  ===========================================
+    Flask-Login user (the app has a           ``<endpoint>|user:<get_id()>``
+    ``LoginManager``, user authenticated)
+    ``Authorization: Basic``                  ``<endpoint>|basic:<user name>``
+    ``Authorization: Bearer <token>``         ``<endpoint>|bearer:<sha256 hex of token>``
+    any other ``Authorization`` scheme        ``<endpoint>|auth:<sha256 hex of the header>``
+    the session cookie only                   ``<endpoint>|session:<sha256 hex of its value>``
+    (``SESSION_COOKIE_NAME``)
+    none of these                             ``<endpoint>``
+    ========================================  ===========================================
+
+    A user id or user name longer than 128 characters, or not printable ASCII,
+    appears as ``user-sha256:<hex>`` / ``basic-sha256:<hex>`` (SHA-256 of its
+    UTF-8); a whole scope that would still exceed 512 characters (only an
+    absurdly long endpoint name can do that) becomes ``sha256:<hex>`` of it.
+    The Basic password is not part of the scope: the same user with a changed
+    password keeps its scope. The scope names the caller, it does not
+    authenticate them: authenticate before the idempotency layer runs.
+
+    The last two rows are not an identity: a scope from the cookie changes with
+    the cookie, and callers without either share one scope. Each is logged as a
+    warning on the ``flask_idempotency`` logger, once per endpoint and process.
     """
     endpoint = request.endpoint or request.path
-    auth = request.headers.get("Authorization")
-    if not auth:
-        return endpoint
-    digest = hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return f"{endpoint}|{digest}"
+    user_id = _flask_login_user()
+    if user_id is not None:
+        identity = _identity("user", user_id)
+    elif request.headers.get("Authorization", "").strip():
+        identity = _credential_identity(request.headers["Authorization"])
+    else:
+        cookie_name = current_app.config.get("SESSION_COOKIE_NAME") or "session"
+        cookie = request.cookies.get(cookie_name)
+        if not cookie:
+            _warn_once(endpoint, None)
+            return _fit(endpoint)
+        _warn_once(endpoint, cookie_name)
+        identity = f"session:{_sha256(cookie)}"
+    return _fit(f"{endpoint}|{identity}")
+
+
+def _fit(scope: str) -> str:
+    # Only an absurdly long endpoint name can get here; a digest of the whole
+    # scope still keeps every caller and endpoint apart.
+    if len(scope) <= MAX_SCOPE_LENGTH:
+        return scope
+    return f"sha256:{_sha256(scope)}"
 
 
 def derive_key(scope: str, key: str, step: str) -> str:

@@ -418,6 +418,32 @@ class Store:
             "table_bytes": size,
         }
 
+    def find(
+        self,
+        conn: sa.Connection,
+        *,
+        key: str | None = None,
+        scope_prefix: str | None = None,
+        status: str | None = None,
+        limit: int = 20,
+    ) -> list[Record]:
+        """Records matching all the given filters, newest first (an operator query)."""
+        c = self.table.c
+        stmt = sa.select(self.table)
+        if key is not None:
+            stmt = stmt.where(c.key == key)
+        if scope_prefix:
+            # substr/= rather than LIKE, which folds case on SQLite; MySQL's
+            # binary column counts bytes.
+            length = (
+                len(scope_prefix.encode()) if conn.dialect.name in _MYSQL else len(scope_prefix)
+            )
+            stmt = stmt.where(sa.func.substr(c.scope, 1, length) == scope_prefix)
+        if status is not None:
+            stmt = stmt.where(c.status == status)
+        stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
+        return [Record.from_row(row) for row in conn.execute(stmt)]
+
     def delete_record(self, conn: sa.Connection, scope: str, key: str) -> bool:
         """Delete one record whatever its state (the operator's ``release``)."""
         c = self.table.c

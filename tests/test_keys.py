@@ -1,18 +1,34 @@
-"""Unit tests of the Idempotency-Key header: parsing, reading it off a request, scope.
+"""Tests of the Idempotency-Key header: parsing, reading it off a request, key
+formats and lengths, scope.
 
-Pure: a plain Flask app for request contexts, no database.
+Pure (a plain Flask app for request contexts) except the last section, which
+drives the test app on PostgreSQL and SQLite and counts what was stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import typing as t
 
 import pytest
 from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
 from werkzeug.wrappers import Response
 
+from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON, PROBLEM_TYPE_BASE, InvalidKeyError
-from flask_idempotency.keys import MAX_KEY_LENGTH, default_scope, key_from_request, parse_key
+from flask_idempotency.keys import (
+    MAX_KEY_LENGTH,
+    default_scope,
+    key_from_request,
+    parse_key,
+    resolve_key_format,
+    resolve_key_max_length,
+)
+from tests import testapp
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 
 HEADER = "Idempotency-Key"
 
@@ -137,6 +153,155 @@ def test_non_printable_key_is_rejected(raw: str) -> None:
         parse_key(raw)
 
 
+def test_a_shorter_max_length_is_enforced_on_the_unquoted_key() -> None:
+    assert parse_key('"abcd"', max_length=4) == "abcd"
+    with pytest.raises(InvalidKeyError, match="at most 4 characters, got 5"):
+        parse_key("abcde", max_length=4)
+
+
+# -- key formats and lengths: the settings ----------------------------------------
+
+UUID_LOWER = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+
+def test_key_format_settings_resolve() -> None:
+    assert resolve_key_format(None, "X") is None
+    uuid = resolve_key_format("uuid", "X")
+    assert uuid is not None
+    assert uuid.kind == "uuid"
+    text = resolve_key_format(r"order-\d+", "X")
+    assert text is not None
+    assert (text.kind, text.pattern.pattern) == ("regex", r"order-\d+")
+    compiled = re.compile("ab+", re.IGNORECASE)
+    resolved = resolve_key_format(compiled, "X")
+    assert resolved is not None
+    assert resolved.pattern is compiled  # flags kept
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("order-[0-9", ValueError, "IDEMPOTENCY_KEY_FORMAT is not a valid regular expression"),
+        ("", ValueError, "must not be empty"),
+        (re.compile(b"abc"), TypeError, "not a bytes pattern"),
+        (42, TypeError, 'must be None, "uuid", a regular expression'),
+    ],
+)
+def test_bad_key_format_settings_are_refused(value: t.Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        resolve_key_format(value, "IDEMPOTENCY_KEY_FORMAT")
+
+
+def test_key_max_length_settings() -> None:
+    assert resolve_key_max_length(1, "X") == 1
+    assert resolve_key_max_length(255, "X") == 255
+    with pytest.raises(ValueError, match="at most 255, the size of the idempotency key column"):
+        resolve_key_max_length(256, "IDEMPOTENCY_KEY_MAX_LENGTH")
+    for bad in (0, -1, True, "10", 10.0, None):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            resolve_key_max_length(bad, "IDEMPOTENCY_KEY_MAX_LENGTH")
+
+
+def _init(**config: t.Any) -> None:
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI="sqlite://", **config)
+    db = SQLAlchemy()
+    db.init_app(app)
+    Idempotency().init_app(app, db)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"IDEMPOTENCY_KEY_MAX_LENGTH": 256}, "IDEMPOTENCY_KEY_MAX_LENGTH must be at most 255"),
+        ({"IDEMPOTENCY_KEY_MAX_LENGTH": 0}, "IDEMPOTENCY_KEY_MAX_LENGTH must be a positive"),
+        ({"IDEMPOTENCY_KEY_FORMAT": "(unclosed"}, "IDEMPOTENCY_KEY_FORMAT is not a valid"),
+    ],
+)
+def test_init_app_refuses_bad_key_settings(config: dict[str, t.Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _init(**config)
+
+
+def test_init_app_refuses_bad_key_settings_passed_to_the_constructor() -> None:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = "sqlite://"
+    db = SQLAlchemy()
+    db.init_app(app)
+    with pytest.raises(ValueError, match="IDEMPOTENCY_KEY_MAX_LENGTH must be at most 255"):
+        Idempotency(key_max_length=1000).init_app(app, db)
+
+
+def test_route_key_options_are_checked_when_decorating() -> None:
+    idem = Idempotency()
+    with pytest.raises(ValueError, match="key_format is not a valid regular expression"):
+        idem.idempotent(key_format="[")
+    with pytest.raises(ValueError, match="key_max_length must be at most 255"):
+        idem.idempotent(key_max_length=300)
+    with pytest.raises(TypeError, match="key_format must be None"):
+        idem.idempotent(key_format=7)  # type: ignore[arg-type]
+
+
+# -- key formats: reading the header ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", [UUID_LOWER, UUID_LOWER.upper(), "8E03978e-40D5-43e8-bc93-6894A57f9324"]
+)
+def test_uuid_format_accepts_canonical_uuids_of_either_case(plain_app: Flask, key: str) -> None:
+    uuid = resolve_key_format("uuid", "X")
+    with plain_app.test_request_context("/orders", method="POST", headers=[(HEADER, f'"{key}"')]):
+        assert key_from_request(HEADER, key_format=uuid) == key  # as sent: no case folding
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "8e03978e40d543e8bc936894a57f9324",  # no hyphens
+        "{8e03978e-40d5-43e8-bc93-6894a57f9324}",
+        "urn:uuid:8e03978e-40d5-43e8-bc93-6894a57f9324",
+        "8e03978e-40d5-43e8-bc93-6894a57f932",  # one digit short
+        "8e03978e-40d5-43e8-bc93-6894a57f9324a",
+        "8e03978g-40d5-43e8-bc93-6894a57f9324",
+        "order-42",
+    ],
+)
+def test_uuid_format_refuses_anything_else(plain_app: Flask, key: str) -> None:
+    uuid = resolve_key_format("uuid", "X")
+    with (
+        plain_app.test_request_context("/orders", method="POST", headers=[(HEADER, key)]),
+        pytest.raises(InvalidKeyError, match="must be a UUID") as info,
+    ):
+        key_from_request(HEADER, key_format=uuid)
+    assert info.value.problem()["expected_format"] == "uuid"
+
+
+@pytest.mark.parametrize(
+    ("key", "ok"), [("order-42", True), ("order-42x", False), ("my-order-42", False)]
+)
+def test_regex_format_must_match_the_whole_key(plain_app: Flask, key: str, ok: bool) -> None:
+    fmt = resolve_key_format(r"order-[0-9]+", "X")
+    with plain_app.test_request_context("/orders", method="POST", headers=[(HEADER, key)]):
+        if ok:
+            assert key_from_request(HEADER, key_format=fmt) == key
+            return
+        with pytest.raises(
+            InvalidKeyError, match=re.escape("'order-[0-9]+' (the whole key)")
+        ) as info:
+            key_from_request(HEADER, key_format=fmt)
+    assert info.value.problem()["expected_format"] == "regex"
+    assert info.value.problem()["pattern"] == "order-[0-9]+"
+
+
+def test_length_is_checked_before_the_format(plain_app: Flask) -> None:
+    fmt = resolve_key_format(r"a+", "X")
+    with (
+        plain_app.test_request_context("/orders", method="POST", headers=[(HEADER, "a" * 11)]),
+        pytest.raises(InvalidKeyError, match="at most 10 characters, got 11"),
+    ):
+        key_from_request(HEADER, max_length=10, key_format=fmt)
+
+
 # -- key_from_request -----------------------------------------------------------
 
 
@@ -232,6 +397,30 @@ def test_same_authorization_gives_same_scope(plain_app: Flask) -> None:
     assert first == second
 
 
+def test_basic_scope_is_the_user_name_not_the_password(plain_app: Flask) -> None:
+    with plain_app.test_request_context("/orders", method="POST", auth=("alice", "pw-1")):
+        assert default_scope() == "create_order|basic:alice"
+
+
+def test_bearer_scope_is_the_token_digest(plain_app: Flask) -> None:
+    digest = hashlib.sha256(b"alice-secret-token").hexdigest()
+    assert _scope(plain_app, "Bearer alice-secret-token") == f"create_order|bearer:{digest}"
+
+
+def test_malformed_basic_credentials_are_a_digest_of_the_header(plain_app: Flask) -> None:
+    digest = hashlib.sha256(b"Basic !!not-base64!!").hexdigest()
+    assert _scope(plain_app, "Basic !!not-base64!!") == f"create_order|auth:{digest}"
+
+
+def test_an_overlong_endpoint_still_fits_the_scope_column(plain_app: Flask) -> None:
+    endpoint = "e" * 600
+    plain_app.add_url_rule("/long", endpoint=endpoint, view_func=lambda: "", methods=["POST"])
+    with plain_app.test_request_context("/long", method="POST", auth=("alice", "pw")):
+        scope = default_scope()
+    expected = hashlib.sha256(f"{endpoint}|basic:alice".encode()).hexdigest()
+    assert scope == f"sha256:{expected}"
+
+
 # -- InvalidKeyError as a response ----------------------------------------------
 
 
@@ -254,3 +443,92 @@ def test_invalid_key_error_is_problem_json() -> None:
         "detail": "The Idempotency-Key must not be empty.",
     }
     assert body == error.problem()
+
+
+# -- key options through the test app (PostgreSQL and SQLite) ----------------------
+
+
+@pytest.fixture
+def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flask]]:
+    made: list[Flask] = []
+
+    def make(**config: t.Any) -> Flask:
+        app = testapp.create_app(database_url, clock=clock, **config)
+        made.append(app)
+        return app
+
+    reset_tables(database_url)
+    yield make
+    for app in made:
+        with app.app_context():
+            testapp.db.engine.dispose()
+
+
+def _post(client: t.Any, path: str, key: str) -> t.Any:
+    return client.post(path, json={"amount": 1}, headers={HEADER: key})
+
+
+def _invalid_key(response: t.Any) -> dict[str, t.Any]:
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.mimetype == PROBLEM_JSON
+    doc = t.cast(dict[str, t.Any], response.get_json(force=True))
+    assert doc["type"] == PROBLEM_TYPE_BASE + "invalid-key"
+    return doc
+
+
+def test_route_uuid_format_refuses_other_keys_and_stores_nothing(app: Flask, client: t.Any) -> None:
+    refused = _invalid_key(_post(client, "/scope/uuid-key", "order-42"))
+    assert refused["expected_format"] == "uuid"
+    assert "must be a UUID" in refused["detail"]
+    assert ledger_count(app) == 0
+    assert record_rows(app) == []
+
+    assert _post(client, "/scope/uuid-key", UUID_LOWER).status_code == 201
+    assert (
+        _post(client, "/scope/uuid-key", f'"{UUID_LOWER}"').headers["Idempotent-Replayed"] == "true"
+    )
+    assert ledger_count(app) == 1
+    assert [r["key"] for r in record_rows(app)] == [UUID_LOWER]
+
+
+def test_route_regex_format_and_max_length(app: Flask, client: t.Any) -> None:
+    too_long = _invalid_key(_post(client, "/scope/order-key", "order-1234567"))  # 13 > 12
+    assert "at most 12 characters, got 13" in too_long["detail"]
+    mismatch = _invalid_key(_post(client, "/scope/order-key", "order-42x"))
+    assert mismatch["pattern"] == "order-[0-9]+"
+    assert ledger_count(app) == 0
+    assert record_rows(app) == []
+
+    assert _post(client, "/scope/order-key", "order-42").status_code == 201
+    assert ledger_count(app, "scope/order-key") == 1
+    # Other routes keep the app's defaults: any printable key up to 255.
+    assert _post(client, "/raw", "k" * 255).status_code == 200
+    assert ledger_count(app, "raw") == 1
+
+
+def test_app_key_format_applies_to_every_route_unless_overridden(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    app = make_app(IDEMPOTENCY_KEY_FORMAT="uuid")
+    client = app.test_client()
+    refused = _invalid_key(_post(client, "/raw", "order-42"))
+    assert refused["expected_format"] == "uuid"
+    assert ledger_count(app) == 0
+    assert record_rows(app) == []
+
+    assert _post(client, "/raw", UUID_LOWER).status_code == 200
+    assert _post(client, "/scope/order-key", "order-7").status_code == 201  # the route's format
+    assert ledger_count(app) == 2
+    assert len(record_rows(app)) == 2
+
+
+def test_app_key_max_length(make_app: t.Callable[..., Flask]) -> None:
+    app = make_app(IDEMPOTENCY_KEY_MAX_LENGTH=8)
+    client = app.test_client()
+    refused = _invalid_key(_post(client, "/raw", "k" * 9))
+    assert "at most 8 characters, got 9" in refused["detail"]
+    assert ledger_count(app) == 0
+    assert record_rows(app) == []
+
+    assert _post(client, "/raw", "k" * 8).status_code == 200
+    assert ledger_count(app) == 1

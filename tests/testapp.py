@@ -65,7 +65,9 @@ def charges() -> Response:
     )
     response.headers["Location"] = f"/charges/{row.id}"
     response.headers["X-Request-Cost"] = "3"
-    response.set_cookie("session", "secret-of-the-first-caller")
+    # Not the session cookie (SESSION_COOKIE_NAME): that one is part of the default
+    # scope, and the tests that retry here retry as the same caller.
+    response.set_cookie("visitor", "secret-of-the-first-caller")
     return response
 
 
@@ -246,3 +248,54 @@ def create_app(
     idem.init_app(app, db, clock=clock)
     app.register_blueprint(bp)
     return app
+
+
+# --- scope routes ---
+# Routes for the default scope (tests/test_scope.py) and the key options
+# (tests/test_keys.py): each writes one ledger row and says which caller it saw.
+
+
+def _caller() -> str | None:
+    from flask import session
+
+    auth = request.authorization
+    if auth is not None and auth.username:
+        return auth.username
+    return t.cast("str | None", session.get("user"))
+
+
+@bp.get("/scope/login/<name>")
+def scope_login(name: str) -> dict[str, t.Any]:
+    """A cookie-session login: puts the user name in Flask's signed session cookie."""
+    from flask import session
+
+    session["user"] = name
+    return {"user": name}
+
+
+@bp.post("/scope/charge")
+@idem.idempotent()
+def scope_charge() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("scope/charge", (request.get_json(silent=True) or {}).get("amount"))
+    return {"id": row.id, "caller": _caller()}, 201
+
+
+@bp.post("/scope/refund")
+@idem.idempotent()
+def scope_refund() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("scope/refund")
+    return {"id": row.id, "caller": _caller()}, 201
+
+
+@bp.post("/scope/uuid-key")
+@idem.idempotent(key_format="uuid")
+def scope_uuid_key() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("scope/uuid-key")
+    return {"id": row.id}, 201
+
+
+@bp.post("/scope/order-key")
+@idem.idempotent(key_format=r"order-[0-9]+", key_max_length=12)
+def scope_order_key() -> tuple[dict[str, t.Any], int]:
+    row = write_ledger("scope/order-key")
+    return {"id": row.id}, 201
