@@ -10,8 +10,13 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 key                            default                 meaning
 =============================  ======================  ============================================
 ``IDEMPOTENCY_HEADER``         ``"Idempotency-Key"``   request header that carries the key
+``IDEMPOTENCY_METHODS``        ``("POST", "PATCH")``   the methods a decorated view protects; any
+                                                       other method runs as a request without a key
+                                                       (GET, HEAD, OPTIONS, TRACE may not be listed)
 ``IDEMPOTENCY_REQUIRED``       ``False``               a protected route without a key answers 400
                                                        (otherwise the request runs unprotected)
+``IDEMPOTENCY_SKIP``           ``None``                callable returning ``True`` for a request
+                                                       that runs unprotected, as without a key
 ``IDEMPOTENCY_KEY_FORMAT``     ``None``                what a key must look like, else 400
                                                        ``invalid-key``: ``None`` any printable
                                                        ASCII; ``"uuid"`` a canonical UUID (either
@@ -31,7 +36,13 @@ key                            default                 meaning
 ``IDEMPOTENCY_MAX_BODY``       1 MiB (1048576)         largest response body stored for replay;
                                                        larger or streamed bodies are not kept
 ``IDEMPOTENCY_REPLAY_HEADERS`` ``()``                  response headers replayed in addition to
-                                                       ``Content-Type`` and ``Location``
+                                                       ``Content-Type`` and ``Location``; ``"*"``:
+                                                       every header but the never-replayed ones
+``IDEMPOTENCY_STORED_STATUSES`` ``None``               the statuses stored and replayed; ``None``:
+                                                       2xx, 3xx and deterministic 4xx (not 408,
+                                                       409, 423, 425, 429); a collection of codes
+                                                       (200-499) to store only those; any other
+                                                       answer is rolled back and not stored
 ``IDEMPOTENCY_SCOPE``          ``None``                callable returning the scope string; ``None``
                                                        means the endpoint plus the caller's
                                                        identity (Flask-Login user, Basic user,
@@ -52,16 +63,21 @@ Durations accept a :class:`~datetime.timedelta` or a number of seconds.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import typing as t
 from datetime import timedelta
 
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
+from .responses import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 
 PREFIX = "IDEMPOTENCY_"
 
 DEFAULTS: dict[str, t.Any] = {
     "HEADER": "Idempotency-Key",
+    "METHODS": ("POST", "PATCH"),
     "REQUIRED": False,
+    "SKIP": None,
     "KEY_FORMAT": None,
     "KEY_MAX_LENGTH": MAX_KEY_LENGTH,
     "TTL": timedelta(hours=24),
@@ -69,6 +85,7 @@ DEFAULTS: dict[str, t.Any] = {
     "WAIT": timedelta(seconds=10),
     "MAX_BODY": 1024 * 1024,
     "REPLAY_HEADERS": (),
+    "STORED_STATUSES": None,
     "SCOPE": None,
     "PURGE_BATCH": 1000,
     "SCHEDULER": False,
@@ -77,25 +94,6 @@ DEFAULTS: dict[str, t.Any] = {
     "JOB_LOCK": timedelta(minutes=2),
 }
 
-#: Response headers that are never stored or replayed, whatever the configuration
-#: says: they carry credentials or per-client state that must not leak to another
-#: request.
-NEVER_REPLAYED = frozenset(
-    {
-        "set-cookie",
-        "authorization",
-        "proxy-authorization",
-        "www-authenticate",
-        "proxy-authenticate",
-        "cookie",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "idempotent-replayed",
-    }
-)
-
-ALWAYS_REPLAYED = ("Content-Type", "Location")
 
 ScopeFunc = t.Callable[[], str]
 
@@ -131,6 +129,79 @@ def check_retention(ttl: timedelta, lease: timedelta, where: str) -> None:
         )
 
 
+#: Safe methods never need a key: they change nothing.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def resolve_methods(value: t.Any, name: str) -> frozenset[str]:
+    """Upper-case method names; safe methods refused."""
+    if isinstance(value, str) or not isinstance(value, t.Iterable):
+        raise TypeError(f"{name} must be a collection of HTTP method names, not {value!r}")
+    methods = frozenset(str(m).upper() for m in value)
+    if not methods:
+        raise ValueError(f"{name} must name at least one method")
+    safe = sorted(methods & SAFE_METHODS)
+    if safe:
+        raise ValueError(f"{name}: {', '.join(safe)} change nothing and need no idempotency key")
+    return methods
+
+
+def resolve_stored_statuses(value: t.Any, name: str) -> frozenset[int] | None:
+    """``None`` (the default rule), or a set of status codes between 200 and 499."""
+    if value is None:
+        return None
+    if isinstance(value, (str, int)) or not isinstance(value, t.Iterable):
+        raise TypeError(f"{name} must be None or a collection of status codes, not {value!r}")
+    codes = frozenset(value)
+    bad = sorted(
+        repr(c)
+        for c in codes
+        if isinstance(c, bool) or not isinstance(c, int) or not 200 <= c < 500
+    )
+    if bad:
+        raise ValueError(
+            f"{name}: only 2xx, 3xx and 4xx answers can be stored (a 5xx is rolled back so "
+            f"the retry runs again); got {', '.join(bad)}"
+        )
+    if not codes:
+        raise ValueError(f"{name} must name at least one status (or be None)")
+    return codes
+
+
+def resolve_replay_headers(value: t.Any, name: str) -> tuple[str, ...] | t.Literal["*"]:
+    """Header names to replay, or ``"*"`` for every header but the never-replayed ones."""
+    if value == "*":
+        return "*"
+    if isinstance(value, str) or not isinstance(value, t.Iterable):
+        raise TypeError(f'{name} must be "*" or a collection of header names, not {value!r}')
+    return tuple(str(h) for h in value)
+
+
+def optional_callable(value: t.Any, name: str) -> t.Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a callable or None, not {value!r}")
+    return value
+
+
+def check_known(config: t.Mapping[str, t.Any]) -> None:
+    """Refuse ``IDEMPOTENCY_*`` keys this extension does not know.
+
+    A typo (``IDEMPOTENCY_TLL``) would otherwise leave the default in force,
+    unseen.
+    """
+    known = {PREFIX + name for name in DEFAULTS}
+    unknown = sorted(k for k in config if k.startswith(PREFIX) and k not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise ValueError(
+            f"unknown Flask-Idempotency setting(s): {'; '.join(hints)}. "
+            "Every setting is listed in flask_idempotency.config."
+        )
+
+
 def positive_int(value: t.Any, name: str) -> int:
     """An int of at least 1 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -148,8 +219,11 @@ class Settings:
     lease: timedelta
     wait: timedelta | None
     max_body: int
-    replay_headers: tuple[str, ...]
+    replay_headers: tuple[str, ...] | t.Literal["*"]
     scope: ScopeFunc | None
+    methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    skip: t.Callable[[], bool] | None = None
+    stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
     scheduler: bool = False
     purge_every: timedelta = timedelta(minutes=5)
@@ -171,10 +245,8 @@ class Settings:
         max_body = int(values["MAX_BODY"])
         if max_body < 0:
             raise ValueError("IDEMPOTENCY_MAX_BODY must not be negative")
-        extra = tuple(str(h) for h in values["REPLAY_HEADERS"])
-        scope = values["SCOPE"]
-        if scope is not None and not callable(scope):
-            raise TypeError("IDEMPOTENCY_SCOPE must be a callable returning a string")
+        extra = resolve_replay_headers(values["REPLAY_HEADERS"], "IDEMPOTENCY_REPLAY_HEADERS")
+        scope = optional_callable(values["SCOPE"], "IDEMPOTENCY_SCOPE")
         return cls(
             header=header,
             required=bool(values["REQUIRED"]),
@@ -186,6 +258,11 @@ class Settings:
             max_body=max_body,
             replay_headers=extra,
             scope=scope,
+            methods=resolve_methods(values["METHODS"], "IDEMPOTENCY_METHODS"),
+            skip=optional_callable(values["SKIP"], "IDEMPOTENCY_SKIP"),
+            stored_statuses=resolve_stored_statuses(
+                values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
+            ),
             purge_batch=positive_int(values["PURGE_BATCH"], "IDEMPOTENCY_PURGE_BATCH"),
             scheduler=bool(values["SCHEDULER"]),
             purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
@@ -197,7 +274,17 @@ class Settings:
             ),
         )
 
-    def replayed_header_names(self) -> frozenset[str]:
-        """Lower-cased names of the headers stored and replayed."""
+    @functools.cached_property
+    def replayed_header_names(self) -> frozenset[str] | None:
+        """Lower-cased names of the headers stored and replayed; ``None``: every
+        header but :data:`NEVER_REPLAYED`."""
+        if self.replay_headers == "*":
+            return None
         names = {h.lower() for h in (*ALWAYS_REPLAYED, *self.replay_headers)}
         return frozenset(names - NEVER_REPLAYED)
+
+    def storable(self, status: int) -> bool:
+        """Whether an answer with ``status`` is stored (and its writes committed)."""
+        if self.stored_statuses is not None:
+            return status in self.stored_statuses
+        return is_storable(status)

@@ -15,8 +15,9 @@ from .cli import idempotency_cli
 from .fingerprint import SchemaArg, resolve_schema
 from .flow import Clock, Flow, RequestState, RouteOptions
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
-from .models import job_lock_table, record_table
+from .models import Record, job_lock_table, record_table
 from .recovery import run_step
+from .responses import replay
 from .scheduler import InProcessScheduler
 from .state import EXTENSION_KEY, AppState, app_state
 from .store import Store
@@ -103,6 +104,7 @@ class Idempotency:
                     "or pass db to Idempotency(app, db) / init_app(app, db)."
                 )
         merged = {**self._options, **self._check_options(options)}
+        config.check_known(app.config)
         for name, default in config.DEFAULTS.items():
             app.config.setdefault(config.PREFIX + name, merged.get(name.lower(), default))
         settings = config.Settings.from_mapping(
@@ -140,6 +142,11 @@ class Idempotency:
         recover: bool = False,
         key_format: str | re.Pattern[str] | None = None,
         key_max_length: int | None = None,
+        methods: t.Iterable[str] | None = None,
+        stored_statuses: t.Iterable[int] | None = None,
+        skip: t.Callable[[], bool] | None = None,
+        replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
+        manual: bool = False,
     ) -> t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -163,6 +170,19 @@ class Idempotency:
             match, else 400 (default ``IDEMPOTENCY_KEY_FORMAT``).
         :param key_max_length: longest key accepted, at most 255 (default
             ``IDEMPOTENCY_KEY_MAX_LENGTH``).
+        :param methods: the methods protected (default ``IDEMPOTENCY_METHODS``,
+            POST and PATCH); other methods run as a request without a key.
+        :param stored_statuses: the statuses stored and replayed (default
+            ``IDEMPOTENCY_STORED_STATUSES``: 2xx, 3xx, deterministic 4xx).
+        :param skip: callable; ``True`` runs this request unprotected (default
+            ``IDEMPOTENCY_SKIP``).
+        :param replay_headers: headers replayed besides Content-Type and
+            Location, or ``"*"`` for all but the never-replayed ones (default
+            ``IDEMPOTENCY_REPLAY_HEADERS``).
+        :param manual: on a retry of a completed operation, run the view instead
+            of replaying: it reads ``idem.previous`` and decides the answer
+            (``idem.replay()`` gives the usual replay); whatever it writes then
+            is rolled back.
         """
         loaded_schema = resolve_schema(schema)
         excluded = tuple(exclude)
@@ -182,12 +202,25 @@ class Idempotency:
             overrides["key_format"] = resolve_key_format(key_format, "key_format")
         if key_max_length is not None:
             overrides["key_max_length"] = resolve_key_max_length(key_max_length, "key_max_length")
+        if methods is not None:
+            overrides["methods"] = config.resolve_methods(methods, "methods")
+        if stored_statuses is not None:
+            overrides["stored_statuses"] = config.resolve_stored_statuses(
+                stored_statuses, "stored_statuses"
+            )
+        if skip is not None:
+            overrides["skip"] = config.optional_callable(skip, "skip")
+        if replay_headers is not None:
+            overrides["replay_headers"] = config.resolve_replay_headers(
+                replay_headers, "replay_headers"
+            )
         route = RouteOptions(
             schema=loaded_schema,
             exclude=excluded,
             scope=scope,
             commit_claim=commit_claim,
             recover=bool(recover),
+            manual=bool(manual),
             overrides=overrides,
         )
         self._routes.append(route)
@@ -237,6 +270,21 @@ class Idempotency:
         """The current request's scope, or ``None`` when it carries no key."""
         state = self._request_state()
         return state.scope if state is not None else None
+
+    @property
+    def previous(self) -> Record | None:
+        """In manual mode, the completed record of this operation (status, body,
+        headers, times) when the request is a retry; ``None`` otherwise."""
+        state = self._request_state()
+        return state.previous if state is not None else None
+
+    def replay(self) -> Response:
+        """In manual mode, the answer the extension would have given: the stored
+        response, with ``Idempotent-Replayed: true``."""
+        previous = self.previous
+        if previous is None:
+            raise RuntimeError("idem.replay() needs a retry of a completed operation (manual mode)")
+        return replay(previous)
 
     def step(self, name: str, fn: t.Callable[[], T]) -> T:
         """Run ``fn`` once per operation as the recovery point ``name``.

@@ -31,7 +31,7 @@ from .errors import (
 from .fingerprint import load_payload, read_body, request_fingerprint
 from .keys import MAX_SCOPE_LENGTH, default_scope, key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
-from .responses import capture, is_storable, replay
+from .responses import capture, replay
 from .session_guard import Claim, ClaimGuard, Reassert, lost_error
 from .state import resolve_app
 from .store import ClaimWaitExceeded, Store, new_fencing_token
@@ -68,6 +68,7 @@ class RouteOptions:
     scope: t.Callable[[], str] | None
     commit_claim: bool
     recover: bool
+    manual: bool = False
     #: Settings this route overrides (lower-case ``Settings`` field names).
     overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
 
@@ -89,6 +90,8 @@ class RequestState:
     recovery_points: dict[str, t.Any] = dataclasses.field(default_factory=dict)
     guard: ClaimGuard | None = None
     flow: Flow | None = None
+    #: Manual mode: the completed record of this operation, for the view.
+    previous: Record | None = None
 
     @property
     def claim_committed(self) -> bool:
@@ -149,6 +152,14 @@ class Flow:
 
     def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         settings, route = self.settings, self.route
+        if request.method not in settings.methods:
+            # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
+            # is read, no body parsed, nothing recorded.
+            g._idempotency = RequestState(payload=None, key=None, scope=None)
+            return self._run_unprotected(view, kwargs)
+        if settings.skip is not None and settings.skip():
+            g._idempotency = RequestState(payload=load_payload(route.schema), key=None, scope=None)
+            return self._run_unprotected(view, kwargs)
         key = key_from_request(
             settings.header, max_length=settings.key_max_length, key_format=settings.key_format
         )
@@ -174,6 +185,9 @@ class Flow:
             ) from None
         if isinstance(outcome, Response):
             return outcome
+        if isinstance(outcome, Record):
+            state.previous = outcome
+            return self._run_manual(view, kwargs)
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
         state.guard = ClaimGuard(
@@ -232,8 +246,9 @@ class Flow:
 
     def _claim(
         self, scope: str, key: str, fingerprint: str, *, allow_new: bool
-    ) -> Claimed | Response:
-        """Claim (scope, key), or answer for the record that already holds it.
+    ) -> Claimed | Response | Record:
+        """Claim (scope, key), or answer for the record that already holds it
+        (a completed record itself, on a route in manual mode).
 
         ``allow_new=False`` (a recovery run) only resumes an abandoned record:
         it never starts an operation no client asked for.
@@ -301,8 +316,9 @@ class Flow:
 
     def _answer_existing(
         self, record: Record, fingerprint: str, now: dt.datetime
-    ) -> Response | None:
-        """Replay, 422 or 409 for an unexpired record; ``None`` means "reclaim it"."""
+    ) -> Response | Record | None:
+        """Replay (or, in manual mode, the record for the view), 422 or 409 for an
+        unexpired record; ``None`` means "reclaim it"."""
         app = resolve_app()
         if record.request_hash != fingerprint:
             signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
@@ -313,7 +329,7 @@ class Flow:
         if record.status == COMPLETED:
             logger.debug("replaying %r in scope %r", record.key, record.scope)
             signals.response_replayed.send(app, scope=record.scope, key=record.key, record=record)
-            return replay(record)
+            return record if self.route.manual else replay(record)
         if record.lease_live(now):
             assert record.locked_until is not None
             self._signal_conflict(record.scope, record.key, record)
@@ -353,7 +369,7 @@ class Flow:
         if guard.claim is Claim.LOST:
             session.rollback()
             raise lost_error()
-        storable = is_storable(response.status_code)
+        storable = self.settings.storable(response.status_code)
         if recovery:
             # Without the client, only success is worth keeping: a 4xx here may
             # come from missing credentials, not from the request itself.
@@ -368,7 +384,7 @@ class Flow:
                 session.rollback()
                 raise lost_error()
             captured = capture(
-                response, self.settings.replayed_header_names(), self.settings.max_body
+                response, self.settings.replayed_header_names, self.settings.max_body
             )
             completed = self.store.complete(
                 session,
@@ -408,7 +424,7 @@ class Flow:
         """
         try:
             response = current_app.make_response(view(**kwargs))
-            if is_storable(response.status_code):
+            if self.settings.storable(response.status_code):
                 self.session.commit()
             else:
                 self.session.rollback()
@@ -416,6 +432,15 @@ class Flow:
             self.session.rollback()
             raise
         return response
+
+    def _run_manual(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
+        """Manual mode, on a retry of a completed operation: the view sees the
+        record (``idem.previous``) and answers; anything it writes is rolled
+        back, since the operation already happened."""
+        try:
+            return current_app.make_response(view(**kwargs))
+        finally:
+            self.session.rollback()
 
     def _release(self, state: RequestState) -> None:
         """Roll back the view's work and free the key so a retry runs again.

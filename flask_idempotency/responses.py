@@ -16,6 +16,26 @@ TRANSIENT_4XX = frozenset({408, 409, 423, 425, 429})
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 
+#: Response headers that are never stored or replayed, whatever the configuration
+#: says: they carry credentials or per-client state that must not leak to another
+#: request.
+NEVER_REPLAYED = frozenset(
+    {
+        "set-cookie",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+        "cookie",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "idempotent-replayed",
+    }
+)
+
+ALWAYS_REPLAYED = ("Content-Type", "Location")
+
 
 def is_storable(status: int) -> bool:
     """2xx, 3xx and deterministic 4xx responses are stored; 5xx and transient 4xx are not."""
@@ -34,13 +54,19 @@ class Captured:
     body_omitted: bool
 
 
-def capture(response: Response, header_names: frozenset[str], max_body: int) -> Captured:
+def capture(response: Response, header_names: frozenset[str] | None, max_body: int) -> Captured:
     """Take the status, the replayable headers and (if small and not streamed) the body.
+
+    ``header_names`` are the lower-cased headers kept; ``None`` keeps every
+    header but :data:`NEVER_REPLAYED`.
 
     A streamed response is never read here: the client still gets it whole, and
     the record keeps only status and headers.
     """
-    headers = [(k, v) for k, v in response.headers.items() if k.lower() in header_names]
+    if header_names is None:
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in NEVER_REPLAYED]
+    else:
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() in header_names]
     body: bytes | None = None
     if not response.is_streamed and not response.direct_passthrough:
         data = response.get_data()
