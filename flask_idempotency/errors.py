@@ -109,6 +109,14 @@ class PayloadTooLargeError(ProblemError):
     code = 413
 
 
+class LengthRequiredError(ProblemError):
+    """A chunked body the WSGI server cannot deliver; send Content-Length (411)."""
+
+    slug = "length-required"
+    title = "Content-Length required"
+    code = 411
+
+
 class ValidationProblem(ProblemError):
     """The body failed the route's marshmallow schema (422); ``errors`` lists why."""
 

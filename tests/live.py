@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -119,6 +120,50 @@ class LiveServer:
             )
         finally:
             conn.close()
+
+
+def chunked(*chunks: bytes) -> bytes:
+    """``chunks`` in HTTP/1.1 chunked transfer coding, with the last, empty chunk."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+
+
+def raw_request(
+    port: int,
+    path: str,
+    headers: t.Sequence[tuple[str | bytes, str | bytes]],
+    body: bytes,
+    *,
+    method: str = "POST",
+    timeout: float = 30,
+) -> Reply:
+    """Send one request byte for byte (headers as given, ``body`` as is) and read the answer.
+
+    Unlike http.client it lets a test send a framing of its own: a chunked body
+    (with ``Transfer-Encoding: chunked`` among ``headers``), a broken chunk size,
+    or header values http.client refuses. Adds only ``Host`` and
+    ``Connection: close``.
+    """
+
+    def as_bytes(value: str | bytes) -> bytes:
+        return value if isinstance(value, bytes) else value.encode("latin-1")
+
+    head = [f"{method} {path} HTTP/1.1".encode(), f"Host: 127.0.0.1:{port}".encode()]
+    head += [as_bytes(name) + b": " + as_bytes(value) for name, value in headers]
+    head.append(b"Connection: close")
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        # All is sent: a server waiting for more of a cut-short body reads EOF.
+        sock.shutdown(socket.SHUT_WR)
+        response = http.client.HTTPResponse(sock)
+        try:
+            response.begin()
+            return Reply(
+                response.status,
+                {k.lower(): v for k, v in response.getheaders()},
+                response.read(),
+            )
+        finally:
+            response.close()
 
 
 def concurrently(n: int, call: t.Callable[[], Reply]) -> list[Reply]:

@@ -6,6 +6,7 @@ Pure: a plain Flask app for request contexts, no database.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import json
 import typing as t
@@ -14,7 +15,7 @@ from decimal import Decimal
 
 import pytest
 from flask import Flask
-from marshmallow import Schema, fields
+from marshmallow import Schema, fields, post_load, pre_load
 from werkzeug.wrappers import Response
 
 from flask_idempotency.errors import (
@@ -530,4 +531,467 @@ def test_same_instant_with_different_offsets_agrees() -> None:
     utc = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
     cet = utc.astimezone(dt.timezone(dt.timedelta(hours=1)))
     assert canonical_json({"at": utc}) == canonical_json({"at": cet})
-    assert canonical_json(Decimal("500.00")) == b'"500"'
+    # An integral Decimal is the integer of the same value (issue 7, item 6).
+    assert canonical_json(Decimal("500.00")) == canonical_json(500) == b"500"
+
+
+# -- forms: parsed fields and files, not the bytes ------------------------------
+
+
+def multipart(
+    boundary: str,
+    fields_: t.Sequence[tuple[str, str]] = (),
+    files: t.Sequence[tuple[str, str, bytes]] = (),
+) -> tuple[bytes, str]:
+    """A multipart/form-data body with the given boundary, and its content type."""
+    parts = []
+    for name, value in fields_:
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+            + value.encode()
+            + b"\r\n"
+        )
+    for name, filename, content in files:
+        parts.append(
+            (
+                f"--{boundary}\r\nContent-Disposition: form-data; "
+                f'name="{name}"; filename="{filename}"\r\n'
+                "Content-Type: application/octet-stream\r\n\r\n"
+            ).encode()
+            + content
+            + b"\r\n"
+        )
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def multipart_hash(app: Flask, boundary: str, **kw: t.Any) -> str:
+    exclude = kw.pop("exclude", ())
+    body, content_type = multipart(boundary, **kw)
+    return fingerprint(app, body, content_type=content_type, exclude=exclude)[1]
+
+
+FORM = {"fields_": [("amount", "100"), ("tag", "a"), ("tag", "b")]}
+UPLOAD = {**FORM, "files": [("receipt", "r.txt", b"same file")]}
+
+
+@pytest.mark.parametrize("form", [FORM, UPLOAD, {}], ids=["fields", "fields-and-file", "empty"])
+def test_multipart_boundary_does_not_matter(plain_app: Flask, form: dict[str, t.Any]) -> None:
+    assert multipart_hash(plain_app, "boundary-one", **form) == multipart_hash(
+        plain_app, "xYz0987654321", **form
+    )
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {**UPLOAD, "files": [("receipt", "r.txt", b"other file")]},
+        {**UPLOAD, "files": [("receipt", "s.txt", b"same file")]},
+        {**UPLOAD, "files": [("invoice", "r.txt", b"same file")]},
+        {**UPLOAD, "fields_": [("amount", "101"), ("tag", "a"), ("tag", "b")]},
+        {**UPLOAD, "fields_": [("amount", "100"), ("tag", "b"), ("tag", "a")]},
+        {**UPLOAD, "fields_": [("amount", "100"), ("tag", "a")]},
+        FORM,
+    ],
+    ids=["content", "filename", "file-name", "value", "value-order", "missing-value", "no-file"],
+)
+def test_multipart_content_counts(plain_app: Flask, changed: dict[str, t.Any]) -> None:
+    assert multipart_hash(plain_app, "b1", **UPLOAD) != multipart_hash(plain_app, "b2", **changed)
+
+
+def test_multipart_name_order_does_not_matter(plain_app: Flask) -> None:
+    one = multipart_hash(plain_app, "b1", fields_=[("a", "1"), ("b", "2")])
+    two = multipart_hash(plain_app, "b2", fields_=[("b", "2"), ("a", "1")])
+    assert one == two
+
+
+def test_multipart_exclude_applies_to_field_names(plain_app: Flask) -> None:
+    one = multipart_hash(
+        plain_app, "b1", fields_=[("a", "1"), ("sent_at", "x")], exclude=["sent_at"]
+    )
+    two = multipart_hash(
+        plain_app, "b2", fields_=[("a", "1"), ("sent_at", "y")], exclude=["sent_at"]
+    )
+    assert one == two
+
+
+def test_multipart_stays_readable_for_the_view(plain_app: Flask) -> None:
+    body, content_type = multipart("b1", **UPLOAD)
+    with plain_app.test_request_context(
+        method="POST", path="/x", data=body, content_type=content_type
+    ):
+        from flask import request
+
+        payload, _ = request_fingerprint(None, ())
+        assert payload == body
+        assert request.get_data() == body
+        assert request.form.getlist("tag") == ["a", "b"]
+        assert request.files["receipt"].read() == b"same file"
+
+
+def test_unparseable_multipart_counts_as_bytes(plain_app: Flask) -> None:
+    # No boundary parameter: werkzeug parses it as an empty form, silently.
+    garbage = b"--x\r\nnot a part\r\n"
+    one = fingerprint(plain_app, garbage, content_type="multipart/form-data")[1]
+    same = fingerprint(plain_app, garbage, content_type="multipart/form-data")[1]
+    other = fingerprint(plain_app, garbage + b"!", content_type="multipart/form-data")[1]
+    assert one == same
+    assert one != other
+
+
+def test_multipart_over_max_form_parts_is_413(plain_app: Flask) -> None:
+    plain_app.config["MAX_FORM_PARTS"] = 3
+    body, content_type = multipart("b", fields_=[(f"f{i}", "v") for i in range(10)])
+    with pytest.raises(PayloadTooLargeError):
+        fingerprint(plain_app, body, content_type=content_type)
+
+
+URLENCODED = "application/x-www-form-urlencoded"
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        ("a=1&b=2", "b=2&a=1"),
+        ("a=x%20y", "a=x+y"),
+        ("a=%41", "a=A"),
+        ("a=1&b=2&a=3", "b=2&a=1&a=3"),
+    ],
+)
+def test_urlencoded_same_fields_agree(plain_app: Flask, one: str, two: str) -> None:
+    assert (
+        fingerprint(plain_app, one, content_type=URLENCODED)[1]
+        == fingerprint(plain_app, two, content_type=URLENCODED)[1]
+    )
+
+
+@pytest.mark.parametrize(("one", "two"), [("a=1&a=2", "a=2&a=1"), ("a=1", "a=2"), ("a=1", "b=1")])
+def test_urlencoded_different_fields_differ(plain_app: Flask, one: str, two: str) -> None:
+    assert (
+        fingerprint(plain_app, one, content_type=URLENCODED)[1]
+        != fingerprint(plain_app, two, content_type=URLENCODED)[1]
+    )
+
+
+def test_form_and_json_of_the_same_shape_differ(plain_app: Flask) -> None:
+    form = fingerprint(plain_app, "a=1", content_type=URLENCODED)[1]
+    as_json = fingerprint(plain_app, '{"a": ["1"]}')[1]
+    assert form != as_json
+
+
+# -- schema: what the client sent, not what the schema invents ---------------------
+
+
+class LineSchema(Schema):
+    sku = fields.String(required=True)
+    line_id = fields.UUID(load_default=uuid.uuid4)
+
+
+class DefaultsSchema(Schema):
+    amount = fields.Integer(required=True)
+    order_ref = fields.UUID(load_default=uuid.uuid4, data_key="orderRef")
+    received_at = fields.AwareDateTime(load_default=lambda: dt.datetime.now(dt.timezone.utc))
+    currency = fields.String(load_default="EUR")
+    lines = fields.List(fields.Nested(LineSchema), load_default=list)
+    main_line = fields.Nested(LineSchema)
+    other_lines = fields.Nested(LineSchema, many=True)
+    by_sku = fields.Dict(keys=fields.String(), values=fields.Nested(LineSchema))
+    pair = fields.Tuple((fields.Nested(LineSchema), fields.Integer()))
+
+
+DEFAULTS_BODY = {
+    "amount": 5,
+    "lines": [{"sku": "a"}, {"sku": "b"}],
+    "main_line": {"sku": "m"},
+    "other_lines": [{"sku": "o"}],
+    "by_sku": {"x": {"sku": "x"}, "y": {"sku": "y"}},
+    "pair": [{"sku": "p"}, 1],
+}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"amount": 5}, DEFAULTS_BODY],
+    ids=["top-level-defaults", "nested-defaults"],
+)
+def test_schema_defaults_do_not_count(plain_app: Flask, body: dict[str, t.Any]) -> None:
+    schema = DefaultsSchema()
+    first_payload, first = fingerprint(plain_app, json.dumps(body), schema=schema)
+    second_payload, second = fingerprint(plain_app, json.dumps(body), schema=schema)
+    # The view still gets the defaults; they differ on every load...
+    assert first_payload["order_ref"] != second_payload["order_ref"]
+    assert first_payload["currency"] == "EUR"
+    # ...and the fingerprint does not depend on them.
+    assert first == second
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"orderRef": "12345678-1234-5678-1234-567812345678"},
+        {"currency": "EUR"},
+        {"lines": [{"sku": "a", "line_id": "12345678-1234-5678-1234-567812345678"}, {"sku": "b"}]},
+        {"lines": [{"sku": "a"}, {"sku": "c"}]},
+        {"main_line": {"sku": "n"}},
+        {"other_lines": [{"sku": "o", "line_id": "12345678-1234-5678-1234-567812345678"}]},
+        {"by_sku": {"x": {"sku": "x"}, "y": {"sku": "z"}}},
+        {"pair": [{"sku": "p"}, 2]},
+    ],
+)
+def test_sent_values_still_count(plain_app: Flask, change: dict[str, t.Any]) -> None:
+    schema = DefaultsSchema()
+    base = fingerprint_hash(plain_app, DEFAULTS_BODY, schema=schema)
+    assert fingerprint_hash(plain_app, {**DEFAULTS_BODY, **change}, schema=schema) != base
+
+
+def test_sent_value_equal_to_itself_agrees(plain_app: Flask) -> None:
+    body = {"amount": 5, "orderRef": "12345678-1234-5678-1234-567812345678"}
+    schema = DefaultsSchema()
+    assert fingerprint_hash(plain_app, body, schema=schema) == fingerprint_hash(
+        plain_app, body, schema=schema
+    )
+
+
+def test_many_schema_defaults_do_not_count(plain_app: Flask) -> None:
+    schema = LineSchema(many=True)
+    body = [{"sku": "a"}, {"sku": "b"}]
+    assert fingerprint_hash(plain_app, body, schema=schema) == fingerprint_hash(
+        plain_app, body, schema=schema
+    )
+    assert fingerprint_hash(plain_app, body, schema=schema) != fingerprint_hash(
+        plain_app, [{"sku": "a"}], schema=schema
+    )
+
+
+class IncludeSchema(Schema):
+    class Meta:
+        unknown = "include"
+
+    amount = fields.Integer(required=True)
+    ref = fields.UUID(load_default=uuid.uuid4)
+
+
+def test_unknown_included_keys_count(plain_app: Flask) -> None:
+    schema = IncludeSchema()
+    one = fingerprint_hash(plain_app, {"amount": 1, "extra": "a"}, schema=schema)
+    assert one == fingerprint_hash(plain_app, {"amount": 1, "extra": "a"}, schema=schema)
+    assert one != fingerprint_hash(plain_app, {"amount": 1, "extra": "b"}, schema=schema)
+    assert one != fingerprint_hash(plain_app, {"amount": 1}, schema=schema)
+
+
+class CamelSchema(Schema):
+    """A pre_load hook renames keys: what the fields saw is not what was sent."""
+
+    client_ref = fields.String(load_default=lambda: str(uuid.uuid4()))
+    amount = fields.Integer()
+
+    @pre_load
+    def snake_case(self, data: dict[str, t.Any], **kwargs: t.Any) -> dict[str, t.Any]:
+        return {("client_ref" if k == "clientRef" else k): v for k, v in data.items()}
+
+
+def test_pre_load_schema_never_merges_different_requests(plain_app: Flask) -> None:
+    schema = CamelSchema()
+    one = fingerprint_hash(plain_app, {"clientRef": "a", "amount": 1}, schema=schema)
+    two = fingerprint_hash(plain_app, {"clientRef": "b", "amount": 1}, schema=schema)
+    assert one != two
+
+
+@dataclasses.dataclass
+class Order:
+    amount: int
+    note: str | None
+
+
+class ObjectSchema(Schema):
+    amount = fields.Integer(required=True)
+    note = fields.String(load_default=None)
+
+    @post_load
+    def make(self, data: dict[str, t.Any], **kwargs: t.Any) -> Order:
+        return Order(**data)
+
+
+def test_post_load_object_counts_as_is(plain_app: Flask) -> None:
+    schema = ObjectSchema()
+    payload, one = fingerprint(plain_app, '{"amount": 1}', schema=schema)
+    assert payload == Order(1, None)
+    assert one == fingerprint_hash(plain_app, {"amount": 1, "note": None}, schema=schema)
+    assert one != fingerprint_hash(plain_app, {"amount": 2}, schema=schema)
+
+
+# -- strings that are not text ---------------------------------------------------
+
+SURROGATE_BODIES = [
+    b'{"amount": 1, "note": "\\ud800"}',
+    b'{"amount": 1, "note": "ok \\uDFFF end"}',
+    b'{"amount": 1, "meta": {"note": "\\udbff"}}',
+    b'{"amount": 1, "\\ud800": 1}',
+    b'{"amount": 1, "note": "\\ude00\\ud83d"}',
+    b'{"amount": 1, "note": "\xed\xa0\x80"}',
+    '{"amount": 1, "note": "\ud800"}'.encode("utf-16-le", "surrogatepass"),
+]
+
+
+@pytest.mark.parametrize("schema", [ChargeSchema(), None], ids=["schema", "no-schema"])
+@pytest.mark.parametrize("body", SURROGATE_BODIES)
+def test_lone_surrogate_is_malformed(plain_app: Flask, schema: Schema | None, body: bytes) -> None:
+    with pytest.raises(MalformedBodyError, match="surrogate"):
+        fingerprint(plain_app, body, schema=schema)
+
+
+def test_lone_surrogate_in_excluded_field_is_malformed(plain_app: Flask) -> None:
+    with pytest.raises(MalformedBodyError, match="surrogate"):
+        fingerprint(
+            plain_app, b'{"amount": 1, "note": "\\ud800"}', schema=ChargeSchema(), exclude=["note"]
+        )
+
+
+def test_escaped_surrogate_pair_is_its_character(plain_app: Flask) -> None:
+    escaped = fingerprint(plain_app, b'{"note": "\\ud83d\\ude00"}')
+    literal = fingerprint(plain_app, '{"note": "\U0001f600"}'.encode())
+    assert escaped == literal
+
+
+def test_escaped_backslash_before_u_is_not_a_surrogate(plain_app: Flask) -> None:
+    payload, _ = fingerprint(plain_app, b'{"note": "\\\\ud800"}')
+    assert payload == {"note": "\\ud800"}
+
+
+# -- numbers by exact value -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        ('{"a": 1e16}', '{"a": 10000000000000000}'),
+        ('{"a": 9007199254740993.0}', '{"a": 9007199254740992}'),
+        ('{"a": -1.2676506002282294e30}', '{"a": -1267650600228229401496703205376}'),
+        ('{"a": 1e300}', '{"a": ' + str(int(1e300)) + "}"),
+        ('{"a": 1}', '{"a": 1.0000000000000001}'),
+        ('{"a": 0.1}', '{"a": 0.10000000000000001}'),
+        ('{"a": 0.0025}', '{"a": 2.5e-3}'),
+        ('{"a": -0.0}', '{"a": 0}'),
+    ],
+)
+def test_equal_numbers_agree(plain_app: Flask, one: str, two: str) -> None:
+    assert fingerprint(plain_app, one)[1] == fingerprint(plain_app, two)[1]
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        ('{"a": "500"}', '{"a": 500}'),
+        ('{"a": 1e16}', '{"a": 10000000000000001}'),
+        ('{"a": 0.1}', '{"a": 0.2}'),
+        ('{"a": 1.5}', '{"a": 2}'),
+    ],
+)
+def test_different_numbers_differ(plain_app: Flask, one: str, two: str) -> None:
+    assert fingerprint(plain_app, one)[1] != fingerprint(plain_app, two)[1]
+
+
+@pytest.mark.parametrize(
+    "value", [Decimal("500"), Decimal("5E+2"), Decimal("500.000"), 500.0, 500, Decimal("0.5E+3")]
+)
+def test_integral_numbers_of_every_type_agree(value: t.Any) -> None:
+    assert canonical_json(value) == b"500"
+
+
+def test_large_integral_decimal_is_the_integer() -> None:
+    assert canonical_json(Decimal("1E+30")) == canonical_json(10**30)
+    assert canonical_json(Decimal(2**100)) == canonical_json(float(2**100))
+
+
+def test_decimals_count_by_exact_value() -> None:
+    # 32 significant digits: more than the default decimal context keeps.
+    assert canonical_json(Decimal("1.0000000000000000000000000000001")) != canonical_json(
+        Decimal("1")
+    )
+    assert canonical_json(Decimal("0.10")) == canonical_json(Decimal("0.1"))
+
+
+@pytest.mark.parametrize(
+    ("text", "other"),
+    [
+        ("1E+999999999", "1E+999999998"),
+        ("-1E-999999999", "-1E-999999998"),
+        ("1.5E-9999", "1.5E-9998"),
+    ],
+)
+def test_extreme_decimal_exponents_stay_small(text: str, other: str) -> None:
+    written = canonical_json(Decimal(text))
+    assert len(written) < 100
+    assert written != canonical_json(Decimal(other))
+
+
+class FloatSchema(Schema):
+    a = fields.Float()
+    d = fields.Decimal()
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [({"a": 1e16}, {"a": 10000000000000000}), ({"d": 1e16}, {"d": "10000000000000000.00"})],
+)
+def test_schema_numbers_agree_by_value(plain_app: Flask, one: t.Any, two: t.Any) -> None:
+    schema = FloatSchema()
+    assert fingerprint_hash(plain_app, one, schema=schema) == fingerprint_hash(
+        plain_app, two, schema=schema
+    )
+
+
+# -- bodies that cannot be normalized answer 400 ----------------------------------
+
+DEEP = 10_000
+
+
+@pytest.mark.parametrize("schema", [ChargeSchema(), None], ids=["schema", "no-schema"])
+@pytest.mark.parametrize(
+    "body",
+    ["[" * DEEP + "]" * DEEP, '{"a":' * DEEP + "1" + "}" * DEEP],
+    ids=["lists", "objects"],
+)
+def test_deeply_nested_json_is_malformed(
+    plain_app: Flask, schema: Schema | None, body: str
+) -> None:
+    with pytest.raises(MalformedBodyError, match="nested too deeply"):
+        fingerprint(plain_app, body, schema=schema)
+
+
+@pytest.mark.parametrize("depth", [100, 300, 500, 700, 900, 990])
+def test_nesting_is_fingerprinted_or_refused_never_crashes(plain_app: Flask, depth: int) -> None:
+    body = '{"a":' * depth + "1" + "}" * depth
+    try:
+        fingerprint(plain_app, body)
+    except MalformedBodyError as exc:
+        refused: MalformedBodyError | None = exc
+    else:
+        refused = None
+    assert refused is None or refused.code == 400
+
+
+class StampSchema(Schema):
+    amount = fields.Integer(required=True)
+    sent_at = fields.AwareDateTime()
+    logged_at = fields.DateTime()
+
+
+EDGE = "0001-01-01T00:00:00+14:00"
+
+
+@pytest.mark.parametrize("field", ["sent_at", "logged_at"])
+def test_excluded_datetime_out_of_utc_range_is_ignored(plain_app: Flask, field: str) -> None:
+    schema = StampSchema()
+    edge = fingerprint_hash(plain_app, {"amount": 1, field: EDGE}, schema=schema, exclude=[field])
+    usual = fingerprint_hash(
+        plain_app, {"amount": 1, field: "2026-12-01T10:00:00+01:00"}, schema=schema, exclude=[field]
+    )
+    assert edge == usual
+
+
+@pytest.mark.parametrize("field", ["sent_at", "logged_at"])
+def test_datetime_out_of_utc_range_is_malformed(plain_app: Flask, field: str) -> None:
+    with pytest.raises(MalformedBodyError) as info:
+        fingerprint_hash(plain_app, {"amount": 1, field: EDGE}, schema=StampSchema())
+    assert info.value.code == 400

@@ -7,6 +7,7 @@ side effects in the real database instead of trusting status codes.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import time
 import typing as t
 import urllib.error
 import urllib.request
+import uuid
 
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from flask_sqlalchemy import SQLAlchemy
@@ -299,3 +301,56 @@ def scope_uuid_key() -> tuple[dict[str, t.Any], int]:
 def scope_order_key() -> tuple[dict[str, t.Any], int]:
     row = write_ledger("scope/order-key")
     return {"id": row.id}, 201
+
+
+# --- body and fingerprint routes ---
+
+
+def _file_digest(storage: t.Any) -> str:
+    return hashlib.sha256(storage.read()).hexdigest()
+
+
+@bp.post("/body/echo")
+@idem.idempotent()
+def body_echo() -> tuple[dict[str, t.Any], int]:
+    """Reads the body every way a view can, after the extension read it."""
+    data = request.get_data()
+    row = write_ledger("body/echo", len(data))
+    return {
+        "id": row.id,
+        "length": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "json": request.get_json(silent=True) if request.is_json else None,
+        "form": request.form.to_dict(flat=False),
+        "files": {
+            name: [[s.filename, _file_digest(s)] for s in storages]
+            for name, storages in request.files.lists()
+        },
+    }, 201
+
+
+class OrderLineSchema(Schema):
+    sku = fields.String(required=True)
+    line_id = fields.UUID(load_default=uuid.uuid4)
+
+
+class OrderSchema(Schema):
+    """Defaults the server invents on every load, and an excluded client timestamp."""
+
+    amount = fields.Integer(required=True)
+    order_ref = fields.UUID(load_default=uuid.uuid4, data_key="orderRef")
+    received_at = fields.AwareDateTime(load_default=lambda: dt.datetime.now(dt.timezone.utc))
+    lines = fields.List(fields.Nested(OrderLineSchema), load_default=list)
+    client_sent_at = fields.AwareDateTime()
+
+
+@bp.post("/body/order")
+@idem.idempotent(schema=OrderSchema, exclude=["client_sent_at"])
+def body_order() -> tuple[dict[str, t.Any], int]:
+    order = idem.payload
+    row = write_ledger("body/order", order["amount"])
+    return {
+        "id": row.id,
+        "order_ref": str(order["order_ref"]),
+        "line_ids": [str(line["line_id"]) for line in order["lines"]],
+    }, 201
