@@ -29,7 +29,8 @@ COMPLETED = "completed"
 # * scope and key compare byte for byte on every engine. PostgreSQL and SQLite
 #   compare text exactly; MySQL's default collations fold case and ignore
 #   trailing spaces, so there the columns are VARBINARY (values are str in and
-#   out: see ``_text``). 2048 bytes hold 512 characters of any UTF-8.
+#   out: see ``_text`` and ``store.text_param``). 2048 bytes hold 512
+#   characters of any UTF-8.
 # * times keep microseconds (MySQL's DATETIME drops them without fsp=6);
 # * bodies and texts are not capped at 64 KiB (MySQL's BLOB and TEXT are).
 _MYSQL = ("mysql", "mariadb")
@@ -46,9 +47,9 @@ def _timestamp() -> t.Any:
 
 
 def _exact_text(length: int, mysql_bytes: int) -> t.Any:
-    # CHARACTER SET binary makes the server store a VARBINARY, while SQLAlchemy
-    # still binds str (VARBINARY's own type insists on bytes).
-    return _mysql_variant(sa.String(length), mysql.VARCHAR(mysql_bytes, charset="binary"))
+    # On MySQL the store binds these as strings (``store.text_param``): the
+    # server compares a string with a VARBINARY column byte for byte.
+    return _mysql_variant(sa.String(length), mysql.VARBINARY(mysql_bytes))
 
 
 def _long_text() -> t.Any:

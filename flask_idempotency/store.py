@@ -56,6 +56,17 @@ _MYSQL_SET_WAIT = sa.text(
 _MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
 
 
+def text_param(name: str, value: t.Any = None) -> t.Any:
+    """A bind parameter for a scope or key, bound as a string on every engine.
+
+    MySQL's scope and key columns are VARBINARY, whose own type would insist on
+    bytes; a string compared with (or stored in) them is taken byte for byte.
+    """
+    if value is None:
+        return sa.bindparam(name, type_=sa.String())
+    return sa.bindparam(name, value, type_=sa.String())
+
+
 def new_fencing_token(previous: int | None = None) -> int:
     """A fresh fencing token: random, 63 bits, positive, never ``previous``.
 
@@ -104,21 +115,26 @@ class Store:
     def __init__(self, table: sa.Table) -> None:
         self.table = table
         c = table.c
-        this_key = (c.scope == sa.bindparam("w_scope"), c.key == sa.bindparam("w_key"))
+        this_key = (c.scope == text_param("w_scope"), c.key == text_param("w_key"))
         still_held = (
             *this_key,
             c.fencing_token == sa.bindparam("w_token"),
             c.status == IN_PROGRESS,
         )
+        this_record = {"scope": text_param("scope"), "key": text_param("key")}
         self._inserts: dict[str, t.Any] = {
-            "postgresql": postgresql.insert(table).on_conflict_do_nothing(
-                index_elements=["scope", "key"]
-            ),
-            "sqlite": sqlite.insert(table).on_conflict_do_nothing(index_elements=["scope", "key"]),
+            "postgresql": postgresql.insert(table)
+            .values(this_record)
+            .on_conflict_do_nothing(index_elements=["scope", "key"]),
+            "sqlite": sqlite.insert(table)
+            .values(this_record)
+            .on_conflict_do_nothing(index_elements=["scope", "key"]),
         }
         for name in _MYSQL:
-            self._inserts[name] = sa.insert(table).prefix_with("IGNORE", dialect=name)
-        self._portable_insert = sa.insert(table)
+            self._inserts[name] = (
+                sa.insert(table).values(this_record).prefix_with("IGNORE", dialect=name)
+            )
+        self._portable_insert = sa.insert(table).values(this_record)
         self._load = sa.select(table).where(*this_key)
         # A locking read sees the latest committed row whatever the isolation level.
         self._load_locking = self._load.with_for_update(read=True)
@@ -347,8 +363,8 @@ class Store:
         """Delete an abandoned record, unless someone reclaimed it since it was read."""
         c = self.table.c
         stmt = sa.delete(self.table).where(
-            c.scope == record.scope,
-            c.key == record.key,
+            c.scope == text_param("w_scope", record.scope),
+            c.key == text_param("w_key", record.key),
             c.fencing_token == record.fencing_token,
             c.status == IN_PROGRESS,
             sa.or_(c.locked_until.is_(None), c.locked_until <= now),
@@ -431,14 +447,15 @@ class Store:
         c = self.table.c
         stmt = sa.select(self.table)
         if key is not None:
-            stmt = stmt.where(c.key == key)
+            stmt = stmt.where(c.key == text_param("w_key", key))
         if scope_prefix:
             # substr/= rather than LIKE, which folds case on SQLite; MySQL's
             # binary column counts bytes.
             length = (
                 len(scope_prefix.encode()) if conn.dialect.name in _MYSQL else len(scope_prefix)
             )
-            stmt = stmt.where(sa.func.substr(c.scope, 1, length) == scope_prefix)
+            prefix = text_param("w_prefix", scope_prefix)
+            stmt = stmt.where(sa.func.substr(c.scope, 1, length) == prefix)
         if status is not None:
             stmt = stmt.where(c.status == status)
         stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
@@ -447,5 +464,7 @@ class Store:
     def delete_record(self, conn: sa.Connection, scope: str, key: str) -> bool:
         """Delete one record whatever its state (the operator's ``release``)."""
         c = self.table.c
-        stmt = sa.delete(self.table).where(c.scope == scope, c.key == key)
+        stmt = sa.delete(self.table).where(
+            c.scope == text_param("w_scope", scope), c.key == text_param("w_key", key)
+        )
         return self._changed_one(conn, stmt, {})

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency.models import as_utc
+from flask_idempotency.store import text_param
 from tests import testapp
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
@@ -188,6 +189,14 @@ def ledger_count(app: Flask, route: str | None = None) -> int:
             stmt = stmt.where(testapp.Ledger.route == route)
         with testapp.db.engine.connect() as conn:
             return int(conn.execute(stmt).scalar_one())
+
+
+def insert_records(conn: sa.Connection, rows: list[dict[str, t.Any]]) -> None:
+    """Insert raw idempotency_keys rows as the store does: scope and key bound as
+    strings (MySQL's columns are VARBINARY, whose own type wants bytes)."""
+    table = testapp.db.metadata.tables["idempotency_keys"]
+    stmt = sa.insert(table).values(scope=text_param("scope"), key=text_param("key"))
+    conn.execute(stmt, rows)
 
 
 def _portable(value: t.Any) -> t.Any:

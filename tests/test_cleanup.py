@@ -16,13 +16,12 @@ from flask_idempotency import signals
 from flask_idempotency.jobs import purge_expired
 from flask_idempotency.scheduler import JobScheduler
 from tests import testapp
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
 from tests.test_flow import _abandon, post
 
 
 def make_records(app: Flask, clock: Clock, n: int, *, expired: bool, prefix: str = "k") -> None:
     """Insert ``n`` completed records, expired (or not) by the test clock."""
-    table = testapp.db.metadata.tables["idempotency_keys"]
     expires = clock.now + (dt.timedelta(seconds=-1) if expired else dt.timedelta(hours=1))
     rows = [
         {
@@ -39,7 +38,7 @@ def make_records(app: Flask, clock: Clock, n: int, *, expired: bool, prefix: str
         for i in range(n)
     ]
     with app.app_context(), testapp.db.engine.begin() as conn:
-        conn.execute(sa.insert(table), rows)
+        insert_records(conn, rows)
 
 
 def keys(app: Flask) -> set[str]:

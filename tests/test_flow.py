@@ -16,7 +16,7 @@ from flask import Flask
 
 from flask_idempotency import COMPLETED, IN_PROGRESS, Idempotency, signals
 from tests import testapp
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
 
 PROBLEM = "application/problem+json"
 CHARGE = {"amount": 500, "currency": "EUR", "meta": {"note": "n", "trace_id": "t1"}}
@@ -414,20 +414,22 @@ def _abandon(app: Flask, clock: Clock, *, path: str = "/status/201", key: str = 
         from flask_idempotency.fingerprint import request_fingerprint
 
         _, fingerprint = request_fingerprint(None, ())
-        table = testapp.db.metadata.tables["idempotency_keys"]
         with testapp.db.engine.begin() as conn:
-            conn.execute(
-                sa.insert(table).values(
-                    scope="t.status",
-                    key=key,
-                    request_hash=fingerprint,
-                    status=IN_PROGRESS,
-                    fencing_token=1,
-                    body_omitted=False,
-                    locked_until=clock.now + dt.timedelta(seconds=60),
-                    created_at=clock.now,
-                    expires_at=clock.now + dt.timedelta(hours=24),
-                )
+            insert_records(
+                conn,
+                [
+                    {
+                        "scope": "t.status",
+                        "key": key,
+                        "request_hash": fingerprint,
+                        "status": IN_PROGRESS,
+                        "fencing_token": 1,
+                        "body_omitted": False,
+                        "locked_until": clock.now + dt.timedelta(seconds=60),
+                        "created_at": clock.now,
+                        "expires_at": clock.now + dt.timedelta(hours=24),
+                    }
+                ],
             )
 
 
