@@ -18,6 +18,7 @@ import datetime as dt
 import os
 import tempfile
 import typing as t
+import uuid
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,47 @@ def _start_embedded_postgres() -> tuple[str, t.Any]:
 _PG: dict[str, t.Any] = {}
 
 
+def _private_schema(configured: str) -> str:
+    """A schema of our own in a PostgreSQL someone else runs, dropped when the
+    session ends, and the URL that puts it first on the search path."""
+    url = sa.make_url(configured)
+    schema = f"idempotency_test_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    finally:
+        engine.dispose()
+    _PG["schema"], _PG["admin_url"] = schema, configured
+    options = url.query.get("options", "")
+    options = f"{options} -csearch_path={schema}".strip()
+    return url.update_query_dict({"options": options}).render_as_string(hide_password=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave nothing behind in a configured PostgreSQL."""
+    schema = _PG.pop("schema", None)
+    if schema is None:
+        return
+    engine = sa.create_engine(_PG["admin_url"])
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+    finally:
+        engine.dispose()
+
+
 def postgres_url() -> str:
-    """The PostgreSQL the suite uses, started on first use."""
+    """The PostgreSQL the suite uses, started on first use.
+
+    A configured one (``IDEMPOTENCY_TEST_POSTGRES_URL``) is used through a
+    schema of the suite's own, created for the run and dropped at its end: the
+    tables already in that database are never touched.
+    """
     if "url" not in _PG:
         configured = os.environ.get(POSTGRES_ENV)
         if configured:
-            _PG["url"], _PG["source"] = configured, f"{POSTGRES_ENV}"
+            _PG["url"], _PG["source"] = _private_schema(configured), f"{POSTGRES_ENV}"
         else:
             _PG["url"], _PG["server"] = _start_embedded_postgres()
             _PG["source"] = "embedded pgserver"
@@ -88,7 +124,11 @@ def mysql_url() -> str | None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     source = os.environ.get(POSTGRES_ENV)
-    where = f"{POSTGRES_ENV}={source}" if source else "embedded (pgserver), started on first use"
+    where = (
+        f"{POSTGRES_ENV}={source} (in a schema of the run's own, dropped at the end)"
+        if source
+        else "embedded (pgserver), started on first use"
+    )
     lines = [f"PostgreSQL for tests: {where}"]
     if mysql_url() is not None:
         lines.append(f"MariaDB/MySQL for tests: {_MYSQL['shown']} (server {_MYSQL['version']})")

@@ -88,7 +88,7 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator
     if base is None:
         pytest.skip("no MariaDB/MySQL reachable (see the report header)")
     name = f"shop_{uuid.uuid4().hex[:10]}"
-    url = sa.make_url(base)
+    url = sa.make_url(base).difference_update_query(["options"])  # a whole database of its own
     server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with server.connect() as conn:

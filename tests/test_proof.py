@@ -201,7 +201,13 @@ def test_configured_postgres_is_used_when_named(pg_url: str) -> None:
     import os
 
     if os.environ.get(POSTGRES_ENV):
-        assert pg_url == os.environ[POSTGRES_ENV]
+        configured, used = sa.make_url(os.environ[POSTGRES_ENV]), sa.make_url(pg_url)
+        assert (used.host, used.port, used.database) == (
+            configured.host,
+            configured.port,
+            configured.database,
+        )
+        assert "search_path=idempotency_test_" in used.query["options"]  # a schema of its own
     else:
         assert "host=" in pg_url  # the embedded server's socket directory
 
