@@ -202,6 +202,23 @@ def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
 
 
 @pytest.fixture
+def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flask]]:
+    """Apps of the test app with extra config, on clean tables, disposed afterwards."""
+    made: list[Flask] = []
+
+    def make(**config: t.Any) -> Flask:
+        app = testapp.create_app(database_url, clock=clock, **config)
+        made.append(app)
+        return app
+
+    reset_tables(database_url)
+    yield make
+    for app in made:
+        with app.app_context():
+            testapp.db.engine.dispose()
+
+
+@pytest.fixture
 def client(app: Flask) -> t.Any:
     return app.test_client()
 

@@ -152,6 +152,20 @@ def slow_app(database_url: str, **config: t.Any) -> tuple[Flask, Gates]:
     return app, gates
 
 
+def first_then_waiting_duplicate(app: Flask, gates: Gates) -> tuple[t.Any, t.Any]:
+    """The first request holds its claim; a duplicate arrives and waits on it
+    (after the app's before_request hooks ran); then the first goes on. The
+    two answers, first's and the duplicate's."""
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"})
+        time.sleep(0.5)  # the duplicate has started, and now waits on the claim
+    finally:
+        gates.open("first")
+    return first.result(), dup.result()
+
+
 def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str) -> None:
     """The first request holds its claim; the duplicate gives up after
     IDEMPOTENCY_WAIT with 409 and Retry-After, long before the first ends."""
@@ -245,15 +259,8 @@ def test_duplicate_replays_even_after_an_earlier_read_in_its_transaction(
     def load_user() -> None:
         testapp.db.session.execute(sa.text("SELECT 1 FROM ledger")).all()
 
-    first = send(app, "/held", {}, **{"X-Who": "first"})
-    try:
-        assert gates.arrived("first")
-        dup = send(app, "/held", {}, **{"X-Who": "dup"})
-        time.sleep(0.5)  # the duplicate has read, and now waits on the claim
-    finally:
-        gates.open("first")
-    assert first.result().status_code == 201
-    answer = dup.result()
+    first, answer = first_then_waiting_duplicate(app, gates)
+    assert first.status_code == 201
     assert answer.status_code == 201, answer.get_data(as_text=True)
     assert answer.headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app, "held") == 1
@@ -272,15 +279,9 @@ def test_serialization_failure_under_repeatable_read_is_a_409(pg_url: str) -> No
     def load_user() -> None:
         testapp.db.session.execute(sa.text("SELECT 1 FROM ledger")).all()
 
-    first = send(app, "/held", {}, **{"X-Who": "first"})
-    try:
-        assert gates.arrived("first")
-        dup = send(app, "/held", {}, **{"X-Who": "dup"})
-        time.sleep(0.5)
-    finally:
-        gates.open("first")
-    assert first.result().status_code == 201
-    assert_problem(dup.result(), 409)
+    first, answer = first_then_waiting_duplicate(app, gates)
+    assert first.status_code == 201
+    assert_problem(answer, 409)
     retry = send(app, "/held", {}, **{"X-Who": "dup"}).result()
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app, "held") == 1

@@ -27,8 +27,7 @@ from flask_idempotency.keys import (
     resolve_key_format,
     resolve_key_max_length,
 )
-from tests import testapp
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import ledger_count, record_rows
 
 HEADER = "Idempotency-Key"
 
@@ -446,22 +445,6 @@ def test_invalid_key_error_is_problem_json() -> None:
 
 
 # -- key options through the test app (PostgreSQL and SQLite) ----------------------
-
-
-@pytest.fixture
-def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flask]]:
-    made: list[Flask] = []
-
-    def make(**config: t.Any) -> Flask:
-        app = testapp.create_app(database_url, clock=clock, **config)
-        made.append(app)
-        return app
-
-    reset_tables(database_url)
-    yield make
-    for app in made:
-        with app.app_context():
-            testapp.db.engine.dispose()
 
 
 def _post(client: t.Any, path: str, key: str) -> t.Any:

@@ -20,8 +20,7 @@ import pytest
 from flask import Flask, g, request
 from flask_login import LoginManager, UserMixin
 
-from tests import testapp
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import ledger_count, record_rows
 
 ROUTE = "scope/charge"
 ENDPOINT = "t.scope_charge"
@@ -41,23 +40,6 @@ def sha256(text: str) -> str:
 
 def scopes(app: Flask) -> list[str]:
     return sorted(r["scope"] for r in record_rows(app))
-
-
-@pytest.fixture
-def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flask]]:
-    """Apps of the test app with extra config, on clean tables, disposed afterwards."""
-    made: list[Flask] = []
-
-    def make(**config: t.Any) -> Flask:
-        app = testapp.create_app(database_url, clock=clock, **config)
-        made.append(app)
-        return app
-
-    reset_tables(database_url)
-    yield make
-    for app in made:
-        with app.app_context():
-            testapp.db.engine.dispose()
 
 
 class User(UserMixin):
