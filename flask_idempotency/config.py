@@ -35,6 +35,10 @@ key                            default                 meaning
 ``IDEMPOTENCY_RECOVER_EVERY``  30 seconds              interval of the lease recovery job
 ``IDEMPOTENCY_JOB_LOCK``       2 minutes               how long a job run holds its lock before
                                                        renewing; a dead runner's lock frees after
+``IDEMPOTENCY_READY_TIMEOUT``  2 seconds               how long ``idem.readiness()`` (and
+                                                       ``idem.readiness_view``) waits for its probe
+                                                       of the record's table before answering
+                                                       "not ready"; must be positive
 =============================  ======================  ============================================
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
@@ -62,6 +66,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PURGE_EVERY": timedelta(minutes=5),
     "RECOVER_EVERY": timedelta(seconds=30),
     "JOB_LOCK": timedelta(minutes=2),
+    "READY_TIMEOUT": timedelta(seconds=2),
 }
 
 #: Response headers that are never stored or replayed, whatever the configuration
@@ -100,6 +105,14 @@ def as_timedelta(value: timedelta | float | int, name: str) -> timedelta:
     return result
 
 
+def positive_duration(value: timedelta | float | int, name: str) -> timedelta:
+    """A duration longer than zero."""
+    result = as_timedelta(value, name)
+    if result <= timedelta(0):
+        raise ValueError(f"{name} must be longer than zero, got {result}")
+    return result
+
+
 def positive_int(value: t.Any, name: str) -> int:
     """An int of at least 1 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -124,6 +137,7 @@ class Settings:
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
     job_lock: timedelta = timedelta(minutes=2)
+    ready_timeout: timedelta = timedelta(seconds=2)
 
     @classmethod
     def from_mapping(cls, values: t.Mapping[str, t.Any]) -> Settings:
@@ -154,6 +168,7 @@ class Settings:
             purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
             recover_every=as_timedelta(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
             job_lock=as_timedelta(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
+            ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
         )
 
     def replayed_header_names(self) -> frozenset[str]:

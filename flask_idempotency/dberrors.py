@@ -132,3 +132,15 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
             return UNAVAILABLE
         return None
     return None
+
+
+def summary(exc: BaseException) -> str:
+    """``ClassName: first line of the driver's message``, for one log line.
+
+    SQLAlchemy's own text of a ``DBAPIError`` carries the statement and its
+    parameters, which can hold customer data; the driver's first line does not.
+    """
+    orig = getattr(exc, "orig", None)
+    text = str(orig if orig is not None else exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
