@@ -74,7 +74,8 @@ class TcpProxy:
         self._trap: tuple[bool, float] | None = None
         self._listener: socket.socket | None = self._listen(0)
         self.port: int = self._listener.getsockname()[1]
-        self.accepted = 0
+        self.accepted = 0  # connections accepted, ever
+        self.cuts = 0  # times cut() ran
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="proxy")
         self._acceptor.start()
 
@@ -91,6 +92,7 @@ class TcpProxy:
     def cut(self) -> None:
         """Close every connection and refuse new ones until :meth:`heal`."""
         with self._lock:
+            self.cuts += 1
             self._flowing.clear()
             if self._listener is not None:
                 self._listener.close()  # a connect now gets ECONNREFUSED

@@ -9,6 +9,7 @@ it left, and retries with the same key to show the retry is safe.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import logging
 import threading
@@ -25,6 +26,7 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, run_sql
+from tests.live import LiveServer, Reply
 from tests.tcp_proxy import TcpProxy, upstream_of
 
 db = SQLAlchemy()
@@ -455,3 +457,139 @@ def test_other_database_errors_propagate_unchanged(pg_app: Flask) -> None:
         post(pg_app, "/unique", str(uuid.uuid4()))
     with pytest.raises(sa.exc.IntegrityError):
         post(pg_app, "/unique", None)
+
+
+# -- a live server under load while the database flaps ---------------------------------
+
+CHARGE = {"customer_id": "cus_load", "amount": 1250, "currency": "EUR"}
+
+
+@pytest.fixture
+def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]:
+    """The example app in a subprocess, on PostgreSQL through the proxy."""
+    from example_app import app as example
+
+    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
+    with scratch.app_context():
+        example.db.drop_all()
+        example.db.create_all()
+        example.db.engine.dispose()
+    server = LiveServer("example", proxy.url(pg_url)).start()
+    yield server
+    proxy.heal()
+    server.stop()
+
+
+def _kind(reply: Reply) -> str:
+    content_type = reply.headers.get("content-type", "")
+    if reply.status == 201:
+        return "201 replayed" if reply.replayed else "201"
+    if reply.status in (409, 503) and content_type == PROBLEM_JSON:
+        return str(reply.status) if reply.headers.get("retry-after", "").isdigit() else "bad"
+    if reply.status == 500 and content_type.startswith("text/html"):
+        return "HTML 500"
+    return f"other {reply.status} {content_type}"
+
+
+@pytest.mark.slow
+def test_database_flapping_under_load_answers_503_never_html_500(
+    example_behind_proxy: LiveServer, proxy: TcpProxy, pg_url: str
+) -> None:
+    """Four clients send charges, each with its own key, retrying a 503 or 409
+    twice, for ~5 s while the proxy cuts the database off for 0.3 s every
+    0.5 s. Then every key is retried until it succeeds.
+
+    Every answer is 201, a replayed 201, or 409/503 problem+json with
+    Retry-After. Each key ends with exactly one ledger row and one completed
+    record, and the response the client finally got names that row. A 503 left
+    nothing behind, except a 503 whose COMMIT reached the database before the
+    connection broke: then the retry replays (counted, not forbidden; see the
+    README)."""
+    server = example_behind_proxy
+    direct = sa.create_engine(pg_url)
+    history: dict[str, list[Reply]] = collections.defaultdict(list)
+    half_stored: list[tuple[str, int, list[str]]] = []
+    lock = threading.Lock()
+    load_ends = time.monotonic() + 5
+    stop_flapping = threading.Event()
+
+    def state_of(key: str) -> tuple[int, list[str]]:
+        # One statement, one snapshot: a commit landing between two reads
+        # would look like half of one.
+        query = sa.text(
+            "SELECT (SELECT count(*) FROM ledger WHERE description = :k),"
+            " ARRAY(SELECT status FROM idempotency_keys WHERE key = :k)"
+        )
+        with direct.connect() as conn:
+            rows, records = conn.execute(query, {"k": key}).one()
+            return int(rows), list(records)
+
+    def attempt(key: str) -> Reply:
+        reply = server.post("/payments", {**CHARGE, "description": key}, key, timeout=60)
+        with lock:
+            history[key].append(reply)
+        if reply.status == 503:
+            rows, records = state_of(key)
+            # Nothing, or (a lost COMMIT reply) everything; never half of it.
+            if (rows, records) not in ((0, []), (1, ["completed"])):
+                half_stored.append((key, rows, records))
+        return reply
+
+    def client(n: int) -> None:
+        i = 0
+        while time.monotonic() < load_ends:
+            key = f"load-{n}-{i}-{uuid.uuid4()}"
+            i += 1
+            for _ in range(3):
+                if attempt(key).status not in (409, 503):
+                    break
+                time.sleep(0.05)
+
+    flapper = proxy.flap(down=0.3, up=0.5, until=stop_flapping)
+    clients = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for th in clients:
+        th.start()
+    for th in clients:
+        th.join(120)
+    stop_flapping.set()
+    flapper.join(10)
+    proxy.heal()
+
+    kinds = collections.Counter(_kind(r) for replies in history.values() for r in replies)
+    summary = f"{dict(kinds)}, {len(history)} keys, {proxy.cuts} cuts"
+    print("\noutage load:", summary)
+    assert set(kinds) <= {"201", "201 replayed", "409", "503"}, summary
+    assert kinds["503"] > 0, f"the outage never reached a request: {summary}"
+    assert not half_stored, half_stored
+
+    # Afterwards, every client retries its key until it succeeds.
+    final: dict[str, Reply] = {}
+    for key, replies in history.items():
+        reply = replies[-1]
+        for _ in range(20):
+            if reply.status == 201:
+                break
+            time.sleep(0.2)
+            reply = attempt(key)
+        assert reply.status == 201, (key, reply.status, reply.body[:300])
+        final[key] = reply
+
+    lost_commit_replies = 0
+    with direct.connect() as conn:
+        ledger = collections.defaultdict(list)
+        for charge_id, key in conn.execute(sa.text("SELECT id, description FROM ledger")):
+            ledger[key].append(charge_id)
+        records = dict(conn.execute(sa.text("SELECT key, status FROM idempotency_keys")).all())
+    direct.dispose()
+    assert set(ledger) == set(history) == set(records)
+    for key, replies in history.items():
+        assert len(ledger[key]) == 1, (key, ledger[key])
+        assert records[key] == "completed"
+        assert final[key].json()["charge_id"] == ledger[key][0]
+        first_success = next(r for r in replies if r.status == 201)
+        if first_success.replayed:
+            # The operation was stored by an attempt that answered 503: its
+            # COMMIT reached the database, the reply did not reach the app.
+            assert any(r.status == 503 for r in replies), key
+            lost_commit_replies += 1
+    print(f"outage load: {lost_commit_replies} of {kinds['503']} 503s had committed")
