@@ -593,3 +593,42 @@ def test_database_flapping_under_load_answers_503_never_html_500(
             assert any(r.status == 503 for r in replies), key
             lost_commit_replies += 1
     print(f"outage load: {lost_commit_replies} of {kinds['503']} 503s had committed")
+
+
+def test_exhausted_pool_answers_503(pg_url: str) -> None:
+    """Every pooled connection is busy past ``pool_timeout``: 503, not a hang or a 500."""
+    app = create_app(
+        pg_url, engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 0.5}
+    )
+    reset(pg_url)
+    key = str(uuid.uuid4())
+    try:
+        with app.app_context(), db.engine.connect():  # the only connection, held
+            response = post(app, "/entries", key)
+        assert_problem(response, 503, "database-unavailable")
+        assert stored(pg_url, key) == (0, [])
+        assert post(app, "/entries", key).status_code == 201
+        assert stored(pg_url, key) == (1, ["completed"])
+    finally:
+        with app.app_context():
+            db.engine.dispose()
+
+
+def test_statement_timeout_answers_503(pg_url: str) -> None:
+    """The server cancelled a statement that ran past ``statement_timeout``."""
+    options = {"connect_args": {"options": "-c statement_timeout=300"}}
+    app = create_app(pg_url, engine_options=options)
+    reset(pg_url)
+    key = str(uuid.uuid4())
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text("SELECT * FROM outage_accounts WHERE id = 1 FOR UPDATE"))
+            response = post(app, "/debit", key, json={"accounts": [1]})
+            holder.rollback()
+        assert_problem(response, 503, "database-unavailable")
+        assert stored(pg_url, key) == (0, [])
+    finally:
+        engine.dispose()
+        with app.app_context():
+            db.engine.dispose()
