@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import os
 import typing as t
 
+import sqlalchemy as sa
 from flask import Flask, abort, url_for
 from flask_sqlalchemy import SQLAlchemy
-from marshmallow import Schema, fields, validate
+from marshmallow import Schema, ValidationError, fields, validate
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
@@ -18,6 +20,12 @@ idem = Idempotency()
 
 DEFAULT_DATABASE_URL = "sqlite:///example.sqlite3"
 
+# What the ledger's columns hold; the schema refuses anything else with 422
+# instead of letting the database fail the request with a 500.
+CUSTOMER_ID_LENGTH = 64
+DESCRIPTION_LENGTH = 200
+AMOUNT_MAX = 2**31 - 1  # INTEGER on PostgreSQL and MySQL is 32-bit
+
 
 class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
     """One row per charge: the side effect that must happen once."""
@@ -25,10 +33,10 @@ class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
     __tablename__ = "ledger"
 
     id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
-    customer_id: orm.Mapped[str] = orm.mapped_column(db.String(64))
-    amount: orm.Mapped[int]
+    customer_id: orm.Mapped[str] = orm.mapped_column(db.String(CUSTOMER_ID_LENGTH))
+    amount: orm.Mapped[int] = orm.mapped_column(db.Integer)
     currency: orm.Mapped[str] = orm.mapped_column(db.String(3))
-    description: orm.Mapped[str | None] = orm.mapped_column(db.String(200))
+    description: orm.Mapped[str | None] = orm.mapped_column(db.String(DESCRIPTION_LENGTH))
     created_at: orm.Mapped[dt.datetime] = orm.mapped_column(
         default=lambda: dt.datetime.now(dt.timezone.utc)
     )
@@ -43,20 +51,92 @@ class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
         }
 
 
+def storable_text(value: str) -> None:
+    """Refuse text no database column can hold: NUL (PostgreSQL refuses it) and
+    lone surrogates (not encodable as UTF-8)."""
+    if "\x00" in value:
+        raise ValidationError("Must not contain NUL characters.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError("Must be valid Unicode text.") from None
+
+
+class WholeNumber(fields.Integer):
+    """An integer that also accepts its string spelling (``"1250"``) and
+    integral floats (``1250.0``), and refuses fractions instead of truncating
+    them: ``12.5`` minor units is a client error, not a charge of 12."""
+
+    def _deserialize(self, value: t.Any, attr: str | None, data: t.Any, **kwargs: t.Any) -> int:
+        if isinstance(value, float | decimal.Decimal):
+            try:
+                fraction = value != int(value)
+            except (OverflowError, ValueError):
+                fraction = False  # infinite or NaN: the Integer field says why
+            if fraction:
+                raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
 class PaymentSchema(Schema):
     """A charge request. ``client_sent_at`` changes on every retry, so it is
-    excluded from the fingerprint."""
+    excluded from the fingerprint. Every field that reaches the ledger is held
+    to what its column can store."""
 
-    customer_id = fields.String(required=True, validate=validate.Length(min=1, max=64))
-    amount = fields.Integer(required=True, strict=False, validate=validate.Range(min=1))
+    customer_id = fields.String(
+        required=True,
+        validate=[validate.Length(min=1, max=CUSTOMER_ID_LENGTH), storable_text],
+    )
+    amount = WholeNumber(
+        required=True, strict=False, validate=validate.Range(min=1, max=AMOUNT_MAX)
+    )
     currency = fields.String(required=True, validate=validate.OneOf(["EUR", "USD", "GBP"]))
-    description = fields.String(load_default=None, validate=validate.Length(max=200))
+    description = fields.String(
+        load_default=None,
+        validate=[validate.Length(max=DESCRIPTION_LENGTH), storable_text],
+    )
     client_sent_at = fields.AwareDateTime(load_default=None)
+
+
+def engine_options(database_url: str) -> dict[str, t.Any]:
+    """Engine settings that fail fast when the database is unreachable.
+
+    Without them, a host cut off from its database hangs each request until the
+    WSGI server kills the worker (gunicorn: 30 s). With them, a request fails
+    within seconds with 503, which a client can retry elsewhere. See the
+    README's "When the database is down".
+    """
+    backend = sa.engine.make_url(database_url).get_backend_name()
+    if backend == "postgresql":  # psycopg2 (libpq) parameters
+        return {
+            "pool_pre_ping": True,  # replace connections that died while pooled
+            "pool_timeout": 5,  # wait at most 5 s for a pooled connection
+            "connect_args": {
+                "connect_timeout": 3,  # seconds to connect and log in
+                "keepalives": 1,  # detect a silent peer on an idle connection:
+                "keepalives_idle": 5,  # first probe after 5 s of silence,
+                "keepalives_interval": 2,  # then every 2 s,
+                "keepalives_count": 3,  # dead after 3 unanswered probes
+                "tcp_user_timeout": 10_000,  # ms: sent data unacknowledged -> dead
+                # Above IDEMPOTENCY_WAIT (10 s), so a duplicate waiting for the
+                # first request still gets its 409 or replay, not a cancel.
+                "options": "-c statement_timeout=15000",
+            },
+        }
+    if backend in ("mysql", "mariadb"):  # PyMySQL parameters
+        return {
+            "pool_pre_ping": True,
+            "pool_timeout": 5,
+            "connect_args": {"connect_timeout": 3, "read_timeout": 15, "write_timeout": 15},
+        }
+    return {}
 
 
 def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the app. ``config`` overrides; the database comes from
-    ``EXAMPLE_DATABASE_URL`` or defaults to SQLite in the instance folder."""
+    ``EXAMPLE_DATABASE_URL`` or defaults to SQLite in the instance folder.
+    ``SQLALCHEMY_ENGINE_OPTIONS`` in ``config`` are added to (and win over)
+    :func:`engine_options`."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
         "EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL
@@ -65,9 +145,15 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     if config:
         app.config.update(config)
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+        **engine_options(app.config["SQLALCHEMY_DATABASE_URI"]),
+        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
+    }
     db.init_app(app)
     idem.init_app(app, db)
     app.register_blueprint(bp)
+    # Readiness, for the load balancer: 503 while the database cannot answer.
+    app.add_url_rule("/readyz", view_func=idem.readiness_view)
     with app.app_context():
         db.create_all()
     return app
@@ -109,3 +195,10 @@ def ledger() -> dict[str, t.Any]:
     entries = db.session.execute(db.select(LedgerEntry).order_by(LedgerEntry.id)).scalars()
     rows = [e.as_dict() for e in entries]
     return {"count": len(rows), "entries": rows}
+
+
+@bp.get("/healthz")
+def healthz() -> dict[str, t.Any]:
+    """Liveness: the process serves requests. It never touches the database, so
+    an outage does not get healthy workers restarted; ``/readyz`` covers that."""
+    return {"alive": True}

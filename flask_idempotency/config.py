@@ -55,6 +55,10 @@ key                            default                 meaning
 ``IDEMPOTENCY_RECOVER_EVERY``  30 seconds              interval of the lease recovery job
 ``IDEMPOTENCY_JOB_LOCK``       2 minutes               how long a job run holds its lock before
                                                        renewing; a dead runner's lock frees after
+``IDEMPOTENCY_READY_TIMEOUT``  2 seconds               how long ``idem.readiness()`` (and
+                                                       ``idem.readiness_view``) waits for its probe
+                                                       of the record's table before answering
+                                                       "not ready"; must be positive
 =============================  ======================  ============================================
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
@@ -92,6 +96,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PURGE_EVERY": timedelta(minutes=5),
     "RECOVER_EVERY": timedelta(seconds=30),
     "JOB_LOCK": timedelta(minutes=2),
+    "READY_TIMEOUT": timedelta(seconds=2),
 }
 
 
@@ -202,6 +207,14 @@ def check_known(config: t.Mapping[str, t.Any]) -> None:
         )
 
 
+def positive_duration(value: timedelta | float | int, name: str) -> timedelta:
+    """A duration longer than zero."""
+    result = as_timedelta(value, name)
+    if result <= timedelta(0):
+        raise ValueError(f"{name} must be longer than zero, got {result}")
+    return result
+
+
 def positive_int(value: t.Any, name: str) -> int:
     """An int of at least 1 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -231,6 +244,8 @@ class Settings:
     job_lock: timedelta = timedelta(minutes=2)
     key_format: KeyFormat | None = None
     key_max_length: int = MAX_KEY_LENGTH
+
+    ready_timeout: timedelta = timedelta(seconds=2)
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -272,6 +287,7 @@ class Settings:
             key_max_length=resolve_key_max_length(
                 values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
             ),
+            ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
         )
 
     @functools.cached_property

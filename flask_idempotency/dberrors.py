@@ -132,3 +132,20 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
             return UNAVAILABLE
         return None
     return None
+
+
+def summary(exc: BaseException) -> str:
+    """``DriverClass [code]: first line of the driver's message``, for one log line.
+
+    SQLAlchemy's own text of a ``DBAPIError`` carries the statement and its
+    parameters, which can hold customer data; the driver's first line does not.
+    """
+    orig = getattr(exc, "orig", None)
+    if not isinstance(orig, BaseException):
+        orig = exc
+    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    if code is None and type(orig).__module__.split(".")[0] in ("pymysql", "MySQLdb", "mysql"):
+        code = _mysql_errno(orig)
+    name = type(orig).__name__ + (f" [{code}]" if code else "")
+    text = str(orig).strip()
+    return f"{name}: {text.splitlines()[0]}" if text else name

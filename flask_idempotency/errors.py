@@ -146,6 +146,15 @@ class ConflictError(ProblemError):
         self.retry_after = seconds
 
 
+class TransactionConflictError(ConflictError):
+    """The database aborted the request's transaction for a concurrent one: a lock
+    timeout, a deadlock or a serialization failure (409, ``Retry-After``). Its
+    writes were rolled back; a retry with the same key runs again."""
+
+    slug = "transaction-conflict"
+    title = "The request conflicted with a concurrent transaction"
+
+
 class LeaseLostError(ConflictError):
     """This request's lease was taken over by another; its work was rolled back (409)."""
 
@@ -162,13 +171,28 @@ class NothingToRecoverError(ProblemError):
 
 
 class DatabaseUnavailableError(ProblemError):
-    """The record's database could not be reached; nothing was stored (503, ``Retry-After``)."""
+    """The database could not be reached or dropped the connection (503, ``Retry-After``).
+
+    The request's transaction was rolled back, unless the connection broke
+    during its ``COMMIT``: then the outcome is unknown. Either way a retry with
+    the same key is safe: the record commits with the business rows, so the
+    retry runs the request or replays it.
+    """
 
     slug = "database-unavailable"
     title = "The database is unavailable"
     code = 503
 
-    def __init__(self, detail: str, *, retry_after: timedelta = timedelta(seconds=1)) -> None:
+    def __init__(
+        self,
+        detail: str,
+        *,
+        retry_after: timedelta = timedelta(seconds=1),
+        extra: t.Mapping[str, t.Any] | None = None,
+        headers: t.Mapping[str, str] | None = None,
+    ) -> None:
         seconds = max(1, math.ceil(retry_after.total_seconds()))
-        super().__init__(detail, headers={"Retry-After": str(seconds)})
+        super().__init__(
+            detail, extra=extra, headers={**(headers or {}), "Retry-After": str(seconds)}
+        )
         self.retry_after = seconds

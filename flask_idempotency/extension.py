@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
 import re
 import typing as t
 import weakref
 
-from flask import Flask, Response, current_app, g
+from flask import Flask, Response, current_app, g, jsonify, request
+from sqlalchemy.orm import Session
 
-from . import config, session_guard
+from . import config, dberrors, health, session_guard
 from .cli import idempotency_cli
+from .errors import DatabaseUnavailableError, ProblemError, TransactionConflictError
 from .fingerprint import SchemaArg, resolve_schema
 from .flow import Clock, Flow, RequestState, RouteOptions
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
@@ -19,7 +22,7 @@ from .models import Record, job_lock_table, record_table
 from .recovery import run_step
 from .responses import replay
 from .scheduler import InProcessScheduler
-from .state import EXTENSION_KEY, AppState, app_state
+from .state import EXTENSION_KEY, AppState, app_state, resolve_app
 from .store import Store
 
 if t.TYPE_CHECKING:
@@ -29,6 +32,11 @@ F = t.TypeVar("F", bound=t.Callable[..., t.Any])
 T = t.TypeVar("T")
 
 LeaseArg = dt.timedelta | float | int | bool | None
+
+logger = logging.getLogger("flask_idempotency")
+
+#: What a client is told to wait before retrying after a database failure.
+DATABASE_RETRY_AFTER = dt.timedelta(seconds=1)
 
 
 def utc_now() -> dt.datetime:
@@ -234,18 +242,80 @@ class Idempotency:
                 settings = state.route_settings.get(route)
                 if settings is None:  # an app this Idempotency object did not register
                     settings = state.route_settings[route] = route.settings_for(state.settings)
+                session = state.db.session()
                 flow = Flow(
-                    session=state.db.session(),
+                    session=session,
                     store=state.store,
                     settings=settings,
                     clock=state.clock,
                     route=route,
                 )
-                return flow.run(current_app.ensure_sync(view), kwargs)
+                try:
+                    return flow.run(current_app.ensure_sync(view), kwargs)
+                except Exception as exc:
+                    # Wraps the whole flow (claim, view, completion, replay, the
+                    # no-key path): a database outage or a lock conflict anywhere
+                    # answers a retryable problem, never an HTML 500.
+                    problem = _database_problem(exc, session)
+                    if problem is None:
+                        raise
+                    raise problem from exc
 
             return t.cast(F, wrapper)
 
         return decorator
+
+    # -- readiness ----------------------------------------------------------------
+
+    def readiness(
+        self, *, timeout: dt.timedelta | float | None = None
+    ) -> tuple[bool, dict[str, t.Any]]:
+        """Whether this process can use the record's database now, and why not.
+
+        Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine
+        in a background thread and waits for it at most ``timeout`` (default
+        ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from the probe's start, so it
+        answers in time even when the database hangs. At most one probe per app
+        and process is in flight: while one hangs, every call answers
+        ``(False, ...)`` without starting another, until it returns.
+
+        ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
+        ``"timeout"``, ``"unavailable"``, ``"conflict"`` or ``"error"``),
+        ``table``, ``timeout_ms``, ``probe_id``, and ``duration_ms`` (or
+        ``running_ms`` while the probe is still running) and ``error`` (the
+        exception's class name) when it failed. Call it in an app context.
+        """
+        state = app_state()
+        limit = (
+            state.settings.ready_timeout
+            if timeout is None
+            else config.positive_duration(timeout, "timeout")
+        )
+        probe = health.probe_for(resolve_app())
+        return probe.check(state.db.engine, state.store.table, limit)
+
+    def readiness_view(self) -> Response:
+        """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.
+
+        200 ``application/json`` with :meth:`readiness`'s details when the
+        record's table answers in time; otherwise 503 problem+json (type
+        ``.../database-unavailable``, ``Retry-After``) with the same details.
+        Never cached. Keep a liveness check that does not touch the database
+        apart from it, so an orchestrator takes the host out of rotation
+        instead of restarting it.
+        """
+        ready, details = self.readiness()
+        if not ready:
+            raise DatabaseUnavailableError(
+                "The record's database did not answer the readiness probe in time "
+                "or failed it; take this host out of rotation.",
+                retry_after=DATABASE_RETRY_AFTER,
+                extra=details,
+                headers={"Cache-Control": "no-store"},
+            )
+        response = jsonify(details)
+        response.headers["Cache-Control"] = "no-store"
+        return response
 
     # -- what a view may read ---------------------------------------------------
 
@@ -311,3 +381,42 @@ class Idempotency:
         if state is None or state.key is None or state.scope is None:
             raise RuntimeError("idem.derived_key() needs an idempotent request with a key")
         return derive_key(state.scope, state.key, step)
+
+
+def _database_problem(exc: Exception, session: Session) -> ProblemError | None:
+    """The problem to answer for a database failure, or ``None`` for any other error.
+
+    Rolls ``session`` back first (a failure of that rollback is expected when the
+    connection is gone, and ignored) and logs ``exc`` once.
+    """
+    failure = dberrors.classify(exc)
+    if failure is None:
+        return None
+    try:
+        session.rollback()
+    except Exception:  # the connection is already broken; the original error matters
+        logger.debug("rollback after a database failure failed too", exc_info=True)
+    problem: ProblemError
+    if failure is dberrors.CONFLICT:
+        problem = TransactionConflictError(
+            "The database aborted this request's transaction because of a concurrent "
+            "one (lock timeout, deadlock or serialization failure); its writes were "
+            "rolled back. Retry after Retry-After, with the same Idempotency-Key.",
+            retry_after=DATABASE_RETRY_AFTER,
+        )
+    else:
+        problem = DatabaseUnavailableError(
+            "The database is unavailable. Retry after Retry-After with the same "
+            "Idempotency-Key: the retry either runs the request or replays its "
+            "stored response.",
+            retry_after=DATABASE_RETRY_AFTER,
+        )
+    logger.warning(
+        "%s %s answered %d: database %s: %s",
+        request.method,
+        request.path,
+        problem.code,
+        failure.value,
+        dberrors.summary(exc),
+    )
+    return problem

@@ -1,0 +1,124 @@
+"""Readiness: can this process use the record's database right now?
+
+A load balancer should stop sending requests to a host that is cut off from its
+database: every request there would hang or fail. A liveness check that does
+not touch the database cannot tell; this probe can. It runs a trivial query on
+the record's table (``SELECT 1 FROM idempotency_keys LIMIT 1``) through the
+app's own engine and pool, so it fails exactly when requests would.
+
+The query runs in a background thread, so the answer comes within the timeout
+even when the database hangs (a network partition does not fail a query, it
+never answers it). At most one probe per app and process is in flight: while a
+hung probe is running, every check answers "not ready" at once instead of
+piling up threads and connections, until the probe returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import itertools
+import logging
+import os
+import threading
+import time
+import typing as t
+import weakref
+
+import sqlalchemy as sa
+
+from . import dberrors
+
+logger = logging.getLogger("flask_idempotency")
+
+Details = dict[str, t.Any]
+
+
+@dataclasses.dataclass
+class _Probe:
+    number: int
+    started: float  # time.monotonic()
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    ok: bool = False
+    outcome: str = "running"  # "ok", a dberrors.Failure value, or "error"
+    error: str | None = None
+    duration: float = 0.0
+
+
+class ReadinessProbe:
+    """The probe state of one app in one process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._current: _Probe | None = None
+        self._numbers = itertools.count(1)
+
+    def check(
+        self, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta
+    ) -> tuple[bool, Details]:
+        """Probe (or join the probe in flight) and wait for it at most ``timeout``
+        from the probe's start."""
+        seconds = timeout.total_seconds()
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child inherits the parent's probe, but not its thread.
+                self._pid, self._current = os.getpid(), None
+            probe = self._current
+            if probe is None or probe.done.is_set():
+                probe = _Probe(number=next(self._numbers), started=time.monotonic())
+                self._current = probe
+                threading.Thread(
+                    target=_run,
+                    args=(probe, engine, table),
+                    name="flask-idempotency-readiness",
+                    daemon=True,
+                ).start()
+        remaining = probe.started + seconds - time.monotonic()
+        finished = probe.done.wait(max(0.0, remaining))
+        details: Details = {
+            "ready": finished and probe.ok,
+            "table": table.name,
+            "timeout_ms": round(seconds * 1000),
+            "probe_id": probe.number,
+        }
+        if finished:
+            details["database"] = probe.outcome
+            details["duration_ms"] = round(probe.duration * 1000, 1)
+            if probe.error is not None:
+                details["error"] = probe.error
+        else:
+            details["database"] = "timeout"
+            details["running_ms"] = round((time.monotonic() - probe.started) * 1000, 1)
+        return bool(details["ready"]), details
+
+
+def _run(probe: _Probe, engine: sa.Engine, table: sa.Table) -> None:
+    stmt: sa.Select[t.Any] = sa.select(sa.literal_column("1")).select_from(table).limit(1)
+    try:
+        with engine.connect() as conn:
+            conn.execute(stmt).all()
+        probe.ok, probe.outcome = True, "ok"
+    except Exception as exc:  # any failure means "not ready"; say which kind
+        failure = dberrors.classify(exc)
+        probe.outcome = failure.value if failure is not None else "error"
+        # The class name only: driver messages can name hosts and users, and a
+        # readiness endpoint is often reachable by more people than the logs.
+        probe.error = type(exc).__name__
+        logger.warning("readiness probe of %s failed: %s", table.name, dberrors.summary(exc))
+    finally:
+        probe.duration = time.monotonic() - probe.started
+        probe.done.set()
+
+
+_probes: weakref.WeakKeyDictionary[t.Any, ReadinessProbe] = weakref.WeakKeyDictionary()
+_probes_lock = threading.Lock()
+
+
+def probe_for(app: t.Any) -> ReadinessProbe:
+    """The readiness probe of ``app`` (a Flask app), made on first use."""
+    with _probes_lock:
+        probe = _probes.get(app)
+        if probe is None:
+            probe = _probes[app] = ReadinessProbe()
+        return probe
