@@ -11,12 +11,20 @@ from __future__ import annotations
 from . import signals
 from .errors import (
     ConflictError,
+    DatabaseUnavailableError,
     IdempotencyError,
     InvalidKeyError,
     KeyReusedError,
     LeaseLostError,
+    LengthRequiredError,
+    MalformedBodyError,
     MissingKeyError,
+    NothingToRecoverError,
+    PayloadTooLargeError,
     ProblemError,
+    TransactionConflictError,
+    UnsupportedMediaTypeError,
+    ValidationProblem,
 )
 from .extension import Idempotency
 from .models import COMPLETED, IN_PROGRESS, Record
@@ -25,13 +33,21 @@ __all__ = [
     "COMPLETED",
     "IN_PROGRESS",
     "ConflictError",
+    "DatabaseUnavailableError",
     "Idempotency",
     "IdempotencyError",
     "InvalidKeyError",
     "KeyReusedError",
     "LeaseLostError",
+    "LengthRequiredError",
+    "MalformedBodyError",
     "MissingKeyError",
+    "NothingToRecoverError",
+    "PayloadTooLargeError",
     "ProblemError",
     "Record",
+    "TransactionConflictError",
+    "UnsupportedMediaTypeError",
+    "ValidationProblem",
     "signals",
 ]

@@ -9,6 +9,7 @@ fenced by the fencing token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -19,7 +20,7 @@ from flask import Response, current_app, g, request
 from marshmallow import Schema
 from sqlalchemy.orm import Session
 
-from . import signals
+from . import dberrors, signals
 from .config import Settings
 from .errors import (
     ConflictError,
@@ -471,6 +472,15 @@ class Flow:
             session.commit()
             if released:
                 logger.debug("released %r in scope %r", state.key, state.scope)
-        except Exception:  # the original failure matters more; the lease still frees the key
-            logger.exception("could not release %r in scope %r", state.key, state.scope)
-            session.rollback()
+        except Exception as exc:  # the original failure matters more; the lease still frees the key
+            if dberrors.classify(exc) is None:
+                logger.exception("could not release %r in scope %r", state.key, state.scope)
+            else:  # an outage: the request's own failure is logged already
+                logger.warning(
+                    "could not release %r in scope %r (%s); it frees when its lease ends",
+                    state.key,
+                    state.scope,
+                    dberrors.summary(exc),
+                )
+            with contextlib.suppress(Exception):
+                session.rollback()
