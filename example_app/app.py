@@ -165,7 +165,10 @@ bp = Blueprint("payments", __name__)
 
 
 @bp.post("/payments")
-@idem.idempotent(schema=PaymentSchema(), exclude=["client_sent_at"])
+# One merchant calls this demo service, so all its keys share one scope. A real
+# service names its authenticated caller here (or relies on the default scope:
+# README, "Scope"), so that two callers' keys never meet.
+@idem.idempotent(schema=PaymentSchema(), exclude=["client_sent_at"], scope=lambda: "merchant:demo")
 def create_payment() -> tuple[dict[str, t.Any], int, dict[str, str]]:
     """Charge the customer: write one ledger row. The extension commits it,
     together with the idempotency record."""

@@ -11,14 +11,9 @@ import os
 import subprocess
 import sys
 import textwrap
-import typing as t
-import uuid
 from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
-
-from tests.conftest import mysql_url, postgres_url
 
 SHOP = textwrap.dedent(
     """
@@ -76,31 +71,6 @@ EXERCISE = textwrap.dedent(
     print("served")
     """
 )
-
-
-@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
-def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator[str]:
-    """An empty database of its own, dropped afterwards."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'shop.sqlite3'}"
-        return
-    base = postgres_url() if request.param == "postgresql" else mysql_url()
-    if base is None:
-        pytest.skip("no MariaDB/MySQL reachable (see the report header)")
-    name = f"shop_{uuid.uuid4().hex[:10]}"
-    url = sa.make_url(base).difference_update_query(["options"])  # a whole database of its own
-    server = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    try:
-        with server.connect() as conn:
-            conn.execute(sa.text(f"CREATE DATABASE {name}"))
-        yield url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with server.connect() as conn:
-            if request.param == "postgresql":
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            else:
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
-        server.dispose()
 
 
 def flask(tmp_path: Path, url: str, *args: str) -> str:

@@ -1,0 +1,203 @@
+"""Every code block in README.md runs as shown.
+
+Python blocks run in order, in one namespace, as a reader following the README
+would (Quickstart first, then the examples that continue ``shop.py``), on each
+engine. Shell blocks run through ``bash`` with this environment's ``bin`` on the
+PATH, against the Quickstart saved as ``shop.py`` or the example app in a live
+server; the few substitutions a reader would make (a path, a port) are made
+here too. JSON blocks parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing as t
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tests.live import ROOT, LiveServer
+
+README = ROOT / "README.md"
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+BIN = str(Path(sys.executable).parent)
+
+
+def blocks(language: str | None = None) -> list[tuple[int, str, str]]:
+    """(line, language, code) of every fenced block, in order."""
+    text = README.read_text(encoding="utf-8")
+    found = []
+    for match in BLOCK.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        if language is None or match.group(1) == language:
+            found.append((line, match.group(1), match.group(2)))
+    return found
+
+
+def block_with(language: str, needle: str) -> str:
+    matches = [code for _, lang, code in blocks(language) if needle in code]
+    assert len(matches) == 1, f"expected one {language} block with {needle!r}"
+    return matches[0]
+
+
+def sh(script: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    """Run a README shell block with ``bash -e``: every line must succeed."""
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=cwd,
+        env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    return done.stdout
+
+
+def quickstart(tmp_path: Path) -> Path:
+    """The Quickstart saved as shop.py, as the README says to."""
+    (tmp_path / "shop.py").write_text(blocks("python")[0][2])
+    return tmp_path
+
+
+def test_every_block_is_python_sh_or_json() -> None:
+    assert {lang for _, lang, _ in blocks()} <= {"python", "sh", "json"}
+    assert len(blocks("python")) >= 6
+
+
+def test_python_blocks_run_in_order(
+    fresh_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    if not fresh_database.startswith("sqlite"):
+        monkeypatch.setenv("DATABASE_URL", fresh_database)
+    namespace: dict[str, t.Any] = {"__name__": "shop"}
+    try:
+        for line, _, code in blocks("python"):
+            exec(compile(code, f"README.md:{line}", "exec"), namespace)
+    finally:
+        if "app" in namespace:
+            with namespace["app"].app_context():
+                namespace["db"].engine.dispose()
+    # The Quickstart's default database landed where the README says.
+    if fresh_database.startswith("sqlite"):
+        assert (tmp_path / "instance" / "shop.db").exists()
+
+
+def test_json_blocks_parse() -> None:
+    for _, _, code in blocks("json"):
+        assert isinstance(json.loads(code), dict)
+
+
+def test_the_test_command_is_what_ci_runs() -> None:
+    [command] = [code.strip() for _, _, code in blocks("sh") if "pytest" in code]
+    assert command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_example_command_runs(tmp_path: Path) -> None:
+    [command] = [code.strip() for _, _, code in blocks("sh") if "example_app demo" in code]
+    run = command.split(" && ")[-1].replace(".venv/bin/python", sys.executable)
+    out = sh(run, ROOT, {"EXAMPLE_DATABASE_URL": f"sqlite:///{tmp_path / 'demo.sqlite3'}"})
+    assert "ledger rows added for key" in out
+    assert out.rstrip().endswith(": 1")
+
+
+def test_install_command_installs_this_package() -> None:
+    command = block_with("sh", "path/to/flask-idempotency").strip()
+    command = command.replace("path/to/flask-idempotency", str(ROOT)).replace(
+        "pip install", f"{sys.executable} -m pip install --dry-run --no-deps"
+    )
+    assert "Would install Flask-Idempotency" in sh(command, ROOT, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_block_against_the_example(tmp_path: Path) -> None:
+    server = LiveServer("example", f"sqlite:///{tmp_path / 'example.sqlite3'}").start()
+    try:
+        script = block_with("sh", "curl").replace("127.0.0.1:5000", f"127.0.0.1:{server.port}")
+        lines = script.strip().splitlines()
+        post, ledger = "\n".join(lines[:-1]), lines[-1]
+        first = sh(post, tmp_path)
+        again = sh(post, tmp_path)
+        assert first.startswith("HTTP/1.1 201")
+        assert "Idempotent-Replayed: true" in again
+        assert first.split("\n\n", 1)[1] == again.split("\n\n", 1)[1]
+        assert json.loads(sh(ledger, tmp_path))["count"] == 1
+    finally:
+        server.stop()
+
+
+def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
+    shop = quickstart(tmp_path)
+    token = "tok-123"
+    make = (
+        "from shop import app\n"
+        "c = app.test_client()\n"
+        "body = {'amount': 100, 'currency': 'EUR'}\n"
+        "for auth in ('Basic YWxpY2U6cHc=', 'Bearer " + token + "'):\n"  # alice:pw
+        "    r = c.post('/payments', json=body,"
+        " headers={'Idempotency-Key': 'order-42', 'Authorization': auth})\n"
+        "    assert r.status_code == 201, r.get_data()\n"
+    )
+    sh(f'{sys.executable} -c "{make}"', shop, {"PYTHONPATH": str(shop)})
+    out = sh(block_with("sh", "idempotency show"), shop, {"TOKEN": token, "PYTHONPATH": str(shop)})
+    assert '"scope": "payments.create_payment|basic:alice"' in out
+    assert "released" in out
+    remaining = sh("flask --app shop idempotency list --key order-42", shop)
+    assert [r["scope"] for r in json.loads(remaining)] == [
+        "payments.create_payment|bearer:" + __import__("hashlib").sha256(token.encode()).hexdigest()
+    ]
+
+
+def test_migration_block(tmp_path: Path) -> None:
+    shop = quickstart(tmp_path)
+    source = (shop / "shop.py").read_text()
+    # As the README says: add Migrate, leave db.create_all() out.
+    source = source.replace(
+        "    with app.app_context():\n        db.create_all()  # or your migrations: see below\n",
+        "",
+    )
+    assert "create_all" not in source
+    source += "\nfrom flask_migrate import Migrate\n\nmigrate = Migrate(app, db)\n"
+    (shop / "shop.py").write_text(source)
+    sh(block_with("sh", "db upgrade"), shop, {"PYTHONPATH": str(shop)})
+    engine = sa.create_engine(f"sqlite:///{shop / 'instance' / 'shop.db'}")
+    try:
+        assert {"charge", "idempotency_keys", "idempotency_job_locks"} <= set(
+            sa.inspect(engine).get_table_names()
+        )
+    finally:
+        engine.dispose()
+    assert "No new upgrade operations detected" in sh(
+        "flask --app shop db check 2>&1", shop, {"PYTHONPATH": str(shop)}
+    )
+
+
+def test_jobs_block_starts_the_web_app_and_the_scheduler(tmp_path: Path) -> None:
+    shop = quickstart(tmp_path)
+    web, jobs = (line.split("#")[0].strip() for line in block_with("sh", "gunicorn").splitlines())
+    sh(web.replace("gunicorn", "gunicorn --check-config", 1), shop, {"PYTHONPATH": str(shop)})
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(shop)}
+    proc = subprocess.Popen(
+        ["bash", "-c", f"exec {jobs}"], cwd=shop, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert "idempotency scheduler running" in proc.stdout.readline()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
