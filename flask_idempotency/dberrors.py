@@ -18,9 +18,12 @@ and is left alone. Engine codes are listed here and nowhere else.
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 
 from sqlalchemy import exc as sa_exc
+
+from .errors import DatabaseUnavailableError, ProblemError, TransactionConflictError
 
 
 class Failure(enum.Enum):
@@ -32,6 +35,28 @@ class Failure(enum.Enum):
 
 CONFLICT = Failure.CONFLICT
 UNAVAILABLE = Failure.UNAVAILABLE
+
+#: What the client is told to wait before its retry, for either kind.
+RETRY_AFTER = dt.timedelta(seconds=1)
+
+
+def problem_for(failure: Failure) -> ProblemError:
+    """The problem+json answer for a failure: 409 ``transaction-conflict`` or 503
+    ``database-unavailable``, both with ``Retry-After``."""
+    if failure is CONFLICT:
+        return TransactionConflictError(
+            "The database aborted this request's transaction because of a concurrent "
+            "one (lock timeout, deadlock or serialization failure); its writes were "
+            "rolled back. Retry after Retry-After, with the same Idempotency-Key.",
+            retry_after=RETRY_AFTER,
+        )
+    return DatabaseUnavailableError(
+        "The database is unavailable. Retry after Retry-After with the same "
+        "Idempotency-Key: the retry either runs the request or replays its "
+        "stored response.",
+        retry_after=RETRY_AFTER,
+    )
+
 
 # PostgreSQL SQLSTATEs.
 _PG_CONFLICT = {

@@ -14,13 +14,14 @@ from sqlalchemy.orm import Session
 
 from . import config, dberrors, health, session_guard
 from .cli import idempotency_cli
-from .errors import DatabaseUnavailableError, ProblemError, TransactionConflictError
+from .errors import DatabaseUnavailableError, ProblemError
 from .fingerprint import SchemaArg, resolve_schema
-from .flow import Clock, Flow, RequestState, RouteOptions
+from .flow import Clock, Flow, RequestState
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
 from .models import Record, job_lock_table, record_table
 from .recovery import run_step
 from .responses import replay
+from .route import RouteOptions
 from .scheduler import InProcessScheduler
 from .state import EXTENSION_KEY, AppState, app_state, resolve_app
 from .store import Store
@@ -36,7 +37,6 @@ LeaseArg = dt.timedelta | float | int | bool | None
 logger = logging.getLogger("flask_idempotency")
 
 #: What a client is told to wait before retrying after a database failure.
-DATABASE_RETRY_AFTER = dt.timedelta(seconds=1)
 
 
 def utc_now() -> dt.datetime:
@@ -309,7 +309,7 @@ class Idempotency:
             raise DatabaseUnavailableError(
                 "The record's database did not answer the readiness probe in time "
                 "or failed it; take this host out of rotation.",
-                retry_after=DATABASE_RETRY_AFTER,
+                retry_after=dberrors.RETRY_AFTER,
                 extra=details,
                 headers={"Cache-Control": "no-store"},
             )
@@ -392,25 +392,11 @@ def _database_problem(exc: Exception, session: Session) -> ProblemError | None:
     failure = dberrors.classify(exc)
     if failure is None:
         return None
+    problem = dberrors.problem_for(failure)
     try:
         session.rollback()
     except Exception:  # the connection is already broken; the original error matters
         logger.debug("rollback after a database failure failed too", exc_info=True)
-    problem: ProblemError
-    if failure is dberrors.CONFLICT:
-        problem = TransactionConflictError(
-            "The database aborted this request's transaction because of a concurrent "
-            "one (lock timeout, deadlock or serialization failure); its writes were "
-            "rolled back. Retry after Retry-After, with the same Idempotency-Key.",
-            retry_after=DATABASE_RETRY_AFTER,
-        )
-    else:
-        problem = DatabaseUnavailableError(
-            "The database is unavailable. Retry after Retry-After with the same "
-            "Idempotency-Key: the retry either runs the request or replays its "
-            "stored response.",
-            retry_after=DATABASE_RETRY_AFTER,
-        )
     logger.warning(
         "%s %s answered %d: database %s: %s",
         request.method,

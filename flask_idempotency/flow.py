@@ -17,7 +17,6 @@ import logging
 import typing as t
 
 from flask import Response, current_app, g, request
-from marshmallow import Schema
 from sqlalchemy.orm import Session
 
 from . import dberrors, signals
@@ -30,9 +29,11 @@ from .errors import (
     NothingToRecoverError,
 )
 from .fingerprint import load_payload, read_body, request_fingerprint
-from .keys import MAX_SCOPE_LENGTH, default_scope, key_from_request
+from .keys import key_from_request, resolve_scope
 from .models import COMPLETED, IN_PROGRESS, Record
+from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import capture, replay
+from .route import RouteOptions
 from .session_guard import Claim, ClaimGuard, Reassert, lost_error
 from .state import resolve_app
 from .store import ClaimWaitExceeded, Store, new_fencing_token
@@ -42,42 +43,11 @@ logger = logging.getLogger("flask_idempotency")
 # A claim attempt only repeats when another request changed the row between
 # our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
 _CLAIM_ROUNDS = 5
-#: WSGI environ key the recovery job sets to re-run a stored request. Only code
-#: in the same process can put a Python object there, never an HTTP client.
-RECOVERY_ENVIRON_KEY = "flask_idempotency.recovery"
-
 Clock = t.Callable[[], dt.datetime]
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryRun:
-    """Marks a request the recovery job re-runs for an abandoned record."""
-
-    scope: str
 
 
 class RecordGone(Exception):
     """A recovery run found no abandoned record to resume (someone else finished it)."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RouteOptions:
-    """What ``@idem.idempotent(...)`` fixed for one view (hashed by identity)."""
-
-    schema: Schema | None
-    exclude: tuple[str, ...]
-    scope: t.Callable[[], str] | None
-    commit_claim: bool
-    recover: bool
-    manual: bool = False
-    #: Settings this route overrides (lower-case ``Settings`` field names).
-    overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
-
-    def settings_for(self, app_settings: Settings) -> Settings:
-        """The app's settings with this route's overrides; validated."""
-        if not self.overrides:
-            return app_settings
-        return dataclasses.replace(app_settings, **self.overrides)
 
 
 @dataclasses.dataclass
@@ -114,20 +84,6 @@ def _now(clock: Clock) -> dt.datetime:
         raise ValueError("the idempotency clock must return timezone-aware datetimes")
     # Every engine gets UTC: SQLite and MySQL store the wall-clock fields only.
     return now.astimezone(dt.timezone.utc)
-
-
-def resolve_scope(settings: Settings, route_scope: t.Callable[[], str] | None) -> str:
-    func = route_scope or settings.scope or default_scope
-    scope = func()
-    if not isinstance(scope, str) or not scope:
-        raise TypeError(
-            f"the idempotency scope callable must return a non-empty str, got {scope!r}"
-        )
-    if "\x00" in scope:
-        raise ValueError("an idempotency scope must not contain NUL")
-    if len(scope) > MAX_SCOPE_LENGTH:
-        raise ValueError(f"an idempotency scope must be at most {MAX_SCOPE_LENGTH} characters")
-    return scope
 
 
 class Flow:
@@ -173,7 +129,7 @@ class Flow:
         recovery = request.environ.get(RECOVERY_ENVIRON_KEY)
         if not isinstance(recovery, RecoveryRun):
             recovery = None
-        scope = recovery.scope if recovery else resolve_scope(settings, route.scope)
+        scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         payload, fingerprint = request_fingerprint(route.schema, route.exclude)
         state = RequestState(payload=payload, key=key, scope=scope, flow=self)
         g._idempotency = state

@@ -13,8 +13,8 @@ import typing as t
 
 from flask import Flask
 
-from .flow import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .models import Record
+from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import REPLAYED_HEADER
 from .state import app_state, resolve_app
 

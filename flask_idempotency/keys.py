@@ -362,3 +362,19 @@ def derive_key(scope: str, key: str, step: str) -> str:
     parent = f"{scope}\x00{key}".encode("utf-8", "surrogateescape")
     digest = hashlib.sha256(parent + b"\x00" + step.encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
+
+
+def resolve_scope(func: t.Callable[[], str] | None) -> str:
+    """The scope of the current request: ``func()`` (the route's or the app's scope
+    callable), else :func:`default_scope`; checked to be a non-empty str of at
+    most :data:`MAX_SCOPE_LENGTH` characters, without NUL."""
+    scope = (func or default_scope)()
+    if not isinstance(scope, str) or not scope:
+        raise TypeError(
+            f"the idempotency scope callable must return a non-empty str, got {scope!r}"
+        )
+    if "\x00" in scope:
+        raise ValueError("an idempotency scope must not contain NUL")
+    if len(scope) > MAX_SCOPE_LENGTH:
+        raise ValueError(f"an idempotency scope must be at most {MAX_SCOPE_LENGTH} characters")
+    return scope

@@ -1,4 +1,5 @@
-"""Recovery points: named steps whose results are saved on the record.
+"""Recovery points (named steps whose results are saved on the record), and the
+marker of a request the lease recovery job re-runs.
 
 A leased view splits work that cannot join its transaction (a card charge, an
 email) into steps. A finished step's result is saved on the record at once, in
@@ -14,6 +15,7 @@ interrupted mid-call is deduplicated downstream.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -26,6 +28,18 @@ if t.TYPE_CHECKING:
     from .flow import RequestState
 
 T = t.TypeVar("T")
+
+#: WSGI environ key the recovery job sets to re-run a stored request. Only code
+#: in the same process can put a Python object there, never an HTTP client.
+RECOVERY_ENVIRON_KEY = "flask_idempotency.recovery"
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryRun:
+    """Marks a request the recovery job re-runs for an abandoned record."""
+
+    scope: str
+
 
 logger = logging.getLogger("flask_idempotency")
 

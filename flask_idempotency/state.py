@@ -14,10 +14,19 @@ if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
 
     from .config import Settings
-    from .scheduler import InProcessScheduler
     from .store import Store
 
 EXTENSION_KEY = "idempotency"
+
+
+class ProcessJobs(t.Protocol):
+    """The maintenance jobs of one serving process (``scheduler.InProcessScheduler``),
+    as the state needs them: held here by this small protocol so that the state,
+    read by every request, does not import the scheduler."""
+
+    def ensure_started(self, app: Flask) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -30,7 +39,7 @@ class AppState:
     settings: Settings
     clock: t.Callable[[], dt.datetime]
     job_lock_table: sa.Table
-    in_process: InProcessScheduler
+    in_process: ProcessJobs
     #: Each route's settings (the app's, with the route's overrides), built once.
     route_settings: dict[t.Any, Settings] = dataclasses.field(default_factory=dict)
 
