@@ -155,8 +155,26 @@ def release(scope: str, key: str, yes: bool, force: bool) -> None:
         )
     state = _state()
     with state.db.engine.begin() as conn:
-        deleted = state.store.delete_record(conn, scope, key)
-    click.echo("released" if deleted else "already gone")
+        # Only the record shown: if it completed, or a new operation took the key,
+        # while the operator read the prompt, it is left alone.
+        deleted = state.store.delete_record(
+            conn,
+            scope,
+            key,
+            token=record.fencing_token,
+            status=None if force else record.status,
+        )
+    if deleted:
+        click.echo("released")
+        return
+    now = state.store.load_committed(state.db.engine, scope, key)
+    if now is None:
+        click.echo("already gone")
+    else:
+        raise click.ClickException(
+            f"the record changed while you confirmed (now {now.status}); nothing was "
+            "released. Look again with 'show'."
+        )
 
 
 @idempotency_cli.command("list")

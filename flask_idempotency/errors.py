@@ -162,6 +162,15 @@ class LeaseLostError(ConflictError):
     title = "The lease on this idempotency key was lost"
 
 
+class FailedAfterCommitError(ProblemError):
+    """The view failed after committing work of its own (500): recorded, so retries
+    get this answer instead of running the operation a second time."""
+
+    slug = "failed-after-commit"
+    title = "The request failed after committing part of its work"
+    code = 500
+
+
 class NothingToRecoverError(ProblemError):
     """A recovery run found the record finished or gone (409); only the recovery job sees it."""
 

@@ -10,7 +10,6 @@ import typing as t
 import weakref
 
 from flask import Flask, Response, current_app, g, jsonify, request
-from sqlalchemy.orm import Session
 
 from . import config, dberrors, health, session_guard
 from .cli import idempotency_cli
@@ -42,6 +41,19 @@ logger = logging.getLogger("flask_idempotency")
 def utc_now() -> dt.datetime:
     """The default clock: the app server's time, in UTC."""
     return dt.datetime.now(dt.timezone.utc)
+
+
+def in_utc(clock: Clock) -> Clock:
+    """``clock``, read in UTC: every engine compares the stored UTC times with it
+    (SQLite and MySQL keep no zone), requests and jobs alike."""
+
+    def now() -> dt.datetime:
+        value = clock()
+        if value.tzinfo is None:
+            raise ValueError("the idempotency clock must return timezone-aware datetimes")
+        return value.astimezone(dt.timezone.utc)
+
+    return now
 
 
 class Idempotency:
@@ -123,7 +135,7 @@ class Idempotency:
             db=db,
             store=Store(table),
             settings=settings,
-            clock=clock or self._clock or utc_now,
+            clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),
             in_process=InProcessScheduler(),
         )
@@ -242,9 +254,8 @@ class Idempotency:
                 settings = state.route_settings.get(route)
                 if settings is None:  # an app this Idempotency object did not register
                     settings = state.route_settings[route] = route.settings_for(state.settings)
-                session = state.db.session()
                 flow = Flow(
-                    session=session,
+                    scoped=state.db.session,
                     store=state.store,
                     settings=settings,
                     clock=state.clock,
@@ -256,7 +267,7 @@ class Idempotency:
                     # Wraps the whole flow (claim, view, completion, replay, the
                     # no-key path): a database outage or a lock conflict anywhere
                     # answers a retryable problem, never an HTML 500.
-                    problem = _database_problem(exc, session)
+                    problem = _database_problem(exc, state.db.session)
                     if problem is None:
                         raise
                     raise problem from exc
@@ -364,7 +375,9 @@ class Idempotency:
         own; an attempt that resumes the record after a crash or a released
         failure gets the saved result without calling ``fn``. Raises
         :class:`~flask_idempotency.LeaseLostError` when another request has taken
-        the record over. Keep database writes out of ``fn``.
+        the record over. Keep database writes out of ``fn``. In a request without
+        a key (a route that does not require one) there is nothing to resume:
+        ``fn`` simply runs.
         """
         state = self._request_state()
         if state is None:
@@ -374,16 +387,19 @@ class Idempotency:
     def derived_key(self, step: str) -> str:
         """The idempotency key to send downstream for ``step`` of this operation.
 
-        ``sha256(scope, key, step)``: the same on every retry and resume, unique
-        per step and per scope.
+        SHA-256 of the scope, the key, the operation's start and ``step``: the
+        same on every retry and resume of this operation, unique per step, per
+        scope, and per operation (a new operation on a key whose record expired
+        gets new downstream keys, so a downstream that remembers keys longer
+        than we do never answers it with the old operation's result).
         """
         state = self._request_state()
         if state is None or state.key is None or state.scope is None:
             raise RuntimeError("idem.derived_key() needs an idempotent request with a key")
-        return derive_key(state.scope, state.key, step)
+        return derive_key(state.scope, state.key, step, operation=state.operation)
 
 
-def _database_problem(exc: Exception, session: Session) -> ProblemError | None:
+def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
     """The problem to answer for a database failure, or ``None`` for any other error.
 
     Rolls ``session`` back first (a failure of that rollback is expected when the

@@ -15,14 +15,16 @@ import datetime as dt
 import functools
 import logging
 import typing as t
+import urllib.parse
 
 from flask import Response, current_app, g, request
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
 from .config import Settings
 from .errors import (
     ConflictError,
+    FailedAfterCommitError,
     KeyReusedError,
     LeaseLostError,
     MissingKeyError,
@@ -34,7 +36,7 @@ from .models import COMPLETED, IN_PROGRESS, Record
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import capture, replay
 from .route import RouteOptions
-from .session_guard import Claim, ClaimGuard, Reassert, lost_error
+from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
 from .state import resolve_app
 from .store import ClaimWaitExceeded, Store, new_fencing_token
 
@@ -63,6 +65,10 @@ class RequestState:
     flow: Flow | None = None
     #: Manual mode: the completed record of this operation, for the view.
     previous: Record | None = None
+    #: When this operation began (its record's creation time): with scope and key,
+    #: what derived keys are made from, so that a new operation on a key that
+    #: expired never reuses the downstream keys of the one before.
+    operation: str = ""
 
     @property
     def claim_committed(self) -> bool:
@@ -76,6 +82,8 @@ class Claimed:
     recovery_points: dict[str, t.Any]
     #: Repeats the claim in a later transaction, if the view rolls this one back.
     reassert: Reassert
+    #: The operation's creation time (kept by a reclaim, new for a new operation).
+    created_at: dt.datetime
 
 
 def _now(clock: Clock) -> dt.datetime:
@@ -86,23 +94,38 @@ def _now(clock: Clock) -> dt.datetime:
     return now.astimezone(dt.timezone.utc)
 
 
+def _request_target() -> str:
+    """The path and query as the client sent them, still percent-encoded, so the
+    recovery job's re-run reaches the same route with the same arguments
+    (``%2F``, ``%3F`` and ``%23`` decoded would change both)."""
+    path = urllib.parse.quote(request.path, safe="/:@!$&'()*+,;=-._~")
+    query = request.query_string.decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
 class Flow:
     """Runs one protected view call. Built per request; holds no app state."""
 
     def __init__(
         self,
         *,
-        session: Session,
+        scoped: scoped_session[t.Any],
         store: Store,
         settings: Settings,
         clock: Clock,
         route: RouteOptions,
     ) -> None:
-        self.session = session
+        self._scoped = scoped
         self.store = store
         self.settings = settings
         self.clock = clock
         self.route = route
+
+    @property
+    def session(self) -> Session:
+        """The session the view uses now: a view may close and replace it
+        (``db.session.remove()``), and the record must end where its writes are."""
+        return t.cast(Session, self._scoped())
 
     def now(self) -> dt.datetime:
         return _now(self.clock)
@@ -147,6 +170,12 @@ class Flow:
             return self._run_manual(view, kwargs)
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
+        state.operation = outcome.created_at.isoformat()
+        app = resolve_app()
+        logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
+        signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
+        if route.commit_claim:
+            self.session.commit()
         state.guard = ClaimGuard(
             store=self.store,
             scope=scope,
@@ -156,17 +185,8 @@ class Flow:
             wait=settings.wait,
             lease=settings.lease,
             clock=self.now,
+            durable=route.commit_claim,
         )
-        app = resolve_app()
-        logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
-        signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
-        state.guard.watch(self.session)
-        try:
-            if route.commit_claim:
-                self.session.commit()
-        except BaseException:
-            state.guard.stop()
-            raise
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 
     # -- claim -------------------------------------------------------------------
@@ -195,7 +215,7 @@ class Flow:
         if self.route.recover:
             values.update(
                 request_method=request.method,
-                request_path=request.full_path.rstrip("?"),
+                request_path=_request_target(),
                 request_content_type=request.content_type,
                 request_body=read_body(),
             )
@@ -221,7 +241,7 @@ class Flow:
                         fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
                         if store.try_insert(session, fresh):
                             insert = functools.partial(store.try_insert, values=fresh)
-                            return Claimed(token, {}, insert)
+                            return Claimed(token, {}, insert, now)
                     record = store.load(session, scope, key)
                     expired = record is not None and record.is_expired(now)
                     if not allow_new and (record is None or expired):
@@ -251,8 +271,9 @@ class Flow:
                             logger.info(
                                 "reclaimed %r in scope %r after its lease ended", key, scope
                             )
-                        points = {} if expired else record.recovery_points
-                        return Claimed(token, points, take)
+                        if expired:  # a new operation
+                            return Claimed(token, {}, take, now)
+                        return Claimed(token, record.recovery_points, take, record.created_at)
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)
@@ -307,34 +328,72 @@ class Flow:
         *,
         recovery: bool,
     ) -> Response:
-        session, guard = self.session, state.guard
-        assert state.scope is not None
-        assert state.key is not None
-        assert state.fencing_token is not None
+        guard = state.guard
         assert guard is not None
-        scope, key, token = state.scope, state.key, state.fencing_token
+        guard.watch(self.session, self._scoped)
         try:
             response = current_app.make_response(view(**kwargs))
         except BaseException as exc:
             guard.stop()
-            self._release(state)
-            if guard.claim is Claim.LOST and not isinstance(exc, LeaseLostError):
+            if guard.claim is Claim.LOST:
+                self.session.rollback()
+                if isinstance(exc, LeaseLostError):
+                    raise
                 # Whatever the view made of it, the cause is the lost key.
                 raise lost_error() from exc
+            if guard.view_committed and isinstance(exc, Exception):
+                # The view committed work of its own, then failed: that work
+                # stays, so the operation must not run again. Retries get the
+                # failure; the app's error handling sees the exception now.
+                logger.warning(
+                    "%r in scope %r failed after the view committed; recording the failure",
+                    state.key,
+                    state.scope,
+                )
+                failure = FailedAfterCommitError(
+                    "This request failed after it had committed part of its work, so it "
+                    "will not run again with this idempotency key. Check the resource's "
+                    "state before sending a new operation with a new key."
+                )
+                self._complete(state, app, t.cast(Response, failure.get_response()))
+                raise
+            self._release(state)
             raise
         guard.stop()
         if guard.claim is Claim.LOST:
-            session.rollback()
+            self.session.rollback()
             raise lost_error()
         storable = self.settings.storable(response.status_code)
         if recovery:
             # Without the client, only success is worth keeping: a 4xx here may
             # come from missing credentials, not from the request itself.
             storable = storable and response.status_code < 400
-        if not storable:
+        if storable:
+            self._complete(state, app, response, rollback_first=False)
+        elif guard.view_committed:
+            # Not an answer to keep, but the view committed work of its own
+            # before giving it: the operation happened and may not run again.
+            self._complete(state, app, response)
+        else:
             self._release(state)
-            return response
+        return response
+
+    def _complete(
+        self, state: RequestState, app: t.Any, response: Response, *, rollback_first: bool = True
+    ) -> None:
+        """Store ``response`` on the record, fenced by the token, and commit it with
+        the view's writes (or, ``rollback_first``, after rolling back what the
+        view had not committed)."""
+        guard = state.guard
+        assert guard is not None
+        assert state.scope is not None
+        assert state.key is not None
+        assert state.fencing_token is not None
+        scope, key, token = state.scope, state.key, state.fencing_token
+        session = self.session
         try:
+            if rollback_first:
+                session.rollback()
             if guard.claim is Claim.ROLLED_BACK and not guard.reclaim(session):
                 # The view rolled its transaction back and left it at that; a
                 # duplicate took the key in between.
@@ -359,7 +418,8 @@ class Flow:
                 logger.warning("lost the lease on %r in scope %r; rolled back", key, scope)
                 raise LeaseLostError(
                     "This request took longer than its lease and another request took "
-                    "the idempotency key over; this request's work was rolled back.",
+                    "the idempotency key over; what this request had not committed was "
+                    "rolled back.",
                     retry_after=dt.timedelta(seconds=1),
                 )
             session.commit()
@@ -371,7 +431,6 @@ class Flow:
         signals.record_completed.send(
             app, scope=scope, key=key, fencing_token=token, response=response
         )
-        return response
 
     def _run_unprotected(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         """No key: run the view with the same transaction rules, but keep no record.
@@ -394,18 +453,21 @@ class Flow:
         """Manual mode, on a retry of a completed operation: the view sees the
         record (``idem.previous``) and answers; anything it writes is rolled
         back, since the operation already happened."""
+        watcher = NoCommitGuard()
+        watcher.watch(self.session, self._scoped)
         try:
             return current_app.make_response(view(**kwargs))
         finally:
+            watcher.stop()
             self.session.rollback()
 
     def _release(self, state: RequestState) -> None:
         """Roll back the view's work and free the key so a retry runs again.
 
         A claim that was never committed goes with the rollback. A durable one
-        (leased, or committed by the view itself) is deleted, or, when it has
-        recovery points, kept with its lease ended so the retry resumes from
-        them. Fenced by the token: a record another request has taken over (or
+        (a leased route's, the view having committed nothing itself) is deleted,
+        or, when it has recovery points, kept with its lease ended so the retry
+        resumes from them. Fenced by the token: a record another request has taken over (or
         claimed afresh after a delete, with a token of its own) is left alone.
         """
         assert state.scope is not None

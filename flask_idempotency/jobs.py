@@ -83,9 +83,13 @@ class RecoveryReport:
     completed: int = 0  #: driven to completion from the stored request
     released: int = 0  #: deleted, so the client's next retry runs again
     skipped: int = 0  #: finished or reclaimed by someone else meanwhile
+    kept: int = 0  #: re-run failed; kept with its recovery points for the retry to resume
 
     def __str__(self) -> str:
-        return f"completed {self.completed}, released {self.released}, skipped {self.skipped}"
+        return (
+            f"completed {self.completed}, released {self.released}, kept {self.kept}, "
+            f"skipped {self.skipped}"
+        )
 
 
 def _quoted(key: str) -> str:
@@ -103,13 +107,16 @@ def _rerun(app: Flask, record: Record) -> bool | None:
     if record.request_content_type:
         headers["Content-Type"] = record.request_content_type
     client = app.test_client()
-    response = client.open(
-        record.request_path,
-        method=record.request_method,
-        data=record.request_body or b"",
-        headers=headers,
-        environ_overrides={RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope)},
-    )
+    # An app context of its own, as a served request has: its own session, ended
+    # (and its locks freed) when the re-run is over, not shared with the job's.
+    with app.app_context():
+        response = client.open(
+            record.request_path,
+            method=record.request_method,
+            data=record.request_body or b"",
+            headers=headers,
+            environ_overrides={RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope)},
+        )
     if response.status_code == 409:
         return None
     if response.status_code < 400 and response.headers.get(REPLAYED_HEADER) != "true":
@@ -129,8 +136,10 @@ def recover_abandoned(
     its stored request is re-run through the app with the same key and scope,
     resuming from its recovery points, and the response is stored for the
     client's retry. Any other abandoned record, or one whose re-run fails, is
-    released (deleted), so the client's next retry runs the view again. At most
-    ``limit`` records per call.
+    released (deleted), so the client's next retry runs the view again, unless
+    it holds recovery points: then it is kept (its lease has ended), and the
+    client's retry resumes after its finished steps. At most ``limit`` records
+    per call.
     """
     app = resolve_app(app)
     report = RecoveryReport()
@@ -162,6 +171,8 @@ def recover_abandoned(
                 )
             if released:
                 report.released += 1
+            elif current is not None and current.recovery_points:
+                report.kept += 1
             else:
                 report.skipped += 1
         state.db.session.remove()

@@ -345,21 +345,25 @@ def _fit(scope: str) -> str:
     return f"sha256:{_sha256(scope)}"
 
 
-def derive_key(scope: str, key: str, step: str) -> str:
+def derive_key(scope: str, key: str, step: str, *, operation: str = "") -> str:
     """The key for one downstream call of the operation (scope, key): SHA-256, hex.
 
     Stable on every retry and resume of the same operation, different for each
     ``step``, and different across scopes, so two tenants that chose the same
-    key never collide downstream. Minting a fresh random key per attempt instead
-    would let the downstream run the call once per attempt.
+    key never collide downstream; ``operation`` (when the operation began) sets
+    apart two operations that used the same key one after the other, across an
+    expiry. Minting a fresh random key per attempt instead would let the
+    downstream run the call once per attempt.
     """
     if not step:
         raise ValueError("a derived key needs a non-empty step name")
     # NUL separates the parts; keys are printable ASCII, so refusing it in the
-    # scope and step keeps every (scope, key, step) apart.
-    if "\x00" in scope or "\x00" in step:
-        raise ValueError("a scope or step name must not contain NUL")
+    # scope, step and operation keeps every (scope, key, operation, step) apart.
+    if "\x00" in scope or "\x00" in step or "\x00" in operation:
+        raise ValueError("a scope, step or operation must not contain NUL")
     parent = f"{scope}\x00{key}".encode("utf-8", "surrogateescape")
+    if operation:
+        parent += b"\x00" + operation.encode("utf-8")
     digest = hashlib.sha256(parent + b"\x00" + step.encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 

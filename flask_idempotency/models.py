@@ -111,7 +111,7 @@ def record_table(metadata: sa.MetaData) -> sa.Table:
         # finish an abandoned request without the client (recover=True).
         sa.Column("request_method", sa.String(16), nullable=True),
         sa.Column("request_path", sa.Text, nullable=True),
-        sa.Column("request_content_type", sa.String(255), nullable=True),
+        sa.Column("request_content_type", _long_text(), nullable=True),
         sa.Column("request_body", _long_binary(), nullable=True),
         sa.PrimaryKeyConstraint("scope", "key", name="idempotency_keys_scope_key"),
         sa.Index("idempotency_keys_expires_at", "expires_at"),
@@ -199,8 +199,10 @@ class Record:
         )
 
     def is_expired(self, now: dt.datetime) -> bool:
-        """Past its retention: counts as absent even before cleanup deletes it."""
-        return self.expires_at <= now
+        """Past its retention and not held under a live lease: counts as absent even
+        before cleanup deletes it. A holder whose lease still runs keeps its
+        record past the retention, so no new operation starts beside it."""
+        return self.expires_at <= now and not self.lease_live(now)
 
     def lease_live(self, now: dt.datetime) -> bool:
         """In progress under a lease that has not ended."""

@@ -53,6 +53,8 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     attempt that another request has overtaken gets :class:`LeaseLostError`
     instead of calling ``fn``, and stops before doing more.
     """
+    if state.key is None:
+        return fn()  # no key, no operation to resume
     flow, guard = state.flow, state.guard
     if flow is None or guard is None or state.fencing_token is None:
         raise RuntimeError("idem.step() can only be called inside an idempotent request with a key")

@@ -26,6 +26,7 @@ lookup per transaction event.
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import enum
 import logging
@@ -63,14 +64,75 @@ class Claim(enum.Enum):
 
 def lost_error() -> LeaseLostError:
     return LeaseLostError(
-        "Another request took this idempotency key over while this one ran; "
-        "this request's work was rolled back.",
+        "Another request took this idempotency key over while this one ran; what this "
+        "request had not committed was rolled back.",
         retry_after=dt.timedelta(seconds=1),
     )
 
 
-class ClaimGuard:
-    """Follows one request's session while its view runs.
+#: The watcher of the view running in this context (thread, task), so that a new
+#: session the view opens (``db.session.remove()``, then ``db.session`` again) is
+#: followed too.
+_watching: contextvars.ContextVar[SessionWatcher | None] = contextvars.ContextVar(
+    "flask_idempotency_watcher", default=None
+)
+
+
+class SessionWatcher:
+    """Follows the view's session (and any session that replaces it in the same
+    scoped registry) between :meth:`watch` and :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._session: Session | None = None
+        self._scoped: t.Any = None
+        self._context_token: contextvars.Token[SessionWatcher | None] | None = None
+
+    def watch(self, session: Session, scoped: t.Any = None) -> None:
+        """Start following ``session``; ``scoped`` is the ``scoped_session`` it came
+        from, whose later sessions are followed too."""
+        session.info[GUARD_KEY] = self
+        self._session, self._scoped = session, scoped
+        self._context_token = _watching.set(self)
+
+    def stop(self) -> None:
+        if self._session is not None:
+            self._session.info.pop(GUARD_KEY, None)
+            self._session = None
+        if self._context_token is not None:
+            _watching.reset(self._context_token)
+            self._context_token = None
+
+    def follows(self, session: Session) -> bool:
+        """``session`` is the one the view now uses: adopt it."""
+        scoped = self._scoped
+        if scoped is None or not scoped.registry.has() or scoped.registry() is not session:
+            return False
+        if self._session is not None:
+            self._session.info.pop(GUARD_KEY, None)
+        session.info[GUARD_KEY] = self
+        self._session = session
+        return True
+
+    # Session events; the default is to do nothing.
+
+    def _transaction_began(self, connection: sa.Connection) -> None:
+        pass
+
+    def _before_commit(self, session: Session) -> None:
+        pass
+
+    def _after_commit(self) -> None:
+        pass
+
+    def _transaction_ended(self) -> None:
+        pass
+
+    def _rolled_back(self, session: Session) -> None:
+        pass
+
+
+class ClaimGuard(SessionWatcher):
+    """Keeps the claim in every transaction the view commits.
 
     The flow creates it after the claim, :meth:`watch` es the session before the
     view and :meth:`stop` s right after; between the two, the session events
@@ -90,6 +152,7 @@ class ClaimGuard:
         clock: t.Callable[[], dt.datetime],
         durable: bool = False,
     ) -> None:
+        super().__init__()
         self.store = store
         self.scope = scope
         self.key = key
@@ -99,19 +162,10 @@ class ClaimGuard:
         self._lease = lease
         self._clock = clock
         self.claim = Claim.DURABLE if durable else Claim.IN_TRANSACTION
+        #: The view committed a transaction of its own: what it wrote then stays,
+        #: whatever happens next, so the operation may not run a second time.
+        self.view_committed = False
         self._committed = False
-        self._session: Session | None = None
-
-    # -- lifecycle -----------------------------------------------------------------
-
-    def watch(self, session: Session) -> None:
-        session.info[GUARD_KEY] = self
-        self._session = session
-
-    def stop(self) -> None:
-        if self._session is not None:
-            self._session.info.pop(GUARD_KEY, None)
-            self._session = None
 
     # -- what the flow asks ----------------------------------------------------------
 
@@ -139,48 +193,84 @@ class ClaimGuard:
         if self.claim is Claim.ROLLED_BACK and not self.reclaim(connection):
             raise lost_error()
 
+    def _rolled_back(self, session: Session) -> None:
+        # Claim the key again at once, not at the view's next statement: in
+        # between, a duplicate could run the whole view.
+        if self.claim is Claim.ROLLED_BACK and session.is_active:
+            session.connection()  # begins the next transaction: _transaction_began
+
     def _before_commit(self, session: Session) -> None:
         if self.claim is Claim.LOST:
             raise lost_error()
-        if self.claim is Claim.DURABLE:
+        if self.claim in (Claim.DURABLE, Claim.IN_TRANSACTION):
+            # The lease counts from this commit (the first one publishes the
+            # record); fenced, and locking the record until the commit.
             locked_until = self._clock() + self._lease
             if not self.store.renew_lease(session, self.scope, self.key, self.token, locked_until):
                 self.claim = Claim.LOST
                 raise lost_error()
 
+    def _after_commit(self) -> None:
+        self._committed = True
+
     def _transaction_ended(self) -> None:
         committed, self._committed = self._committed, False
+        if committed and self.claim in (Claim.DURABLE, Claim.IN_TRANSACTION):
+            self.view_committed = True
         if self.claim is Claim.IN_TRANSACTION:
             self.claim = Claim.DURABLE if committed else Claim.ROLLED_BACK
 
 
-def _guard(session: Session) -> ClaimGuard | None:
-    return t.cast("ClaimGuard | None", session.info.get(GUARD_KEY))
+class NoCommitGuard(SessionWatcher):
+    """For a view answering a retry of a completed operation (manual mode): the
+    operation already happened, so nothing the view writes may commit."""
+
+    def _before_commit(self, session: Session) -> None:
+        raise RuntimeError(
+            "a manual-mode view answering a retry (idem.previous is set) must not "
+            "commit: the operation already happened; its writes are rolled back"
+        )
+
+
+def _watcher(session: Session) -> SessionWatcher | None:
+    watcher = t.cast("SessionWatcher | None", session.info.get(GUARD_KEY))
+    if watcher is not None:
+        return watcher
+    watcher = _watching.get()
+    if watcher is not None and watcher.follows(session):
+        return watcher
+    return None
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: t.Any) -> None:
-    guard = _guard(session)
-    if guard is not None and transaction.parent is None:
-        guard._transaction_began(connection)
+    watcher = _watcher(session)
+    if watcher is not None and transaction.parent is None:
+        watcher._transaction_began(connection)
 
 
 def _before_commit(session: Session) -> None:
-    guard = _guard(session)
+    watcher = _watcher(session)
     # Commits of savepoints (RELEASE) are not commits of business rows.
-    if guard is not None and not session.in_nested_transaction():
-        guard._before_commit(session)
+    if watcher is not None and not session.in_nested_transaction():
+        watcher._before_commit(session)
 
 
 def _after_commit(session: Session) -> None:
-    guard = _guard(session)
-    if guard is not None and not session.in_nested_transaction():
-        guard._committed = True
+    watcher = _watcher(session)
+    if watcher is not None and not session.in_nested_transaction():
+        watcher._after_commit()
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    guard = _guard(session)
-    if guard is not None and transaction.parent is None:
-        guard._transaction_ended()
+    watcher = _watcher(session)
+    if watcher is not None and transaction.parent is None:
+        watcher._transaction_ended()
+
+
+def _after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
+    watcher = _watcher(session)
+    if watcher is not None and previous.parent is None:
+        watcher._rolled_back(session)
 
 
 _watched: weakref.WeakSet[t.Any] = weakref.WeakSet()
@@ -194,4 +284,5 @@ def listen(session_factory: t.Any) -> None:
     event.listen(session_factory, "before_commit", _before_commit)
     event.listen(session_factory, "after_commit", _after_commit)
     event.listen(session_factory, "after_transaction_end", _after_transaction_end)
+    event.listen(session_factory, "after_soft_rollback", _after_soft_rollback)
     _watched.add(session_factory)

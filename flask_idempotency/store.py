@@ -145,8 +145,13 @@ class Store:
         # An UPDATE of a held record; the SET clause comes from the parameters.
         self._update_held = sa.update(table).where(*still_held)
         token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
+        lease_ended = sa.or_(
+            c.status != IN_PROGRESS,
+            c.locked_until.is_(None),
+            c.locked_until <= sa.bindparam("w_now"),
+        )
         self._replace_expired = sa.update(table).where(
-            *token_read, c.expires_at <= sa.bindparam("w_now")
+            *token_read, c.expires_at <= sa.bindparam("w_now"), lease_ended
         )
         self._reclaim = sa.update(table).where(
             *token_read,
@@ -227,6 +232,11 @@ class Store:
         stmt = self._load_locking if dialect_name(executor) in _MYSQL else self._load
         row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
         return Record.from_row(row) if row is not None else None
+
+    def load_committed(self, engine: sa.Engine, scope: str, key: str) -> Record | None:
+        """The committed record for (scope, key), read on a connection of its own."""
+        with engine.connect() as conn:
+            return self.load(conn, scope, key)
 
     def take_over(
         self,
@@ -345,7 +355,10 @@ class Store:
         return self._changed_one(executor, self._update_held, params)
 
     def find_abandoned(self, conn: sa.Connection, now: dt.datetime, limit: int) -> list[Record]:
-        """In-progress, unexpired records whose lease has ended, oldest lease first."""
+        """In-progress, unexpired records whose lease has ended, oldest lease first,
+        that the recovery job can act on: those it can re-run (a stored request),
+        and those with no recovery points (released). A record that keeps
+        finished steps for the client's retry to resume from is left alone."""
         c = self.table.c
         stmt = (
             sa.select(self.table)
@@ -353,6 +366,7 @@ class Store:
                 c.status == IN_PROGRESS,
                 sa.or_(c.locked_until.is_(None), c.locked_until <= now),
                 c.expires_at > now,
+                sa.or_(c.recovery_points.is_(None), c.request_method.is_not(None)),
             )
             .order_by(c.locked_until)
             .limit(limit)
@@ -360,7 +374,8 @@ class Store:
         return [Record.from_row(row) for row in conn.execute(stmt)]
 
     def release_abandoned(self, conn: sa.Connection, record: Record, now: dt.datetime) -> bool:
-        """Delete an abandoned record, unless someone reclaimed it since it was read."""
+        """Delete an abandoned record, unless someone reclaimed it since it was read
+        or it holds recovery points (a retry resumes after its finished steps)."""
         c = self.table.c
         stmt = sa.delete(self.table).where(
             c.scope == text_param("w_scope", record.scope),
@@ -368,6 +383,7 @@ class Store:
             c.fencing_token == record.fencing_token,
             c.status == IN_PROGRESS,
             sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+            c.recovery_points.is_(None),
         )
         return self._changed_one(conn, stmt, {})
 
@@ -381,30 +397,38 @@ class Store:
         """
         c = self.table.c
         dialect = conn.dialect.name
-        batch = (
-            sa.select(c.scope, c.key).where(c.expires_at <= now).order_by(c.expires_at).limit(limit)
+        # A record past its retention whose holder's lease still runs is not
+        # expired yet (Record.is_expired): cleanup waits for the lease to end.
+        expired = (
+            c.expires_at <= now,
+            sa.or_(c.status != IN_PROGRESS, c.locked_until.is_(None), c.locked_until <= now),
         )
+        batch = sa.select(c.scope, c.key).where(*expired).order_by(c.expires_at).limit(limit)
         if dialect == "postgresql" or dialect in _MYSQL:
             # MySQL 8 and MariaDB 10.6 know SKIP LOCKED too.
             batch = batch.with_for_update(skip_locked=True)
         if dialect in ("postgresql", "sqlite"):
-            stmt = sa.delete(self.table).where(
-                sa.tuple_(c.scope, c.key).in_(batch),
-                c.expires_at <= now,
-            )
+            stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(batch), *expired)
             return int(conn.execute(stmt).rowcount)
         # Engines that refuse LIMIT in an IN subquery (MySQL): read (and lock),
         # then delete, in the caller's transaction.
         keys = [tuple(row) for row in conn.execute(batch)]
         if not keys:
             return 0
-        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), c.expires_at <= now)
+        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), *expired)
         return int(conn.execute(stmt).rowcount)
 
     def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
         """How many records are past their retention and await cleanup."""
         c = self.table.c
-        stmt = sa.select(sa.func.count()).select_from(self.table).where(c.expires_at <= now)
+        stmt = (
+            sa.select(sa.func.count())
+            .select_from(self.table)
+            .where(
+                c.expires_at <= now,
+                sa.or_(c.status != IN_PROGRESS, c.locked_until.is_(None), c.locked_until <= now),
+            )
+        )
         return int(conn.execute(stmt).scalar_one())
 
     def stats(self, conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
@@ -461,10 +485,25 @@ class Store:
         stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
         return [Record.from_row(row) for row in conn.execute(stmt)]
 
-    def delete_record(self, conn: sa.Connection, scope: str, key: str) -> bool:
-        """Delete one record whatever its state (the operator's ``release``)."""
+    def delete_record(
+        self,
+        conn: sa.Connection,
+        scope: str,
+        key: str,
+        *,
+        token: int | None = None,
+        status: str | None = None,
+    ) -> bool:
+        """Delete one record (the operator's ``release``): only while it still has
+        the fencing ``token`` and ``status`` the operator was shown, when given, so
+        that a record that completed, or was replaced by a new operation, in the
+        meantime is left alone."""
         c = self.table.c
         stmt = sa.delete(self.table).where(
             c.scope == text_param("w_scope", scope), c.key == text_param("w_key", key)
         )
+        if token is not None:
+            stmt = stmt.where(c.fencing_token == token)
+        if status is not None:
+            stmt = stmt.where(c.status == status)
         return self._changed_one(conn, stmt, {})

@@ -25,7 +25,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency.models import as_utc
+from flask_idempotency.models import as_utc, job_lock_table, record_table
 from flask_idempotency.store import text_param
 from tests import testapp
 
@@ -185,6 +185,10 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator
 
 def reset_tables(url: str) -> None:
     """Drop and recreate the test app's tables (ledger and idempotency_keys)."""
+    # The extension puts its tables on the metadata at init_app; a test that
+    # resets before creating its first app still gets them.
+    record_table(testapp.db.metadata)
+    job_lock_table(testapp.db.metadata)
     engine = sa.create_engine(url)
     try:
         testapp.db.metadata.drop_all(engine)

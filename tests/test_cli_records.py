@@ -127,3 +127,59 @@ def test_list_by_scope_prefix_compares_byte_for_byte(app: Flask, client: t.Any) 
     assert len(listed("--limit", "2")) == 2
     assert listed("--status", "in_progress") == []
     assert len(listed()) == 4
+
+
+def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
+    database_url: str, clock: Clock
+) -> None:
+    """The operator is shown an in-progress record and asked to confirm; meanwhile
+    the slow request completes. Without --force nothing is deleted: the completed
+    record stays, and the client's retry replays instead of charging again."""
+    from tests import testapp
+    from tests.conftest import reset_tables
+    from tests.gates import Gates, send
+
+    gates = Gates()
+    app = testapp.create_app(database_url, clock=clock)
+
+    @app.post("/slow-charge")
+    @testapp.idem.idempotent(lease=30)
+    def slow_charge() -> tuple[dict[str, t.Any], int]:
+        gates.pause("slow")
+        row = testapp.write_ledger("slow-charge")
+        return {"id": row.id}, 201
+
+    reset_tables(database_url)
+    request = send(app, "/slow-charge", {}, key="stuck")
+    assert gates.arrived("slow")
+    [record] = record_rows(app)
+
+    def confirm_after_completion(text: str) -> str:
+        gates.open("slow")  # the request completes while the operator reads
+        assert request.result().status_code == 201
+        return "y\n"
+
+    import click.testing
+
+    runner = app.test_cli_runner()
+    original = click.testing.CliRunner.isolation
+
+    prompt_seen: list[str] = []
+
+    def answer(*args: t.Any, **kwargs: t.Any) -> t.Any:
+        prompt_seen.append("asked")
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "click.confirm",
+            lambda *a, **k: confirm_after_completion(str(a)) and True,
+        )
+        result = runner.invoke(args=["idempotency", "release", record["scope"], "stuck"])
+    assert result.exit_code != 0
+    assert "changed while you confirmed" in result.output
+    [kept] = record_rows(app)
+    assert kept["status"] == "completed"
+    retry = app.test_client().post("/slow-charge", json={}, headers={"Idempotency-Key": "stuck"})
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "slow-charge") == 1

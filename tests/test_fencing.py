@@ -346,3 +346,70 @@ def test_route_lease_is_checked_against_the_apps_ttl_whenever_both_are_known() -
     with pytest.raises(ValueError, match="longer than the lease"):
         idem.idempotent(lease=600)
     idem.idempotent(lease=60)  # shorter than the ttl: fine
+
+
+# -- retention never overrides a live lease ------------------------------------------
+
+
+def test_a_live_lease_outlasts_the_retention(database_url: str, clock: Clock) -> None:
+    """A holder that keeps renewing its lease past the record's retention keeps the
+    key: neither a retry nor cleanup treats the record as expired while the lease
+    runs, so no second operation starts beside it."""
+    gates = Gates()
+    app = testapp.create_app(database_url, clock=clock)
+
+    @app.post("/heartbeat")
+    @testapp.idem.idempotent(lease=LEASE, ttl=TTL)
+    def heartbeat() -> tuple[dict[str, t.Any], int]:
+        if request.headers["X-Who"] == "A":
+            for beat in range(6):  # each step renews the 30 s lease; 25 s apart
+                testapp.idem.step(f"beat-{beat}", lambda beat=beat: beat)
+                gates.pause(f"beat-{beat}")
+        row = testapp.write_ledger("heartbeat")
+        return {"id": row.id, "by": request.headers["X-Who"]}, 201
+
+    reset_tables(database_url)
+    a = send(app, "/heartbeat", {}, **{"X-Who": "A"})
+    try:
+        for beat in range(6):
+            assert gates.arrived(f"beat-{beat}")
+            clock.advance(seconds=25 if beat < 5 else 5)
+            if beat < 5:
+                gates.open(f"beat-{beat}")
+        # Now 130 s after the claim: past the 120 s retention, inside the lease
+        # the last step renewed at 125 s.
+        retry = send(app, "/heartbeat", {}, **{"X-Who": "B"}).result()
+        assert_problem(retry, 409)
+        assert purge_expired(app).deleted == 0
+        [record] = record_rows(app)
+        assert record["status"] == "in_progress"
+    finally:
+        gates.open_all()
+    assert a.result().get_json()["by"] == "A"
+    assert ledger_amounts(app) == [None]
+
+
+@pytest.mark.parametrize("zone", [dt.timezone(dt.timedelta(hours=5)), dt.timezone.utc])
+def test_jobs_read_the_clock_in_utc(database_url: str, clock: Clock, zone: dt.tzinfo) -> None:
+    """A clock that answers in another zone (still the same instant) must not make
+    cleanup delete live records or the recovery job release live leases."""
+    app = testapp.create_app(database_url, clock=lambda: clock().astimezone(zone))
+    gates = Gates()
+
+    @app.post("/held")
+    @testapp.idem.idempotent(lease=LEASE)
+    def held() -> tuple[dict[str, t.Any], int]:
+        gates.pause("held")
+        return {}, 201
+
+    reset_tables(database_url)
+    app.test_client().post("/short-ttl", json={}, headers={"Idempotency-Key": "live"})
+    holder = send(app, "/held", {})
+    try:
+        assert gates.arrived("held")
+        assert purge_expired(app).deleted == 0
+        assert recover_abandoned(app).released == 0
+        assert len(record_rows(app)) == 2
+    finally:
+        gates.open_all()
+    assert holder.result().status_code == 201

@@ -543,15 +543,21 @@ def test_leased_route_failure_releases_the_record(app: Flask, client: t.Any) -> 
     assert ledger_count(app) == 0
 
 
-def test_view_that_commits_then_fails_releases_the_record(app: Flask, client: t.Any) -> None:
+def test_view_that_commits_then_fails_never_runs_twice(app: Flask, client: t.Any) -> None:
+    """What the view committed itself stays committed, so the operation happened:
+    its failure is recorded and replayed, and the view never runs a second time.
+    What it wrote after its commit was rolled back."""
     with recorded(signals.key_claimed) as claims:
-        assert post(client, "/commits-then-fails", {}).status_code == 503
-        assert record_rows(app) == []
-        assert post(client, "/commits-then-fails", {}).status_code == 503
-    assert len(claims) == 2
-    # What the view committed itself stays committed (one row per attempt);
-    # what it wrote after its commit was rolled back.
-    assert ledger_count(app) == 2
+        first = post(client, "/commits-then-fails", {})
+        assert first.status_code == 503
+        [record] = record_rows(app)
+        assert record["status"] == COMPLETED
+        retry = post(client, "/commits-then-fails", {})
+        assert retry.status_code == 503
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.get_data() == first.get_data()
+    assert len(claims) == 1
+    assert ledger_count(app) == 1
 
 
 def test_unbounded_wait_setting_still_claims_and_replays(database_url: str, clock: Clock) -> None:

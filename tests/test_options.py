@@ -270,3 +270,21 @@ def test_unknown_setting_is_refused_with_a_hint(name: str, hint: str) -> None:
 def test_unknown_option_to_the_decorator_is_refused() -> None:
     with pytest.raises(TypeError):
         Idempotency().idempotent(tll=5)  # type: ignore[call-arg]
+
+
+def test_manual_mode_retry_cannot_commit_a_second_effect(database_url: str, clock: Clock) -> None:
+    app = options_app(database_url, clock)
+
+    @app.post("/manual-commits")
+    @idem.idempotent(manual=True)
+    def manual_commits() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("manual-commits")
+        testapp.db.session.commit()  # on a retry this must not land
+        return {"id": row.id}, 201
+
+    client = app.test_client()
+    assert call(client, "POST", "/manual-commits").status_code == 201
+    app.config["PROPAGATE_EXCEPTIONS"] = True
+    with pytest.raises(RuntimeError, match="must not commit"):
+        call(client, "POST", "/manual-commits")
+    assert ledger_count(app, "manual-commits") == 1

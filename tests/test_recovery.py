@@ -7,7 +7,7 @@ import typing as t
 
 import pytest
 import sqlalchemy as sa
-from flask import Flask
+from flask import Flask, request
 
 from flask_idempotency import IN_PROGRESS
 from flask_idempotency.jobs import recover_abandoned
@@ -168,3 +168,114 @@ def test_released_failure_keeps_recovery_points_for_the_retry(
     assert retry.get_json() == {"charge": "ch_1"}
     assert calls == [1, 2]
     assert ledger_count(app) == 1
+
+
+def test_recovery_job_keeps_records_whose_finished_steps_a_retry_resumes(
+    database_url: str, clock: Clock
+) -> None:
+    """A leased view's step finished, then the view failed: the record keeps its
+    recovery point, lease ended. The recovery job must not delete it (on a route
+    without recover=True, nor after a failed re-run of one with it): the
+    client's retry resumes after the step instead of calling it again."""
+    app = testapp.create_app(database_url, clock=clock)
+    calls: list[str] = []
+
+    def book() -> tuple[dict[str, t.Any], int]:
+        route = request.path
+        testapp.idem.step("charge", lambda: calls.append(route) or "ch_1")
+        if not testapp.idem.payload.get("retry"):
+            return {"error": "email provider down"}, 502
+        testapp.write_ledger(route)
+        return {"ok": True}, 201
+
+    app.post("/book")(testapp.idem.idempotent(lease=30)(book))
+    app.post("/book-recoverable", endpoint="book_r")(
+        testapp.idem.idempotent(lease=30, recover=True)(book)
+    )
+    reset_tables(database_url)
+    client = app.test_client()
+    for path in ("/book", "/book-recoverable"):
+        assert post(client, path, {}, key="k").status_code == 502
+    clock.advance(seconds=31)
+    report = recover_abandoned(app)
+    assert report.released == 0
+    assert report.kept == 1  # the recoverable one was re-run, failed again, kept
+    assert len(record_rows(app)) == 2
+    for path in ("/book", "/book-recoverable"):
+        assert post(client, path, {"retry": True}, key="k").status_code == 422  # other body
+    assert calls == ["/book", "/book-recoverable"]
+
+
+def test_derived_keys_are_new_for_a_new_operation_and_kept_by_a_resume(
+    database_url: str, clock: Clock
+) -> None:
+    app = testapp.create_app(database_url, clock=clock)
+    seen: list[str] = []
+
+    @app.post("/derive")
+    @testapp.idem.idempotent(lease=30, ttl=120)
+    def derive() -> tuple[dict[str, t.Any], int]:
+        seen.append(testapp.idem.derived_key("charge"))
+        if testapp.idem.payload.get("fail"):
+            raise RuntimeError("crash before the step was saved")
+        return {"key": seen[-1]}, 201
+
+    reset_tables(database_url)
+    app.config["PROPAGATE_EXCEPTIONS"] = False
+    client = app.test_client()
+    assert post(client, "/derive", {}, key="k").status_code == 201
+    clock.advance(seconds=121)  # expired: the next use of the key is a new operation
+    assert post(client, "/derive", {}, key="k").status_code == 201
+    assert seen[0] != seen[1]
+    # Within one operation, every attempt derives the same key.
+    assert post(client, "/derive", {"fail": True}, key="k2").status_code == 500
+    assert post(client, "/derive", {"fail": True}, key="k2").status_code == 500
+    assert seen[2] == seen[3]
+
+
+def test_stored_request_is_re_run_as_sent(database_url: str, clock: Clock) -> None:
+    """The recovery job re-runs the request as the client sent it: a path with
+    %2F, %3F and %23 in it and its query reach the same route with the same
+    values, and a long Content-Type is kept whole."""
+    app = testapp.create_app(database_url, clock=clock)
+    seen: list[tuple[str, str, str]] = []
+
+    @app.post("/files/<path:name>")
+    @testapp.idem.idempotent(lease=30, recover=True)
+    def upload(name: str) -> tuple[dict[str, t.Any], int]:
+        seen.append((name, request.args.get("q", ""), request.content_type or ""))
+        testapp.idem.step("received", lambda: True)  # keeps the record for the job
+        if len(seen) == 1:
+            raise RuntimeError("crash")
+        testapp.write_ledger("upload")
+        return {"name": name}, 201
+
+    reset_tables(database_url)
+    app.config["PROPAGATE_EXCEPTIONS"] = False
+    content_type = "application/json; profile=" + "x" * 300
+    response = app.test_client().post(
+        "/files/a%2Fb%3Fc%23d?q=1%262",
+        data="{}",
+        content_type=content_type,
+        headers={"Idempotency-Key": "k"},
+    )
+    assert response.status_code == 500
+    clock.advance(seconds=31)
+    report = recover_abandoned(app)
+    assert report.completed == 1
+    assert seen[0] == seen[1] == ("a/b?c#d", "1&2", content_type)
+    assert ledger_count(app, "upload") == 1
+
+
+def test_step_in_a_request_without_a_key_just_runs(database_url: str, clock: Clock) -> None:
+    app = testapp.create_app(database_url, clock=clock)
+
+    @app.post("/keyless-steps")
+    @testapp.idem.idempotent(lease=30)
+    def keyless_steps() -> tuple[dict[str, t.Any], int]:
+        return {"charge": testapp.idem.step("charge", lambda: "ch_1")}, 201
+
+    reset_tables(database_url)
+    response = app.test_client().post("/keyless-steps", json={})
+    assert response.get_json() == {"charge": "ch_1"}
+    assert record_rows(app) == []

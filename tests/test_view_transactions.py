@@ -132,6 +132,16 @@ def view_app(database_url: str, clock: Clock, gates: Gates | None = None) -> Fla
                 get_or_create_customer(lambda: gates.pause("A"))
             return charge(f"raced-{who}")
 
+        @app.post("/closed-then-raced")
+        @idem.idempotent()
+        def closed_then_raced() -> tuple[dict[str, t.Any], int]:
+            who = request.headers["X-Who"]
+            if who == "A":
+                testapp.write_ledger("closed")
+                db.session.close()  # the claim goes with the transaction
+                gates.pause("A")
+            return charge(f"raced-{who}")
+
         @app.post("/leased-commits")
         @idem.idempotent(lease=30)
         def leased_commits() -> tuple[dict[str, t.Any], int]:
@@ -211,31 +221,58 @@ def test_savepoints_rolled_back_keep_the_claim(database_url: str, clock: Clock) 
     assert [a for _, a in routes(app)] == [1, 3]
 
 
-def test_view_that_rolls_back_commits_then_fails_is_released(
+def test_view_that_rolls_back_commits_then_fails_never_runs_twice(
     database_url: str, clock: Clock
 ) -> None:
     """The view committed one row itself, then answered 503: that row stays (the
-    view committed it), the record is released so a retry runs again, and
-    nothing is recorded as completed."""
+    view committed it), so the operation happened; the 503 is recorded and
+    replayed, and the view never runs again for this key."""
     app = view_app(database_url, clock)
     client = app.test_client()
     assert post(client, "/rollback-then-fail").status_code == 503
+    retry = post(client, "/rollback-then-fail")
+    assert retry.status_code == 503
+    assert retry.headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app, "rollback-then-fail") == 1
-    assert record_rows(app) == []
+    [record] = record_rows(app)
+    assert record["status"] == "completed"
 
 
-def test_duplicate_that_took_the_key_after_a_rollback_wins_and_the_view_writes_nothing(
+def test_key_is_claimed_again_at_the_rollback_so_a_duplicate_waits_and_replays(
     database_url: str, clock: Clock
 ) -> None:
-    """A's view rolls back (the claim goes with it) and stalls; D takes the key
-    and finishes. When A goes on, its next statement finds the key taken: it
-    answers 409 lease-lost, its writes never commit, and a retry replays D."""
+    """A's view rolls back (the claim goes with it) and stalls right there, before
+    any other statement. The key is claimed again at the rollback itself, so D
+    cannot run the view meanwhile: it waits on A's claim, then replays A."""
     gates = Gates()
     app = view_app(database_url, clock, gates)
     a = send(app, "/raced", {}, **{"X-Who": "A"})
     try:
         assert gates.arrived("A")
-        d = send(app, "/raced", {}, **{"X-Who": "D"}).result()
+        d = send(app, "/raced", {}, **{"X-Who": "D"})
+        assert not d.done(0.5)  # D waits on A's claim instead of running
+    finally:
+        gates.open("A")
+    assert a.result().status_code == 201
+    replay = d.result()
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json() == a.result().get_json()
+    assert routes(app) == [("raced-A", 100)]
+
+
+def test_duplicate_that_took_the_key_after_a_close_wins_and_the_view_writes_nothing(
+    database_url: str, clock: Clock
+) -> None:
+    """A's view closes its session (the claim goes with it; it is claimed again only
+    at A's next statement) and stalls; D takes the key and finishes. When A goes
+    on, its next statement finds the key taken: it answers 409 lease-lost, its
+    writes never commit, and a retry replays D."""
+    gates = Gates()
+    app = view_app(database_url, clock, gates)
+    a = send(app, "/closed-then-raced", {}, **{"X-Who": "A"})
+    try:
+        assert gates.arrived("A")
+        d = send(app, "/closed-then-raced", {}, **{"X-Who": "D"}).result()
         assert d.status_code == 201
     finally:
         gates.open("A")
@@ -243,7 +280,7 @@ def test_duplicate_that_took_the_key_after_a_rollback_wins_and_the_view_writes_n
     assert_problem(lost, 409)
     assert lost.get_json()["type"].endswith("lease-lost")
     assert routes(app) == [("raced-D", 100)]
-    retry = send(app, "/raced", {}, **{"X-Who": "A"}).result()
+    retry = send(app, "/closed-then-raced", {}, **{"X-Who": "A"}).result()
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.get_json() == d.get_json()
     assert routes(app) == [("raced-D", 100)]
@@ -293,3 +330,118 @@ def test_view_commit_renews_the_lease(database_url: str, clock: Clock) -> None:
     assert ledger_count(app, "long") == 2
     [record] = record_rows(app)
     assert record["status"] == "completed"
+
+
+def test_view_that_removes_its_session_keeps_the_claim_on_the_new_one(
+    database_url: str, clock: Clock
+) -> None:
+    """db.session.remove() closes the session (the claim goes with it) and the
+    view's next db.session is a new one: the claim follows it, the charge the view
+    writes there commits with the record, and retries replay it."""
+    app = view_app(database_url, clock)
+
+    @app.post("/remove-then-write")
+    @idem.idempotent()
+    def remove_then_write() -> tuple[dict[str, t.Any], int]:
+        db.session.remove()  # e.g. a helper that "resets" the session
+        return charge("remove-then-write")
+
+    client = app.test_client()
+    first = post(client, "/remove-then-write")
+    assert first.status_code == 201
+    for _ in range(2):
+        again = post(client, "/remove-then-write")
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.get_json() == first.get_json()
+    assert routes(app) == [("remove-then-write", 100)]
+    [record] = record_rows(app)
+    assert record["status"] == "completed"
+
+
+def test_view_that_removes_its_session_and_commits_keeps_duplicates_out(
+    database_url: str, clock: Clock
+) -> None:
+    """remove(), write, commit, then more work: the commit on the new session
+    carries the claim, so a duplicate arriving meanwhile finds the key held
+    (409) instead of running the view a second time."""
+    gates = Gates()
+    app = view_app(database_url, clock, gates)
+
+    @app.post("/remove-then-commit")
+    @idem.idempotent()
+    def remove_then_commit() -> tuple[dict[str, t.Any], int]:
+        db.session.remove()
+        answer = charge("remove-then-commit")
+        db.session.commit()
+        if request.headers["X-Who"] == "A":
+            gates.pause("A")  # more work after the commit
+        return answer
+
+    a = send(app, "/remove-then-commit", {}, **{"X-Who": "A"})
+    try:
+        assert gates.arrived("A")
+        duplicate = send(app, "/remove-then-commit", {}, **{"X-Who": "D"}).result()
+        assert_problem(duplicate, 409)
+    finally:
+        gates.open("A")
+    assert a.result().status_code == 201
+    retry = send(app, "/remove-then-commit", {}, **{"X-Who": "D"}).result()
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert routes(app) == [("remove-then-commit", 100)]
+
+
+def test_view_that_commits_then_raises_never_runs_twice(database_url: str, clock: Clock) -> None:
+    """The order is saved and committed, then a call fails with an exception: the
+    order stays, the failure is recorded (500 failed-after-commit) and replayed,
+    and the retry never saves the order again."""
+    app = view_app(database_url, clock)
+    app.config["PROPAGATE_EXCEPTIONS"] = False
+
+    @app.post("/commit-then-raise")
+    @idem.idempotent()
+    def commit_then_raise() -> tuple[dict[str, t.Any], int]:
+        charge("commit-then-raise")
+        db.session.commit()  # the order is saved
+        raise TimeoutError("the payment provider timed out")
+
+    client = app.test_client()
+    assert post(client, "/commit-then-raise").status_code == 500
+    for _ in range(2):
+        retry = post(client, "/commit-then-raise")
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert_problem(retry, 500)
+        assert retry.get_json()["type"].endswith("/failed-after-commit")
+    assert routes(app) == [("commit-then-raise", 100)]
+
+
+def test_first_commit_of_a_view_starts_its_lease(database_url: str, clock: Clock) -> None:
+    """A view works 45 s before its first commit, under a 60 s lease: the lease
+    counts from that commit, so 20 s later a retry still finds the key held."""
+    gates = Gates()
+    app = view_app(database_url, clock, gates)
+
+    @app.post("/slow-commit")
+    @idem.idempotent()
+    def slow_commit() -> tuple[dict[str, t.Any], int]:
+        if request.headers["X-Who"] == "A":
+            gates.pause("before-commit")
+        answer = charge("slow-commit")
+        db.session.commit()
+        if request.headers["X-Who"] == "A":
+            gates.pause("after-commit")
+        return answer
+
+    a = send(app, "/slow-commit", {}, **{"X-Who": "A"})
+    try:
+        assert gates.arrived("before-commit")
+        clock.advance(seconds=45)
+        gates.open("before-commit")
+        assert gates.arrived("after-commit")
+        clock.advance(seconds=20)
+        retry = send(app, "/slow-commit", {}, **{"X-Who": "B"}).result()
+        assert_problem(retry, 409)
+        assert retry.get_json()["type"].endswith("request-in-progress")
+    finally:
+        gates.open_all()
+    assert a.result().status_code == 201
+    assert routes(app) == [("slow-commit", 100)]
