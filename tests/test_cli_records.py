@@ -14,6 +14,7 @@ import pytest
 from flask import Flask
 
 from tests.conftest import Clock, ledger_count, record_rows
+from tests.test_scope import basic_scope
 
 ENDPOINT = "t.scope_charge"
 
@@ -36,12 +37,13 @@ def test_show_takes_the_key_as_sent_and_the_documented_basic_scope(
     app: Flask, client: t.Any, sent: str
 ) -> None:
     charge(client, '"order-42"', auth=("alice", "pw"))
+    scope = basic_scope(app, "alice", "pw")
 
-    result = cli(app, "show", f"{ENDPOINT}|basic:alice", sent)
+    result = cli(app, "show", scope, sent)
 
     assert result.exit_code == 0, result.output
     shown = json.loads(result.output)
-    assert (shown["scope"], shown["key"]) == (f"{ENDPOINT}|basic:alice", "order-42")
+    assert (shown["scope"], shown["key"]) == (scope, "order-42")
     assert shown["status"] == "completed"
     assert shown["response_code"] == 201
 
@@ -102,8 +104,8 @@ def test_list_finds_a_record_by_the_clients_key(app: Flask, client: t.Any, clock
     bearer_scope = found[1]["scope"]
     assert cli(app, "release", bearer_scope, "order-42", "--yes", "--force").exit_code == 0
     assert {(r["scope"], r["key"]) for r in record_rows(app)} == {
-        (f"{ENDPOINT}|basic:alice", "order-42"),
-        (f"{ENDPOINT}|basic:alice", "order-43"),
+        (basic_scope(app, "alice", "pw"), "order-42"),
+        (basic_scope(app, "alice", "pw"), "order-43"),
     }
 
 
@@ -118,10 +120,13 @@ def test_list_by_scope_prefix_compares_byte_for_byte(app: Flask, client: t.Any) 
         assert result.exit_code == 0, result.output
         return sorted((r["scope"], r["key"]) for r in json.loads(result.output))
 
-    assert listed("--scope-prefix", f"{ENDPOINT}|basic:alice") == [
-        (f"{ENDPOINT}|basic:alice", "k1")
+    # A user's records, by the readable user name the Basic scope starts with.
+    assert listed("--scope-prefix", f"{ENDPOINT}|basic:alice:") == [
+        (basic_scope(app, "alice", "pw"), "k1")
     ]
-    assert listed("--scope-prefix", f"{ENDPOINT}|basic:A") == [(f"{ENDPOINT}|basic:Alice", "k2")]
+    assert listed("--scope-prefix", f"{ENDPOINT}|basic:A") == [
+        (basic_scope(app, "Alice", "pw"), "k2")
+    ]
     assert [k for _, k in listed("--scope-prefix", f"{ENDPOINT}|")] == ["k2", "k1", "k3"]
     assert listed("--scope-prefix", "T.SCOPE") == []  # no case folding, SQLite included
     assert len(listed("--limit", "2")) == 2

@@ -28,6 +28,7 @@ from flask_idempotency.keys import (
     resolve_key_max_length,
 )
 from tests.conftest import ledger_count, record_rows
+from tests.test_scope import basic_scope
 
 HEADER = "Idempotency-Key"
 
@@ -396,9 +397,22 @@ def test_same_authorization_gives_same_scope(plain_app: Flask) -> None:
     assert first == second
 
 
-def test_basic_scope_is_the_user_name_not_the_password(plain_app: Flask) -> None:
+def test_basic_scope_is_the_user_name_and_a_keyed_digest_of_the_credential(
+    plain_app: Flask,
+) -> None:
+    plain_app.secret_key = "k-1"
     with plain_app.test_request_context("/orders", method="POST", auth=("alice", "pw-1")):
-        assert default_scope() == "create_order|basic:alice"
+        scope = default_scope()
+    assert scope == basic_scope(plain_app, "alice", "pw-1", "create_order")
+    assert scope.startswith("create_order|basic:alice:")
+    assert "pw-1" not in scope
+    # Another password, or another SECRET_KEY, is another scope.
+    with plain_app.test_request_context("/orders", method="POST", auth=("alice", "pw-2")):
+        assert default_scope() != scope
+    plain_app.secret_key = b"k-2"
+    with plain_app.test_request_context("/orders", method="POST", auth=("alice", "pw-1")):
+        assert default_scope() == basic_scope(plain_app, "alice", "pw-1", "create_order")
+        assert default_scope() != scope
 
 
 def test_bearer_scope_is_the_token_digest(plain_app: Flask) -> None:
@@ -416,7 +430,7 @@ def test_an_overlong_endpoint_still_fits_the_scope_column(plain_app: Flask) -> N
     plain_app.add_url_rule("/long", endpoint=endpoint, view_func=lambda: "", methods=["POST"])
     with plain_app.test_request_context("/long", method="POST", auth=("alice", "pw")):
         scope = default_scope()
-    expected = hashlib.sha256(f"{endpoint}|basic:alice".encode()).hexdigest()
+    expected = hashlib.sha256(basic_scope(plain_app, "alice", "pw", endpoint).encode()).hexdigest()
     assert scope == f"sha256:{expected}"
 
 

@@ -149,7 +149,7 @@ def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
     )
     sh(f'{sys.executable} -c "{make}"', shop, {"PYTHONPATH": str(shop)})
     out = sh(block_with("sh", "idempotency show"), shop, {"TOKEN": token, "PYTHONPATH": str(shop)})
-    assert '"scope": "payments.create_payment|basic:alice"' in out
+    assert '"scope": "payments.create_payment|basic:alice:' in out  # then the proof
     assert "released" in out
     remaining = sh("flask --app shop idempotency list --key order-42", shop)
     assert [r["scope"] for r in json.loads(remaining)] == [
