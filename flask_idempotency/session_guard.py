@@ -7,16 +7,18 @@ transaction itself: roll it back (the get-or-create pattern: insert, catch the
 the session. Session events follow it while the view runs:
 
 * the transaction holding the claim **commits**: the record is now durable (in
-  progress, under its lease), and stays so whatever the view does next;
-* it **rolls back** (or the session closes) before that: the claim is gone with
-  it. The next transaction claims the key again, first thing, on the same
-  fencing token, before the view's next statement; if another request took the
-  key meanwhile, the view's statement raises :class:`LeaseLostError` and nothing
-  the view writes afterwards can commit;
-* a **commit** while the record is durable renews its lease in the committing
-  transaction, fenced by the token and locking the row until the commit: a
-  holder that lost the key cannot commit business rows (it gets
-  :class:`LeaseLostError` from ``commit()``).
+  progress, under a lease counted from that commit), and stays so whatever the
+  view does next; the view has committed work of its own, so the flow records
+  its answer even if it fails (the operation may not run twice);
+* it **rolls back** before that: the claim is gone with it. The key is claimed
+  again at once, in a new transaction, on the same fencing token (after
+  ``close()`` or ``remove()``, at the view's next statement, on whichever session
+  the view then uses: the watcher follows the scoped session). If another
+  request took the key meanwhile, ``rollback()`` (or that statement) raises
+  :class:`LeaseLostError` and nothing the view writes afterwards can commit;
+* every **commit** renews the lease in the committing transaction, fenced by the
+  token and locking the row until the commit: a holder that lost the key cannot
+  commit business rows (it gets :class:`LeaseLostError` from ``commit()``).
 
 Savepoints need nothing: the claim was made before them, in the transaction
 they belong to. Listeners are registered once per session factory and do
