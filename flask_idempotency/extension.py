@@ -14,7 +14,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from . import config, dberrors, health, session_guard
 from .cli import idempotency_cli
 from .errors import DatabaseUnavailableError, ProblemError
-from .fingerprint import SchemaArg, resolve_schema
+from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
 from .models import Record, job_lock_table, record_table
@@ -172,7 +172,8 @@ class Idempotency:
 
         :param schema: marshmallow schema (instance or class) the JSON body must
             pass; its loaded data is what the fingerprint and ``idem.payload`` see.
-        :param exclude: field names left out of the fingerprint; dotted for nested.
+        :param exclude: field names left out of the fingerprint; dotted for nested
+            fields, ``\\.`` for a dot inside a name (``r"client\\.sent_at"``).
         :param required: a request without a key answers 400 (default
             ``IDEMPOTENCY_REQUIRED``).
         :param ttl: retention of this route's records (default ``IDEMPOTENCY_TTL``).
@@ -205,9 +206,10 @@ class Idempotency:
             is rolled back.
         """
         loaded_schema = resolve_schema(schema)
+        if isinstance(exclude, str):
+            raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
         excluded = tuple(exclude)
-        if isinstance(excluded, str) or not all(isinstance(e, str) for e in excluded):
-            raise TypeError("exclude must be a sequence of field names")
+        exclude_paths(excluded)  # a wrong name is an error here, not at the first request
         overrides: dict[str, t.Any] = {}
         if required is not None:
             overrides["required"] = bool(required)

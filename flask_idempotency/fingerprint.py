@@ -1,30 +1,41 @@
 """The request fingerprint: normalize the payload, then SHA-256.
 
 Two requests have the same fingerprint when they have the same method, path,
-query arguments and normalized payload. An honest retry of a request always
-has the fingerprint of the original:
+query arguments, media type of the body and normalized payload. An honest retry
+of a request always has the fingerprint of the original:
 
+* query arguments count sorted by name, each name's values in the order sent
+  (``?to=a&to=b`` is not ``?to=b&to=a``);
+* the media type counts when there is a body, lower-cased and without its
+  parameters (``text/plain`` is not ``application/json``; ``; charset=utf-8``
+  changes nothing);
 * with a marshmallow schema, the *loaded* values of the fields the client sent
   count, so ``"500"`` and ``500`` agree where the schema says Integer; values
   the schema fills in for fields the client left out (``load_default``, fresh
-  per load for a callable such as ``uuid4``) do not. Where a schema has a
-  ``pre_load`` hook the extension cannot tell what was sent, so its whole
-  loaded data counts there; so does loaded data that is not a dict (a
-  ``post_load`` object), and keys a ``post_load`` hook adds;
-* fields named in ``exclude`` (dotted paths for nested fields, applied through
-  lists) are left out, before anything else is normalized;
-* without a schema, a JSON body is still canonicalized; a form body
-  (``application/x-www-form-urlencoded`` or ``multipart/form-data``) counts as
-  its parsed fields, each name with its values in order, files by name,
-  filename and SHA-256 of their content (so a new multipart boundary, the
-  order of names, or ``%20`` for ``+`` change nothing); any other body counts
-  as its bytes;
+  per load for a callable such as ``uuid4``) do not. Where a schema level has a
+  ``pre_load`` hook the extension cannot tell what the hook made of the data,
+  so there the JSON the client sent counts, canonicalized: key order, spacing
+  and number spelling change nothing, ``"500"`` and ``500`` differ. Loaded data
+  that is not a dict (a ``post_load`` object) counts whole, and so do keys a
+  ``post_load`` hook adds;
+* fields named in ``exclude`` are left out, before anything else is
+  normalized: dotted paths for nested fields (applied through lists), where
+  ``\\.`` is a dot inside a name and ``\\\\`` a backslash; at a ``pre_load``
+  level a name drops the field's data key as sent (and a key of that name);
+* without a schema, a JSON body is still canonicalized; a form body counts as
+  its parsed fields (see :mod:`.forms`), whoever parsed it first; any other
+  body counts as its bytes;
 * canonical JSON has sorted keys and no insignificant whitespace; numbers count
   by their exact value: an integral float or Decimal of any magnitude is the
   integer of that value (``1e16`` and ``10000000000000000`` agree), other
   floats compare as IEEE doubles (``1`` and ``1.0000000000000001`` agree, as in
   RFC 8785), other Decimals by exact value. Without a schema, the string
   ``"500"`` and the number ``500`` stay different.
+
+Every value marshmallow's own fields load into has a canonical form (ipaddress
+objects and timedeltas among them). A loaded value of a type the fingerprint
+does not know is a programming error: a ``TypeError`` that names the field,
+the type and the schema, at the first request that carries it.
 
 A payload that cannot be normalized (a lone surrogate, nesting deeper than the
 parser goes, a non-finite number, an aware datetime outside the UTC range)
@@ -33,143 +44,111 @@ answers 400 and stores nothing.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import datetime as dt
-import enum
 import functools
 import hashlib
 import inspect
-import io
 import json
-import math
 import typing as t
-import uuid
-from decimal import Decimal
 
 from flask import request
 from marshmallow import Schema, ValidationError, fields
-from werkzeug.datastructures import FileStorage
-from werkzeug.exceptions import RequestEntityTooLarge
 
-# read_body is re-exported: the request flow reads the body through this module.
+# read_body and stored_request_body are re-exported: the request flow reads the
+# body, and the request it stores for recovery, through this module.
 from .body import read_body as read_body
 from .body import read_json_body
-from .errors import MalformedBodyError, PayloadTooLargeError, ValidationProblem
+from .canonical import UnknownValueError as UnknownValueError
+from .canonical import canonical_json as canonical_json
+from .canonical import dataclass_fields, plain
+from .errors import MalformedBodyError, ValidationProblem
+from .forms import FORM_MIMETYPES, form_fields
+from .forms import consumed as form_consumed
+from .forms import stored_request_body as stored_request_body
 
 SchemaArg = Schema | type[Schema] | None
+Path = tuple[str, ...]
 
-FORM_MIMETYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
-# Integral Decimals with more digits than Python turns into text by default are
-# written as coefficient and exponent instead (no JSON integer can be that long).
-_MAX_INTEGER_DIGITS = 4300
-# Beyond this many decimal places, non-integral Decimals use exponent notation,
-# so that "1E-999999999" does not expand into a billion zeros.
-_MAX_PLAIN_PLACES = 1000
+# -- excluded fields --------------------------------------------------------------
 
 
-def _decimal(value: Decimal) -> int | str:
-    """One form per exact value: an int when integral, else its digits as a string."""
-    if not value.is_finite():
-        raise MalformedBodyError("Numbers must be finite.")
-    # Exact: Decimal.normalize() would round to the context's 28 digits.
-    sign, digits, exponent = value.as_tuple()
-    assert isinstance(exponent, int)
-    written = "".join(map(str, digits))
-    coefficient = written.rstrip("0")
-    if not coefficient:
-        return 0
-    exponent += len(written) - len(coefficient)
-    minus = "-" if sign else ""
-    if exponent >= 0:
-        if len(coefficient) + exponent <= _MAX_INTEGER_DIGITS:
-            return int(value)
-        return f"{minus}{coefficient}E+{exponent}"
-    places = -exponent
-    if places > _MAX_PLAIN_PLACES:
-        return f"{minus}{coefficient}E{exponent}"
-    if len(coefficient) > places:
-        return f"{minus}{coefficient[:-places]}.{coefficient[-places:]}"
-    return f"{minus}0.{coefficient.rjust(places, '0')}"
+def exclude_paths(exclude: t.Iterable[str]) -> tuple[Path, ...]:
+    r"""The paths ``exclude`` names: each name split at its dots, where ``\.`` is a
+    dot inside a name and ``\\`` a backslash (``r"client\.sent_at"`` is one name).
+
+    Raises ``TypeError`` for anything but a collection of strings, and
+    ``ValueError`` for a backslash before anything else.
+    """
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
+    names = tuple(exclude)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"exclude must be a list of field names, not {names!r}")
+    return _parsed_paths(names)
 
 
-def _plain(value: t.Any) -> t.Any:
-    """Turn loaded data into plain JSON types, deterministically."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise MalformedBodyError("Numbers must be finite.")
-        # Exact value: 1e16 is the integer 10000000000000000, whatever its size.
-        return int(value) if value.is_integer() else value
-    if isinstance(value, t.Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        items = [_plain(v) for v in value]
-        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(value, Decimal):
-        return _decimal(value)
-    if isinstance(value, dt.datetime) and value.tzinfo is not None:
-        # The same instant written with different offsets is the same payload.
-        return value.astimezone(dt.timezone.utc).isoformat()
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, dt.timedelta):
-        return value.total_seconds()
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if isinstance(value, (bytes, bytearray)):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(_dataclass_fields(value))
-    raise TypeError(
-        f"flask_idempotency cannot fingerprint a loaded value of type {type(value).__name__}; "
-        "return plain data from the schema's load (or a dataclass)"
-    )
+@functools.lru_cache(maxsize=512)
+def _parsed_paths(names: tuple[str, ...]) -> tuple[Path, ...]:
+    return tuple(_split_path(name) for name in names)
 
 
-def _dataclass_fields(value: t.Any) -> dict[str, t.Any]:
-    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-
-
-def canonical_json(value: t.Any) -> bytes:
-    """Canonical JSON bytes of ``value``: sorted keys, compact, UTF-8."""
-    return json.dumps(
-        _plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8")
+def _split_path(name: str) -> Path:
+    parts: list[str] = []
+    current: list[str] = []
+    chars = iter(name)
+    for char in chars:
+        if char == "\\":
+            escaped = next(chars, "")
+            if escaped not in (".", "\\"):
+                raise ValueError(
+                    f"exclude name {name!r} has an unknown escape: write \\. for a dot "
+                    "inside a name and \\\\ for a backslash"
+                )
+            current.append(escaped)
+        elif char == ".":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return tuple(parts)
 
 
 def without_fields(value: t.Any, exclude: t.Iterable[str]) -> t.Any:
-    """A plain copy of ``value`` without the dotted paths in ``exclude``.
+    """A plain copy of ``value`` without the paths in ``exclude``.
 
     A path walks into dicts by key and applies to every element of a list, so
     ``items.note`` drops ``note`` from each item. The excluded values are
     dropped before the rest is normalized: they are never looked at.
     """
-    return _plain(_without(value, [path.split(".") for path in exclude]))
+    return plain(_without(value, exclude_paths(exclude)))
 
 
-def _without(node: t.Any, paths: list[list[str]]) -> t.Any:
+def _without(node: t.Any, paths: t.Sequence[Path]) -> t.Any:
     if not paths:
         return node
     if isinstance(node, (list, tuple)):
         return [_without(item, paths) for item in node]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        node = _dataclass_fields(node)
+        node = dataclass_fields(node)
     if not isinstance(node, t.Mapping):
         return node
-    dropped = {p[0] for p in paths if len(p) == 1}
-    deeper: dict[str, list[list[str]]] = {}
-    for p in paths:
-        if len(p) > 1:
-            deeper.setdefault(p[0], []).append(p[1:])
+    dropped, deeper = _split_paths(paths)
     return {
         k: _without(v, deeper.get(str(k), [])) for k, v in node.items() if str(k) not in dropped
     }
+
+
+def _split_paths(paths: t.Iterable[Path]) -> tuple[set[str], dict[str, list[Path]]]:
+    """The names dropped at this level, and the rest of the longer paths by name."""
+    dropped = set()
+    deeper: dict[str, list[Path]] = {}
+    for head, *rest in paths:
+        if rest:
+            deeper.setdefault(head, []).append(tuple(rest))
+        else:
+            dropped.add(head)
+    return dropped, deeper
 
 
 # -- what the client sent, in the schema's loaded data ---------------------------
@@ -193,34 +172,39 @@ def _pairwise(sent: t.Any, loaded: t.Any, each: t.Callable[[t.Any, t.Any], t.Any
     return loaded
 
 
-def sent_only(schema: Schema, sent: t.Any, loaded: t.Any) -> t.Any:
-    """``loaded`` without the values ``schema`` filled in for fields not in ``sent``.
+def sent_only(schema: Schema, sent: t.Any, loaded: t.Any, exclude: t.Sequence[Path] = ()) -> t.Any:
+    """What counts of ``loaded``, the data ``schema.load`` made of the JSON ``sent``.
 
-    ``sent`` is the JSON the client sent, ``loaded`` what ``schema.load`` made
-    of it. Recurses through Nested (many or not), List, Tuple and Dict values.
-    Keys that are no declared field (``unknown=INCLUDE``, or added by a
-    ``post_load`` hook) are kept: pruning a value a hook derived from sent data
-    could let two different requests agree.
+    The loaded values of the fields the client sent, without the values
+    ``schema`` filled in for fields not in ``sent``; recurses through Nested
+    (many or not), Pluck, List, Tuple and Dict values. Keys that are no
+    declared field (``unknown=INCLUDE``, or added by a ``post_load`` hook) are
+    kept: pruning a value a hook derived from sent data could let two different
+    requests agree. At a schema level with a ``pre_load`` hook, what counts is
+    ``sent`` itself, without the data keys of the fields in ``exclude`` (the
+    paths still to apply at this level). The other excluded fields are left for
+    :func:`without_fields`.
     """
+    if _has_pre_load(type(schema)):
+        return _as_sent(schema, sent, exclude)
     if schema.many:
-        return _pairwise(sent, loaded, lambda s, v: _one_sent_only(schema, s, v))
-    return _one_sent_only(schema, sent, loaded)
+        return _pairwise(sent, loaded, lambda s, v: _one_sent_only(schema, s, v, exclude))
+    return _one_sent_only(schema, sent, loaded, exclude)
 
 
-def _one_sent_only(schema: Schema, sent: t.Any, loaded: t.Any) -> t.Any:
-    if (
-        not isinstance(loaded, dict)
-        or not isinstance(sent, t.Mapping)
-        or _has_pre_load(type(schema))
-    ):
+def _one_sent_only(schema: Schema, sent: t.Any, loaded: t.Any, exclude: t.Sequence[Path]) -> t.Any:
+    if not isinstance(loaded, dict) or not isinstance(sent, t.Mapping):
         return loaded
     declared: dict[str, list[tuple[str, fields.Field[t.Any], bool]]] = {}
     for name, field in schema.load_fields.items():
         attribute = field.attribute or name
         data_key = field.data_key if field.data_key is not None else name
         declared.setdefault(attribute.split(".")[0], []).append((data_key, field, "." in attribute))
+    dropped, deeper = _split_paths(exclude)
     result = {}
     for key, value in loaded.items():
+        if key in dropped:
+            continue  # excluded: never looked at
         candidates = declared.get(key)
         if candidates is None:
             result[key] = value
@@ -230,24 +214,30 @@ def _one_sent_only(schema: Schema, sent: t.Any, loaded: t.Any) -> t.Any:
             continue  # the schema made this value up; the client did not send it
         if len(present) == 1 and not present[0][2]:
             data_key, field, _ = present[0]
-            result[key] = _field_sent_only(field, sent[data_key], value)
+            result[key] = _field_sent_only(field, sent[data_key], value, deeper.get(key, []))
         else:
             result[key] = value
     return result
 
 
-def _field_sent_only(field: fields.Field[t.Any], sent: t.Any, loaded: t.Any) -> t.Any:
+def _field_sent_only(
+    field: fields.Field[t.Any], sent: t.Any, loaded: t.Any, exclude: t.Sequence[Path]
+) -> t.Any:
     if isinstance(field, fields.Pluck):
-        return loaded
+        # What the nested schema loaded: the plucked value under its data key.
+        plucked = field.schema.fields[field.field_name]
+        key = plucked.data_key if plucked.data_key is not None else field.field_name
+        wrapped = [{key: s} for s in sent] if field.many and isinstance(sent, list) else {key: sent}
+        return sent_only(field.schema, wrapped, loaded, exclude)
     if isinstance(field, fields.Nested):
-        return sent_only(field.schema, sent, loaded)
+        return sent_only(field.schema, sent, loaded, exclude)
     if isinstance(field, fields.List):
         inner = field.inner
-        return _pairwise(sent, loaded, lambda s, v: _field_sent_only(inner, s, v))
+        return _pairwise(sent, loaded, lambda s, v: _field_sent_only(inner, s, v, exclude))
     if isinstance(field, fields.Tuple):
         if isinstance(sent, list) and isinstance(loaded, tuple) and len(sent) == len(loaded):
             return tuple(
-                _field_sent_only(f, s, v)
+                _field_sent_only(f, s, v, exclude)
                 for f, s, v in zip(field.tuple_fields, sent, loaded, strict=True)
             )
         return loaded
@@ -260,50 +250,56 @@ def _field_sent_only(field: fields.Field[t.Any], sent: t.Any, loaded: t.Any) -> 
             and isinstance(loaded, t.Mapping)
             and len(sent) == len(loaded)
         ):
+            _, deeper = _split_paths(exclude)
             return {
-                key: _field_sent_only(values, s, v)
+                key: _field_sent_only(values, s, v, deeper.get(str(key), []))
                 for s, (key, v) in zip(sent.values(), loaded.items(), strict=True)
             }
     return loaded
 
 
-# -- forms ------------------------------------------------------------------------
+# A string: marshmallow 3's Field is not subscriptable at run time.
+Shape: t.TypeAlias = "Schema | fields.Field[t.Any] | None"
 
 
-def _file_digest(storage: FileStorage) -> str:
-    stream = storage.stream
-    start = stream.tell()
-    digest = hashlib.sha256()
-    for block in iter(lambda: stream.read(64 * 1024), b""):
-        digest.update(block)
-    stream.seek(start)  # the view reads the file from where it was
-    return digest.hexdigest()
+def _as_sent(shape: Shape, sent: t.Any, exclude: t.Sequence[Path]) -> t.Any:
+    """``sent`` as the client sent it, without the excluded fields' data keys.
+
+    ``shape`` (a schema, a field or ``None``) says which data key each field
+    name stands for; a name also drops a key spelled like it.
+    """
+    if not exclude:
+        return sent
+    if isinstance(sent, list):
+        return [_as_sent(_item_shape(shape, i), item, exclude) for i, item in enumerate(sent)]
+    if not isinstance(sent, dict):
+        return sent
+    schema = shape.schema if isinstance(shape, fields.Nested) else shape
+    by_key: dict[str, fields.Field[t.Any]] = {}
+    keys_of: dict[str, set[str]] = {}
+    if isinstance(schema, Schema):
+        for name, field in schema.load_fields.items():
+            key = field.data_key if field.data_key is not None else name
+            by_key[key] = field
+            keys_of.setdefault(field.attribute or name, set()).add(key)
+    values = shape.value_field if isinstance(shape, fields.Mapping) else None
+    dropped, deeper = _split_paths(
+        (key, *rest) for head, *rest in exclude for key in {head, *keys_of.get(head, ())}
+    )
+    return {
+        key: _as_sent(by_key.get(key, values), value, deeper.get(key, []))
+        for key, value in sent.items()
+        if key not in dropped
+    }
 
 
-def _form_fields() -> dict[str, list[t.Any]] | None:
-    """The parsed form as ``{name: [value or file, ...]}``; ``None`` if it does not parse."""
-    try:
-        parsed: dict[str, list[t.Any]] = {
-            name: list(values) for name, values in request.form.lists()
-        }
-        for name, storages in request.files.lists():
-            parsed.setdefault(name, []).extend(
-                {"filename": s.filename, "sha256": _file_digest(s)} for s in storages
-            )
-        if parsed:
-            return parsed
-        # werkzeug answers an unparseable form with an empty one: tell them apart.
-        body = read_body()
-        parser = request.make_form_data_parser()
-        parser.silent = False
-        parser.parse(io.BytesIO(body), request.mimetype, len(body), request.mimetype_params)
-    except RequestEntityTooLarge:
-        raise PayloadTooLargeError(
-            "The form is larger than this server accepts (MAX_FORM_MEMORY_SIZE, MAX_FORM_PARTS)."
-        ) from None
-    except ValueError:
-        return None
-    return parsed
+def _item_shape(shape: Shape, index: int) -> Shape:
+    if isinstance(shape, fields.List):
+        return shape.inner
+    if isinstance(shape, fields.Tuple):
+        tuple_fields = shape.tuple_fields
+        return tuple_fields[index] if index < len(tuple_fields) else None
+    return shape  # a schema or Nested with many=True: each item is one of it
 
 
 # -- the fingerprint --------------------------------------------------------------
@@ -334,50 +330,62 @@ def load_payload(schema: Schema | None) -> t.Any:
     return read_body()
 
 
-def compute(method: str, path: str, query: t.Iterable[tuple[str, str]], payload: bytes) -> str:
-    """SHA-256 (hex) of method, path, sorted query arguments and payload bytes."""
-    digest = hashlib.sha256()
-    digest.update(method.upper().encode("ascii"))
-    digest.update(b"\x00")
-    digest.update(path.encode("utf-8", "surrogateescape"))
-    digest.update(b"\x00")
-    digest.update(canonical_json(sorted(query)))
+def compute(
+    method: str,
+    path: str,
+    query: t.Iterable[tuple[str, str]],
+    payload: bytes,
+    mimetype: str | None = None,
+) -> str:
+    """SHA-256 (hex) of method, path, query arguments, media type and payload bytes.
+
+    Query arguments are sorted by name only: each name keeps its values in the
+    order given. ``mimetype`` is the body's media type (``None`` without a body).
+    """
+    ordered = sorted(query, key=lambda pair: pair[0])
+    # A JSON array ends where it ends: no part can run into the next one.
+    head = json.dumps([method.upper(), path, ordered, mimetype], separators=(",", ":"))
+    digest = hashlib.sha256(head.encode("ascii"))
     digest.update(b"\x00")
     digest.update(payload)
     return digest.hexdigest()
 
 
-def _normalized(value: t.Any, exclude: t.Sequence[str]) -> bytes:
+def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
     try:
-        return canonical_json(without_fields(value, exclude))
+        return canonical_json(_without(value, exclude))
     except RecursionError:
         raise MalformedBodyError("The body is nested too deeply.") from None
     except (OverflowError, ValueError) as exc:  # e.g. 0001-01-01T00:00+14:00 in UTC
         raise MalformedBodyError(f"The body holds a value that cannot be compared: {exc}") from exc
 
 
-def request_fingerprint(schema: Schema | None, exclude: t.Sequence[str]) -> tuple[t.Any, str]:
+def request_fingerprint(schema: Schema | None, exclude: t.Iterable[str]) -> tuple[t.Any, str]:
     """Load the current request's payload and fingerprint it: ``(payload, hash)``."""
+    paths = exclude_paths(exclude)
     if schema is not None:
         raw = read_json_body()
         payload = _load(schema, raw)
         try:
-            covered = sent_only(schema, raw, payload)
+            normalized = _normalized(sent_only(schema, raw, payload, paths), paths)
         except RecursionError:
             raise MalformedBodyError("The JSON body is nested too deeply.") from None
-        normalized = _normalized(covered, exclude)
+        except UnknownValueError as exc:
+            exc.schema_name = type(schema).__qualname__
+            raise
     else:
         payload = load_payload(None)
         if not isinstance(payload, bytes):
-            normalized = _normalized(payload, exclude)
-        elif payload and request.mimetype in FORM_MIMETYPES:
-            form = _form_fields()
+            normalized = _normalized(payload, paths)
+        elif request.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
+            form = form_fields()
             # A form that does not parse counts as its bytes, like any other body.
-            normalized = payload if form is None else b"form:" + _normalized(form, exclude)
+            normalized = payload if form is None else b"form:" + _normalized(form, paths)
         else:
             normalized = payload
     query = [(k, v) for k, values in request.args.lists() for v in values]
-    return payload, compute(request.method, request.path, query, normalized)
+    mimetype = request.mimetype if normalized else None
+    return payload, compute(request.method, request.path, query, normalized, mimetype)
 
 
 def resolve_schema(schema: SchemaArg) -> Schema | None:

@@ -18,7 +18,9 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 
 #: Response headers that are never stored or replayed, whatever the configuration
 #: says: they carry credentials or per-client state that must not leak to another
-#: request.
+#: request, or belong to one connection (hop-by-hop: a PEP 3333 server refuses
+#: them from an application). Headers a response's ``Connection`` names are
+#: hop-by-hop too, and are left out with it.
 NEVER_REPLAYED = frozenset(
     {
         "set-cookie",
@@ -30,6 +32,12 @@ NEVER_REPLAYED = frozenset(
         "content-length",
         "transfer-encoding",
         "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",  # RFC 2616's spelling, which wsgiref still refuses
+        "upgrade",
         "idempotent-replayed",
     }
 )
@@ -58,15 +66,22 @@ def capture(response: Response, header_names: frozenset[str] | None, max_body: i
     """Take the status, the replayable headers and (if small and not streamed) the body.
 
     ``header_names`` are the lower-cased headers kept; ``None`` keeps every
-    header but :data:`NEVER_REPLAYED`.
+    header but :data:`NEVER_REPLAYED` and those the ``Connection`` header names.
 
     A streamed response is never read here: the client still gets it whole, and
     the record keeps only status and headers.
     """
+    never = NEVER_REPLAYED | {
+        name.strip().lower() for name in response.headers.get("Connection", "").split(",")
+    }
     if header_names is None:
-        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in NEVER_REPLAYED]
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in never]
     else:
-        headers = [(k, v) for k, v in response.headers.items() if k.lower() in header_names]
+        headers = [
+            (k, v)
+            for k, v in response.headers.items()
+            if k.lower() in header_names and k.lower() not in never
+        ]
     body: bytes | None = None
     if not response.is_streamed and not response.direct_passthrough:
         data = response.get_data()

@@ -1,6 +1,7 @@
-"""Unit tests of the request fingerprint: canonical JSON, exclusions, hashing, body errors.
+"""The request fingerprint: canonical JSON, exclusions, hashing, body errors.
 
-Pure: a plain Flask app for request contexts, no database.
+Unit tests in a plain Flask app's request contexts; at the end, the outside
+review's scenarios through the test app on every engine, counting ledger rows.
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime as dt
+import enum
 import json
 import typing as t
 import uuid
 from decimal import Decimal
 
 import pytest
-from flask import Flask
+from flask import Flask, request
 from marshmallow import Schema, fields, post_load, pre_load
 from werkzeug.wrappers import Response
 
@@ -33,6 +35,8 @@ from flask_idempotency.fingerprint import (
     resolve_schema,
     without_fields,
 )
+from tests import testapp
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 
 JSON = "application/json"
 
@@ -995,3 +999,493 @@ def test_datetime_out_of_utc_range_is_malformed(plain_app: Flask, field: str) ->
     with pytest.raises(MalformedBodyError) as info:
         fingerprint_hash(plain_app, {"amount": 1, field: EDGE}, schema=StampSchema())
     assert info.value.code == 400
+
+
+# -- every value marshmallow's own fields load into --------------------------------
+
+
+class Color(enum.Enum):
+    RED = "r"
+    BLUE = "b"
+
+
+class Size(enum.IntEnum):
+    S = 1
+    M = 2
+
+
+class SkuSchema(Schema):
+    sku = fields.String(required=True)
+    line_id = fields.UUID(load_default=uuid.uuid4)
+
+
+class LinesSchema(Schema):
+    lines = fields.List(fields.Nested(SkuSchema))
+
+
+class MethodSchema(Schema):
+    cents = fields.Method(deserialize="to_cents")
+
+    def to_cents(self, value: str) -> int:
+        return round(float(value) * 100)
+
+
+MICRO = {"precision": "microseconds"}
+
+# (field, a value, values that mean the same, a value that does not)
+FIELD_VALUES: list[tuple[str, t.Any, t.Any, list[t.Any], t.Any]] = [
+    ("ip", fields.IP(), "10.0.0.1", [], "10.0.0.2"),
+    ("ip-v6", fields.IP(), "::1", ["0:0:0:0:0:0:0:1", "0::1"], "::2"),
+    ("ipv4", fields.IPv4(), "192.168.0.1", [], "192.168.0.2"),
+    ("ipv6", fields.IPv6(), "2001:db8::1", ["2001:0db8:0:0:0:0:0:1"], "2001:db8::2"),
+    ("ip-interface", fields.IPInterface(), "10.0.0.1/24", [], "10.0.0.1/25"),
+    ("ipv4-interface", fields.IPv4Interface(), "10.0.0.1/24", [], "10.0.0.2/24"),
+    ("ipv6-interface", fields.IPv6Interface(), "2001:db8::1/64", [], "2001:db8::1/48"),
+    ("url", fields.Url(), "https://example.com/a", [], "https://example.com/b"),
+    ("email", fields.Email(), "a@example.com", [], "b@example.com"),
+    ("tuple", fields.Tuple((fields.String(), fields.Integer())), ["a", 1], [["a", "1"]], ["a", 2]),
+    ("pluck", fields.Pluck(SkuSchema, "sku"), "a", [], "b"),
+    ("pluck-many", fields.Pluck(SkuSchema, "sku", many=True), ["a", "b"], [], ["b", "a"]),
+    # The plucked field's own nested defaults (a fresh line_id each) do not count.
+    ("pluck-nested", fields.Pluck(LinesSchema, "lines"), [{"sku": "a"}], [], [{"sku": "b"}]),
+    ("enum-by-name", fields.Enum(Color), "RED", [], "BLUE"),
+    ("enum-by-value", fields.Enum(Color, by_value=True), "r", [], "b"),
+    ("int-enum-by-value", fields.Enum(Size, by_value=True), 1, [], 2),
+    ("time", fields.Time(), "10:00:00", ["10:00:00.000000"], "10:00:01"),
+    ("date", fields.Date(), "2026-01-02", [], "2026-01-03"),
+    ("timedelta", fields.TimeDelta(), 60, [60.0], 61),
+    ("timedelta-fraction", fields.TimeDelta(**MICRO), 1_500_000, [], 1_500_001),
+    (
+        "aware",
+        fields.AwareDateTime(),
+        "2026-01-01T10:00:00+00:00",
+        ["2026-01-01T11:00:00+01:00"],
+        "2026-01-01T10:00:01+00:00",
+    ),
+    ("naive", fields.NaiveDateTime(), "2026-01-01T10:00:00", [], "2026-01-01T10:00:01"),
+    ("datetime", fields.DateTime(), "2026-01-01T10:00:00Z", [], "2026-01-01T10:00:01Z"),
+    ("method", fields.Method(deserialize="to_cents"), "1.50", ["1.5"], "1.51"),
+    ("function", fields.Function(deserialize=lambda v: v.strip().lower()), "A", [" a "], "b"),
+    ("dict-ip-keys", fields.Dict(keys=fields.IP()), {"::1": 1}, [{"0::1": 1}], {"::2": 1}),
+    ("list-ip", fields.List(fields.IP()), ["10.0.0.1"], [], ["10.0.0.2"]),
+    ("uuid", fields.UUID(), str(uuid.UUID(int=1)), [uuid.UUID(int=1).hex], str(uuid.UUID(int=2))),
+    ("raw", fields.Raw(), {"a": [1, 2.0]}, [{"a": [1.0, 2]}], {"a": [2, 1]}),
+]
+
+
+def one_field_schema(field: fields.Field[t.Any]) -> Schema:
+    if isinstance(field, fields.Method):
+        schema_class = MethodSchema.from_dict({"value": field}, name="OneFieldSchema")
+        return type("OneFieldSchema", (schema_class, MethodSchema), {})()
+    return Schema.from_dict({"value": field}, name="OneFieldSchema")()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "same", "other"),
+    [case[1:] for case in FIELD_VALUES],
+    ids=[case[0] for case in FIELD_VALUES],
+)
+def test_every_builtin_field_fingerprints(
+    plain_app: Flask, field: fields.Field[t.Any], value: t.Any, same: list[t.Any], other: t.Any
+) -> None:
+    schema = one_field_schema(field)
+    first = fingerprint_hash(plain_app, {"value": value}, schema=schema)
+    assert fingerprint_hash(plain_app, {"value": value}, schema=schema) == first
+    for equivalent in same:
+        assert fingerprint_hash(plain_app, {"value": equivalent}, schema=schema) == first
+    assert fingerprint_hash(plain_app, {"value": other}, schema=schema) != first
+
+
+def test_timedeltas_count_by_exact_value() -> None:
+    # 86400000000.000001 seconds is no double: total_seconds() would merge them.
+    far = dt.timedelta(days=10**6)
+    assert canonical_json(far + dt.timedelta(microseconds=1)) != canonical_json(far)
+    assert canonical_json(dt.timedelta(minutes=1)) == canonical_json(dt.timedelta(seconds=60))
+    assert canonical_json(dt.timedelta(seconds=-1.5)) == b'"-1.5"'
+
+
+def test_constant_field_fingerprints(plain_app: Flask) -> None:
+    schema = one_field_schema(fields.Constant(42))
+    sent = fingerprint_hash(plain_app, {"value": "anything"}, schema=schema)
+    assert fingerprint_hash(plain_app, {"value": "else"}, schema=schema) == sent  # loaded: 42
+    assert fingerprint_hash(plain_app, {}, schema=schema) != sent  # not sent: not counted
+
+
+class Device:
+    """A custom type a schema's post_load hook or field might load into."""
+
+
+class DeviceField(fields.Field):
+    def _deserialize(self, value: t.Any, attr: t.Any, data: t.Any, **kwargs: t.Any) -> Device:
+        return Device()
+
+
+class DeviceMetaSchema(Schema):
+    device = DeviceField()
+
+
+class DeviceSchema(Schema):
+    amount = fields.Integer()
+    meta = fields.Nested(DeviceMetaSchema)
+    items = fields.List(fields.Nested(DeviceMetaSchema))
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"meta": {"device": "x"}}, "meta.device"),
+        ({"items": [{}, {"device": "x"}]}, r"items\[1\]\.device"),
+    ],
+)
+def test_unknown_loaded_type_names_the_field_and_the_type(
+    plain_app: Flask, body: dict[str, t.Any], where: str
+) -> None:
+    with pytest.raises(TypeError, match=where) as info:
+        fingerprint_hash(plain_app, body, schema=DeviceSchema())
+    message = str(info.value)
+    assert "tests.test_fingerprint.Device" in message
+    assert "DeviceSchema" in message
+    assert "exclude" in message  # says how to get out of it
+
+
+def test_unknown_loaded_type_in_an_excluded_field_is_never_looked_at(plain_app: Flask) -> None:
+    one = fingerprint_hash(
+        plain_app,
+        {"amount": 1, "meta": {"device": "x"}},
+        schema=DeviceSchema(),
+        exclude=["meta.device"],
+    )
+    assert one == fingerprint_hash(plain_app, {"amount": 1, "meta": {}}, schema=DeviceSchema())
+
+
+# -- schemas with pre_load hooks: what the client sent counts there -----------------
+
+
+class StripSchema(Schema):
+    """The review's schema: a pre_load hook and a default the server invents."""
+
+    amount = fields.Integer(required=True)
+    order_ref = fields.UUID(load_default=uuid.uuid4)
+    note = fields.String(data_key="memo")
+    sent_at = fields.String(data_key="sentAt")
+
+    @pre_load
+    def strip_strings(self, data: dict[str, t.Any], **kwargs: t.Any) -> dict[str, t.Any]:
+        return {k: v.strip() if isinstance(v, str) else v for k, v in data.items()}
+
+
+def test_pre_load_schema_byte_identical_retry_agrees(plain_app: Flask) -> None:
+    schema = StripSchema()
+    body = '{"amount": 5}'
+    payloads = [fingerprint(plain_app, body, schema=schema) for _ in range(2)]
+    assert payloads[0][0]["order_ref"] != payloads[1][0]["order_ref"]  # invented per load
+    assert payloads[0][1] == payloads[1][1]
+
+
+@pytest.mark.parametrize(
+    "same",
+    [
+        '{"memo": "x", "amount": 5}',
+        '{ "amount" : 5.0 , "memo":"x" }',
+        '{"amount": 5e0, "memo": "\\u0078"}',
+    ],
+)
+def test_pre_load_schema_reordered_retry_agrees(plain_app: Flask, same: str) -> None:
+    schema = StripSchema()
+    base = fingerprint(plain_app, '{"amount": 5, "memo": "x"}', schema=schema)[1]
+    assert fingerprint(plain_app, same, schema=schema)[1] == base
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        '{"amount": 6, "memo": "x"}',
+        '{"amount": 5, "memo": "x "}',  # the hook makes them one; the client sent two
+        '{"amount": "5", "memo": "x"}',  # "500" and 500 differ at a pre_load level
+        '{"amount": 5, "memo": "x", "order_ref": "12345678-1234-5678-1234-567812345678"}',
+        '{"amount": 5}',
+    ],
+)
+def test_pre_load_schema_different_requests_differ(plain_app: Flask, other: str) -> None:
+    schema = StripSchema()
+    base = fingerprint(plain_app, '{"amount": 5, "memo": "x"}', schema=schema)[1]
+    assert fingerprint(plain_app, other, schema=schema)[1] != base
+
+
+@pytest.mark.parametrize("exclude", [["sent_at"], ["sentAt"]], ids=["field-name", "data-key"])
+def test_pre_load_schema_excludes_by_the_data_key_sent(
+    plain_app: Flask, exclude: list[str]
+) -> None:
+    schema = StripSchema()
+    one = fingerprint(
+        plain_app, '{"amount": 5, "sentAt": "10:00"}', schema=schema, exclude=exclude
+    )[1]
+    two = fingerprint(
+        plain_app, '{"amount": 5, "sentAt": "10:05"}', schema=schema, exclude=exclude
+    )[1]
+    assert one == two
+    three = fingerprint(
+        plain_app, '{"amount": 6, "sentAt": "10:05"}', schema=schema, exclude=exclude
+    )[1]
+    assert three != one
+
+
+class EnvelopeSchema(Schema):
+    """No hook here; its nested schema has one."""
+
+    amount = fields.Integer(required=True)
+    ref = fields.UUID(load_default=uuid.uuid4)
+    meta = fields.Nested(StripSchema, data_key="Meta")
+    lines = fields.List(fields.Nested(StripSchema))
+
+
+def test_pre_load_level_inside_a_schema_without_one(plain_app: Flask) -> None:
+    schema = EnvelopeSchema()
+    body = {"amount": 1, "Meta": {"amount": 2, "sentAt": "a"}, "lines": [{"amount": 3}]}
+    exclude = ["meta.sent_at"]
+    base = fingerprint_hash(plain_app, body, schema=schema, exclude=exclude)
+    assert fingerprint_hash(plain_app, body, schema=schema, exclude=exclude) == base
+    moved = {**body, "Meta": {"amount": 2, "sentAt": "b"}}
+    assert fingerprint_hash(plain_app, moved, schema=schema, exclude=exclude) == base
+    for other in (
+        {**body, "amount": "1"} | {"amount": 9},
+        {**body, "Meta": {"amount": "2", "sentAt": "a"}},
+        {**body, "lines": [{"amount": 3, "memo": " x"}]},
+    ):
+        assert fingerprint_hash(plain_app, other, schema=schema, exclude=exclude) != base
+    # Outside the pre_load level, loaded values still count: "1" and 1 agree there.
+    assert (
+        fingerprint_hash(plain_app, {**body, "amount": "1"}, schema=schema, exclude=exclude) == base
+    )
+
+
+class ManyHookSchema(StripSchema):
+    pass
+
+
+def test_pre_load_schema_with_many(plain_app: Flask) -> None:
+    schema = ManyHookSchema(many=True)
+    body = [{"amount": 1}, {"amount": 2}]
+    assert fingerprint_hash(plain_app, body, schema=schema) == fingerprint_hash(
+        plain_app, body, schema=schema
+    )
+    assert fingerprint_hash(plain_app, body, schema=schema) != fingerprint_hash(
+        plain_app, body[:1], schema=schema
+    )
+
+
+# -- query arguments, content type, escaped names ------------------------------------
+
+
+def test_repeated_query_argument_order_counts(plain_app: Flask) -> None:
+    body = {"amount": 500}
+    assert fingerprint_hash(plain_app, body, query_string="to=a&to=b") != fingerprint_hash(
+        plain_app, body, query_string="to=b&to=a"
+    )
+    assert fingerprint_hash(plain_app, body, query_string="to=a&x=1&to=b") == fingerprint_hash(
+        plain_app, body, query_string="x=1&to=a&to=b"
+    )
+
+
+def test_compute_keeps_each_names_values_in_order() -> None:
+    assert compute("POST", "/x", [("a", "1"), ("a", "2")], b"") != compute(
+        "POST", "/x", [("a", "2"), ("a", "1")], b""
+    )
+    assert compute("POST", "/x", [("b", "1"), ("a", "2"), ("a", "1")], b"") == compute(
+        "POST", "/x", [("a", "2"), ("a", "1"), ("b", "1")], b""
+    )
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        ("text/plain", "application/json"),
+        ("application/json", "application/merge-patch+json"),
+        ("application/octet-stream", None),
+    ],
+)
+def test_content_type_of_a_body_counts(plain_app: Flask, one: str, two: str | None) -> None:
+    body = '{"amount":5}'
+    assert (
+        fingerprint(plain_app, body, content_type=one)[1]
+        != fingerprint(plain_app, body, content_type=two)[1]
+    )
+
+
+@pytest.mark.parametrize(
+    "same", ["application/json; charset=utf-8", "Application/JSON", "application/json;x=y"]
+)
+def test_content_type_parameters_and_case_do_not_count(plain_app: Flask, same: str) -> None:
+    body = '{"amount": 5}'
+    assert fingerprint(plain_app, body, content_type=same)[1] == fingerprint(plain_app, body)[1]
+
+
+def test_content_type_without_a_body_does_not_count(plain_app: Flask) -> None:
+    assert (
+        fingerprint(plain_app, b"", content_type="text/plain")[1]
+        == fingerprint(plain_app, b"", content_type=None)[1]
+    )
+
+
+def test_form_content_type_counts(plain_app: Flask) -> None:
+    body, content_type = multipart("b", fields_=[("a", "1")])
+    as_multipart = fingerprint(plain_app, body, content_type=content_type)[1]
+    as_urlencoded = fingerprint(plain_app, "a=1", content_type=URLENCODED)[1]
+    assert as_multipart != as_urlencoded
+
+
+ESCAPED = {
+    "client.sent_at": "x",
+    "client": {"sent_at": "y"},
+    "a\\b": 1,
+    "meta": {"trace.id": "t", "keep": 1},
+}
+
+
+@pytest.mark.parametrize(
+    ("exclude", "gone"),
+    [
+        ([r"client\.sent_at"], [("client.sent_at",)]),
+        (["client.sent_at"], [("client", "sent_at")]),
+        ([r"meta.trace\.id"], [("meta", "trace.id")]),
+        ([r"a\\b"], [("a\\b",)]),
+    ],
+)
+def test_exclude_escapes_dots_in_names(exclude: list[str], gone: list[tuple[str, ...]]) -> None:
+    expected = copy.deepcopy(ESCAPED)
+    for path in gone:
+        node = expected
+        for part in path[:-1]:
+            node = node[part]
+        del node[path[-1]]
+    assert without_fields(ESCAPED, exclude) == expected
+
+
+@pytest.mark.parametrize("bad", [r"a\b", "a\\", r"meta\trace"])
+def test_exclude_with_an_unknown_escape_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="escape"):
+        without_fields({}, [bad])
+
+
+def test_exclude_escaped_form_field(plain_app: Flask) -> None:
+    def form(sent_at: str) -> str:
+        return fingerprint(
+            plain_app,
+            f"order.note=x&client.sent_at={sent_at}",
+            content_type=URLENCODED,
+            exclude=[r"client\.sent_at"],
+        )[1]
+
+    assert form("10:00:00") == form("10:00:05")
+
+
+# -- through the app, on every engine: the outside review's scenarios ---------------
+
+
+def review_app(database_url: str) -> Flask:
+    app = testapp.create_app(database_url, clock=Clock())
+
+    @app.post("/devices")
+    @testapp.idem.idempotent(schema=one_field_schema(fields.IP(required=True)))
+    def devices() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("devices")
+        return {"id": row.id, "ip": str(testapp.idem.payload["value"])}, 201
+
+    @app.post("/orders")
+    @testapp.idem.idempotent(schema=StripSchema, exclude=["sent_at"])
+    def orders() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("orders", testapp.idem.payload["amount"])
+        return {"id": row.id, "order_ref": str(testapp.idem.payload["order_ref"])}, 201
+
+    @app.post("/transfer")
+    @testapp.idem.idempotent()
+    def transfer() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("transfer")
+        return {"id": row.id, "to": request.args.getlist("to")}, 201
+
+    @app.post("/form-order")
+    @testapp.idem.idempotent(exclude=[r"client\.sent_at"])
+    def form_order() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("form-order")
+        return {"id": row.id, "note": request.form.get("order.note")}, 201
+
+    reset_tables(database_url)
+    return app
+
+
+def send(client: t.Any, path: str, key: str, **kw: t.Any) -> t.Any:
+    return client.post(path, headers={"Idempotency-Key": key}, **kw)
+
+
+def test_ip_field_route_runs_once_and_replays(database_url: str) -> None:
+    app = review_app(database_url)
+    client = app.test_client()
+    first = send(client, "/devices", "d-1", json={"value": "::1"})
+    assert first.status_code == 201, first.get_data(as_text=True)
+    again = send(client, "/devices", "d-1", json={"value": "0:0:0:0:0:0:0:1"})
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.get_data() == first.get_data()
+    other = send(client, "/devices", "d-1", json={"value": "::2"})
+    assert other.status_code == 422
+    assert ledger_count(app, "devices") == 1
+    assert len(record_rows(app)) == 1
+
+
+def test_pre_load_schema_honest_retry_replays(database_url: str) -> None:
+    app = review_app(database_url)
+    client = app.test_client()
+    first = send(client, "/orders", "o-1", json={"amount": 5, "sentAt": "10:00"})
+    assert first.status_code == 201
+    retry = send(
+        client,
+        "/orders",
+        "o-1",
+        data='{"sentAt": "10:05", "amount": 5.0}',
+        content_type="application/json",
+    )
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_json() == first.get_json()
+    assert send(client, "/orders", "o-1", json={"amount": 6}).status_code == 422
+    assert ledger_count(app, "orders") == 1
+
+
+def test_reordered_repeated_query_is_another_request(database_url: str) -> None:
+    app = review_app(database_url)
+    client = app.test_client()
+    assert send(client, "/transfer?to=a&to=b", "q", data=b"").status_code == 201
+    assert send(client, "/transfer?to=b&to=a", "q", data=b"").status_code == 422
+    replay = send(client, "/transfer?to=a&to=b", "q", data=b"")
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "transfer") == 1
+
+
+def test_same_bytes_as_another_content_type_is_another_request(database_url: str) -> None:
+    app = review_app(database_url)
+    client = app.test_client()
+    first = send(client, "/transfer", "ct", data='{"amount":5}', content_type="application/json")
+    assert first.status_code == 201
+    other = send(client, "/transfer", "ct", data='{"amount":5}', content_type="text/plain")
+    assert other.status_code == 422
+    assert ledger_count(app, "transfer") == 1
+
+
+def test_excluded_dotted_form_field_is_left_out(database_url: str) -> None:
+    app = review_app(database_url)
+    client = app.test_client()
+    first = send(client, "/form-order", "f", data={"order.note": "x", "client.sent_at": "10:00:00"})
+    assert first.status_code == 201
+    retry = send(client, "/form-order", "f", data={"order.note": "x", "client.sent_at": "10:00:05"})
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert send(client, "/form-order", "f", data={"order.note": "y"}).status_code == 422
+    assert ledger_count(app, "form-order") == 1
+
+
+@pytest.mark.parametrize(
+    ("exclude", "error"),
+    [("note", TypeError), ([1], TypeError), ([r"a\b"], ValueError), (["ok", "x\\"], ValueError)],
+)
+def test_wrong_exclude_is_refused_when_the_route_is_decorated(
+    exclude: t.Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        testapp.idem.idempotent(exclude=exclude)

@@ -5,6 +5,7 @@ headers, and unknown settings refused. On every engine, counting ledger rows.
 
 from __future__ import annotations
 
+import json
 import typing as t
 
 import pytest
@@ -17,6 +18,15 @@ from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.test_flow import assert_problem
 
 idem = testapp.idem
+
+HOP_BY_HOP = {
+    "Keep-Alive": "timeout=5",
+    "Upgrade": "h2c",
+    "TE": "trailers",
+    "Trailer": "Expires",
+    "Trailers": "Expires",
+    "Proxy-Connection": "keep-alive",
+}
 
 
 def options_app(database_url: str, clock: Clock, **config: t.Any) -> Flask:
@@ -70,6 +80,18 @@ def options_app(database_url: str, clock: Clock, **config: t.Any) -> Flask:
         response.headers["ETag"] = '"v1"'
         response.set_cookie("visitor", "first-callers-secret")
         response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @app.post("/hop-by-hop")
+    @idem.idempotent(replay_headers="*")
+    def hop_by_hop() -> Response:
+        row = testapp.write_ledger("hop-by-hop")
+        response = Response(f'{{"id": {row.id}}}', status=201, content_type="application/json")
+        for name, value in HOP_BY_HOP.items():
+            response.headers[name] = value
+        response.headers["Connection"] = "X-Hop"  # names one more hop-by-hop header
+        response.headers["X-Hop"] = "1"
+        response.headers["X-Trace"] = "t-1"
         return response
 
     reset_tables(database_url)
@@ -251,6 +273,23 @@ def test_replay_headers_star_replays_all_but_the_never_replayed(
     assert "Set-Cookie" not in replay.headers
     assert "WWW-Authenticate" not in replay.headers
     assert ledger_count(app, "all-headers") == 1
+
+
+def test_hop_by_hop_headers_are_never_stored_or_replayed(database_url: str, clock: Clock) -> None:
+    from wsgiref.util import is_hop_by_hop
+
+    app = options_app(database_url, clock)
+    client = app.test_client()
+    assert call(client, "POST", "/hop-by-hop").status_code == 201
+    [record] = record_rows(app)
+    stored = {name.lower() for name, _ in json.loads(record["response_headers"])}
+    assert stored == {"content-type", "x-trace"}
+    replay = call(client, "POST", "/hop-by-hop")
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.headers["X-Trace"] == "t-1"
+    assert not [name for name, _ in replay.headers.items() if is_hop_by_hop(name)]
+    assert "X-Hop" not in replay.headers
+    assert ledger_count(app, "hop-by-hop") == 1
 
 
 # -- settings the extension does not know --------------------------------------
