@@ -30,7 +30,7 @@ from .errors import (
     MissingKeyError,
     NothingToRecoverError,
 )
-from .fingerprint import load_payload, read_body, request_fingerprint
+from .fingerprint import load_payload, request_fingerprint, stored_request_body
 from .keys import key_from_request, resolve_scope
 from .models import COMPLETED, IN_PROGRESS, Record
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
@@ -213,11 +213,14 @@ class Flow:
             "request_body": None,
         }
         if self.route.recover:
+            # The body as sent, or, if a hook parsed the form first, a faithful
+            # re-encoding of it (with the content type that goes with it).
+            body, content_type = stored_request_body()
             values.update(
                 request_method=request.method,
                 request_path=_request_target(),
-                request_content_type=request.content_type,
-                request_body=read_body(),
+                request_content_type=content_type,
+                request_body=body,
             )
         return values
 

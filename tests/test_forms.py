@@ -259,10 +259,6 @@ def test_form_parsed_before_the_extension_is_judged_by_its_fields(
     assert len(record_rows(app)) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until flow._claim_values stores fingerprint.stored_request_body()",
-)
 def test_recovery_job_reruns_a_form_parsed_first(database_url: str, clock: Clock) -> None:
     app = testapp.create_app(database_url, clock=clock)
     app.before_request(parse_form_first)
