@@ -29,6 +29,7 @@ from .errors import (
     LeaseLostError,
     MissingKeyError,
     NothingToRecoverError,
+    PayloadTooLargeError,
 )
 from .fingerprint import load_payload, request_fingerprint, stored_request_body
 from .keys import key_from_request, resolve_scope
@@ -38,7 +39,7 @@ from .responses import capture, replay
 from .route import RouteOptions
 from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
 from .state import resolve_app
-from .store import ClaimWaitExceeded, Store, new_fencing_token
+from .store import ClaimWaitExceeded, Store, TooLargeToStore, new_fencing_token
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -277,6 +278,12 @@ class Flow:
                         if expired:  # a new operation
                             return Claimed(token, {}, take, now)
                         return Claimed(token, record.recovery_points, take, record.created_at)
+        except TooLargeToStore as exc:
+            session.rollback()
+            raise PayloadTooLargeError(
+                "The request is larger than the database accepts to keep for the recovery "
+                f"job ({exc}); nothing was stored. Send a smaller body."
+            ) from None
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)

@@ -40,6 +40,8 @@ from .models import COMPLETED, IN_PROGRESS, Record, as_utc
 Executor = Session | sa.Connection
 
 _MYSQL = ("mysql", "mariadb")
+# Room for the rest of the INSERT besides the stored request body.
+_STATEMENT_MARGIN = 64 * 1024
 
 # PostgreSQL: set_config(..., true) is SET LOCAL: it ends with the transaction
 # whatever happens, so a failed statement needs no restore.
@@ -99,6 +101,11 @@ RECLAIM_KEEPS = (
 )
 
 
+class TooLargeToStore(Exception):
+    """The request to keep for the recovery job is larger than the database takes
+    in one statement (MySQL's ``max_allowed_packet``)."""
+
+
 class ClaimWaitExceeded(Exception):
     """The database gave up on this transaction while it waited for another on the
     same key (lock timeout, deadlock victim, serialization failure)."""
@@ -114,6 +121,8 @@ class Store:
 
     def __init__(self, table: sa.Table) -> None:
         self.table = table
+        # MySQL's max_allowed_packet, read once per engine.
+        self._packet_limits: dict[t.Any, int] = {}
         c = table.c
         this_key = (c.scope == text_param("w_scope"), c.key == text_param("w_key"))
         still_held = (
@@ -184,7 +193,13 @@ class Store:
             raise
         finally:
             if wait is not None:
-                self._restore_wait(executor, name, previous, failed=failed)
+                try:
+                    self._restore_wait(executor, name, previous, failed=failed)
+                except sa_exc.DBAPIError:
+                    if not failed:
+                        raise
+                    # The failure took the connection with it: the pool discards
+                    # it, and the original error is the one to report.
 
     @staticmethod
     def _set_wait(executor: Executor, name: str, wait: dt.timedelta) -> t.Any:
@@ -216,7 +231,13 @@ class Store:
         return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
     def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
-        """Insert a new record; ``False`` when one with the same scope and key exists."""
+        """Insert a new record; ``False`` when one with the same scope and key exists.
+
+        Raises :class:`TooLargeToStore` when a stored request would exceed what the
+        engine takes in one statement (MySQL answers such a statement by dropping
+        the connection).
+        """
+        self.check_size(executor, values)
         conflict_tolerant = self._inserts.get(dialect_name(executor))
         if conflict_tolerant is not None:
             return self._changed_one(executor, conflict_tolerant, values)
@@ -226,6 +247,19 @@ class Store:
         except sa_exc.IntegrityError:
             return False
         return True
+
+    def check_size(self, executor: Executor, values: dict[str, t.Any]) -> None:
+        """Refuse a stored request larger than MySQL's ``max_allowed_packet``."""
+        body = values.get("request_body")
+        if not body or dialect_name(executor) not in _MYSQL:
+            return
+        engine = executor.get_bind().engine if isinstance(executor, Session) else executor.engine
+        limit = self._packet_limits.get(engine)
+        if limit is None:
+            limit = int(executor.execute(sa.text("SELECT @@max_allowed_packet")).scalar_one())
+            self._packet_limits[engine] = limit
+        if len(body) + _STATEMENT_MARGIN > limit:
+            raise TooLargeToStore(f"{len(body)} bytes, max_allowed_packet is {limit}")
 
     def load(self, executor: Executor, scope: str, key: str) -> Record | None:
         """The record for (scope, key), or ``None``: the latest committed version."""
@@ -257,6 +291,7 @@ class Store:
         stored request, creation and retention times. One conditional ``UPDATE``
         on the fencing token read: exactly one contender can win.
         """
+        self.check_size(executor, values)
         params = {
             **values,
             "fencing_token": token,

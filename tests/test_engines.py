@@ -285,3 +285,33 @@ def test_serialization_failure_under_repeatable_read_is_a_409(pg_url: str) -> No
     retry = send(app, "/held", {}, **{"X-Who": "dup"}).result()
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app, "held") == 1
+
+
+def test_body_over_the_engines_packet_limit_is_413_not_500(clock: Clock) -> None:
+    """MySQL/MariaDB refuse a statement over max_allowed_packet: a recover=True
+    route storing such a body answers 413 problem+json, and nothing is stored."""
+    from tests.conftest import mysql_url
+
+    url = mysql_url()
+    if url is None:
+        pytest.skip("no MariaDB/MySQL reachable (see the report header)")
+    app = testapp.create_app(url, clock=clock)
+
+    @app.post("/upload")
+    @testapp.idem.idempotent(lease=30, recover=True)
+    def upload() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("upload")
+        return {"ok": True}, 201
+
+    reset_tables(url)
+    with app.app_context(), testapp.db.engine.connect() as conn:
+        limit = conn.execute(sa.text("SELECT @@max_allowed_packet")).scalar_one()
+    response = app.test_client().post(
+        "/upload",
+        data=b"x" * (int(limit) + 1024),
+        content_type="application/octet-stream",
+        headers={"Idempotency-Key": "big"},
+    )
+    assert_problem(response, 413)
+    assert record_rows(app) == []
+    assert ledger_count(app, "upload") == 0
