@@ -28,6 +28,8 @@ from flask import Flask
 from flask_idempotency.models import as_utc, job_lock_table, record_table
 from flask_idempotency.store import text_param
 from tests import testapp
+from tests.live import LiveServer
+from tests.tcp_proxy import TcpProxy, upstream_of
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
 MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"
@@ -246,6 +248,28 @@ def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flas
     for app in made:
         with app.app_context():
             testapp.db.engine.dispose()
+
+
+@pytest.fixture
+def proxy(pg_url: str) -> t.Iterator[TcpProxy]:
+    with TcpProxy(upstream_of(pg_url)) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]:
+    """The example app in a subprocess, on PostgreSQL through the proxy."""
+    from example_app import app as example
+
+    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
+    with scratch.app_context():
+        example.db.drop_all()
+        example.db.create_all()
+        example.db.engine.dispose()
+    server = LiveServer("example", proxy.url(pg_url)).start()
+    yield server
+    proxy.heal()
+    server.stop()
 
 
 @pytest.fixture

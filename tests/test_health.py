@@ -22,7 +22,7 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
 from tests.live import LiveServer
-from tests.tcp_proxy import TcpProxy, upstream_of
+from tests.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -128,12 +128,6 @@ def test_timeout_must_be_positive(database_url: str) -> None:
 
 
 @pytest.fixture
-def proxy(pg_url: str) -> t.Iterator[TcpProxy]:
-    with TcpProxy(upstream_of(pg_url)) as proxy:
-        yield proxy
-
-
-@pytest.fixture
 def proxied_app(pg_url: str, proxy: TcpProxy) -> t.Iterator[Flask]:
     app = create_app(proxy.url(pg_url))
     assert app.test_client().get("/readyz").status_code == 200  # a warm pool
@@ -195,21 +189,6 @@ def test_partitioned_database_is_not_ready_within_the_timeout(
 
 
 # -- the example app, live, behind the proxy ----------------------------------------------
-
-
-@pytest.fixture
-def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]:
-    from example_app import app as example
-
-    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
-    with scratch.app_context():
-        example.db.drop_all()
-        example.db.create_all()
-        example.db.engine.dispose()
-    server = LiveServer("example", proxy.url(pg_url)).start()
-    yield server
-    proxy.heal()
-    server.stop()
 
 
 def timed(call: t.Callable[[], t.Any]) -> tuple[t.Any, float]:

@@ -27,7 +27,7 @@ from sqlalchemy import orm
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, run_sql
 from tests.live import LiveServer, Reply
-from tests.tcp_proxy import TcpProxy, upstream_of
+from tests.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -148,12 +148,6 @@ def assert_problem(response: t.Any, status: int, slug: str) -> dict[str, t.Any]:
     assert problem["status"] == status
     assert problem["type"].endswith("/" + slug)
     return problem
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> t.Iterator[TcpProxy]:
-    with TcpProxy(upstream_of(pg_url)) as proxy:
-        yield proxy
 
 
 @pytest.fixture
@@ -462,22 +456,6 @@ def test_other_database_errors_propagate_unchanged(pg_app: Flask) -> None:
 # -- a live server under load while the database flaps ---------------------------------
 
 CHARGE = {"customer_id": "cus_load", "amount": 1250, "currency": "EUR"}
-
-
-@pytest.fixture
-def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]:
-    """The example app in a subprocess, on PostgreSQL through the proxy."""
-    from example_app import app as example
-
-    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
-    with scratch.app_context():
-        example.db.drop_all()
-        example.db.create_all()
-        example.db.engine.dispose()
-    server = LiveServer("example", proxy.url(pg_url)).start()
-    yield server
-    proxy.heal()
-    server.stop()
 
 
 def _kind(reply: Reply) -> str:
