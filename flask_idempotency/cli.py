@@ -12,7 +12,8 @@ import click
 from flask.cli import AppGroup
 
 from .errors import InvalidKeyError
-from .keys import MAX_SCOPE_LENGTH, parse_key
+from .keys import parse_key
+from .scope import MAX_SCOPE_LENGTH
 from .state import AppState, app_state, resolve_app
 
 idempotency_cli = AppGroup("idempotency", help="Inspect and maintain idempotency records.")

@@ -47,7 +47,7 @@ key                            default                 meaning
                                                        means the endpoint plus the caller's
                                                        identity (Flask-Login user, Basic user,
                                                        bearer token digest, session cookie
-                                                       digest): see :func:`.keys.default_scope`
+                                                       digest): see :func:`.scope.default_scope`
 ``IDEMPOTENCY_PURGE_BATCH``    1000                    expired records deleted per transaction
 ``IDEMPOTENCY_SCHEDULER``      ``False``               run the jobs in each serving process
                                                        (started on its first request)

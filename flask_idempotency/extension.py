@@ -179,7 +179,7 @@ class Idempotency:
         :param ttl: retention of this route's records (default ``IDEMPOTENCY_TTL``).
         :param scope: callable returning the scope string (default
             ``IDEMPOTENCY_SCOPE``, else the endpoint plus the caller's identity:
-            see :func:`~flask_idempotency.keys.default_scope`).
+            see :func:`~flask_idempotency.scope.default_scope`).
         :param lease: commit the in-progress record before the view runs, leased
             for this long (``True``: ``IDEMPOTENCY_LEASE``). Use it for views whose
             work cannot fit one transaction. Without it the record is claimed in

@@ -32,11 +32,12 @@ from .errors import (
     PayloadTooLargeError,
 )
 from .fingerprint import load_payload, request_fingerprint, stored_request_body
-from .keys import key_from_request, resolve_scope
+from .keys import key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import capture, replay
 from .route import RouteOptions
+from .scope import resolve_scope
 from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
 from .state import resolve_app
 from .store import ClaimWaitExceeded, Store, TooLargeToStore, new_fencing_token

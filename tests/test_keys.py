@@ -21,12 +21,12 @@ from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON, PROBLEM_TYPE_BASE, InvalidKeyError
 from flask_idempotency.keys import (
     MAX_KEY_LENGTH,
-    default_scope,
     key_from_request,
     parse_key,
     resolve_key_format,
     resolve_key_max_length,
 )
+from flask_idempotency.scope import default_scope
 from tests.conftest import ledger_count, record_rows
 from tests.test_scope import basic_scope
 
