@@ -6,60 +6,58 @@ without the prefix: ``Idempotency(app, db, ttl=timedelta(hours=48))``); the
 constructor value becomes the app's default, and ``app.config`` wins over it.
 Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both.
 
-=============================  ======================  ============================================
-key                            default                 meaning
-=============================  ======================  ============================================
-``IDEMPOTENCY_HEADER``         ``"Idempotency-Key"``   request header that carries the key
-``IDEMPOTENCY_METHODS``        ``("POST", "PATCH")``   the methods a decorated view protects; any
-                                                       other method runs as a request without a key
-                                                       (GET, HEAD, OPTIONS, TRACE may not be listed)
-``IDEMPOTENCY_REQUIRED``       ``False``               a protected route without a key answers 400
-                                                       (otherwise the request runs unprotected)
-``IDEMPOTENCY_SKIP``           ``None``                callable returning ``True`` for a request
-                                                       that runs unprotected, as without a key
-``IDEMPOTENCY_KEY_FORMAT``     ``None``                what a key must look like, else 400
-                                                       ``invalid-key``: ``None`` any printable
-                                                       ASCII; ``"uuid"`` a canonical UUID (either
-                                                       case, with hyphens); or a regular expression
-                                                       (str or compiled) the whole key must match
-``IDEMPOTENCY_KEY_MAX_LENGTH`` 255                     longest key accepted, 1 to 255 (the key
-                                                       column's size), checked before the format
-``IDEMPOTENCY_TTL``            24 hours                how long a record is kept (retention window);
-                                                       a retry after that runs again
-``IDEMPOTENCY_LEASE``          60 seconds              how long an in-progress record that has been
-                                                       committed blocks duplicates (409) before a
-                                                       retry may reclaim it after a crash
-``IDEMPOTENCY_WAIT``           10 seconds              how long a duplicate waits for the first
-                                                       request's transaction before answering 409;
-                                                       ``None``: as long as it takes (saves two
-                                                       statements per request on PostgreSQL)
-``IDEMPOTENCY_MAX_BODY``       1 MiB (1048576)         largest response body stored for replay;
-                                                       larger or streamed bodies are not kept
-``IDEMPOTENCY_REPLAY_HEADERS`` ``()``                  response headers replayed in addition to
-                                                       ``Content-Type`` and ``Location``; ``"*"``:
-                                                       every header but the never-replayed ones
-``IDEMPOTENCY_STORED_STATUSES`` ``None``               the statuses stored and replayed; ``None``:
-                                                       2xx, 3xx and deterministic 4xx (not 408,
-                                                       409, 423, 425, 429); a collection of codes
-                                                       (200-499) to store only those; any other
-                                                       answer is rolled back and not stored
-``IDEMPOTENCY_SCOPE``          ``None``                callable returning the scope string; ``None``
-                                                       means the endpoint plus the caller's
-                                                       identity (Flask-Login user, Basic user,
-                                                       bearer token digest, session cookie
-                                                       digest): see :func:`.scope.default_scope`
-``IDEMPOTENCY_PURGE_BATCH``    1000                    expired records deleted per transaction
-``IDEMPOTENCY_SCHEDULER``      ``False``               run the jobs in each serving process
-                                                       (started on its first request)
-``IDEMPOTENCY_PURGE_EVERY``    5 minutes               interval of the cleanup job
-``IDEMPOTENCY_RECOVER_EVERY``  30 seconds              interval of the lease recovery job
-``IDEMPOTENCY_JOB_LOCK``       2 minutes               how long a job run holds its lock before
-                                                       renewing; a dead runner's lock frees after
-``IDEMPOTENCY_READY_TIMEOUT``  2 seconds               how long ``idem.readiness()`` (and
-                                                       ``idem.readiness_view``) waits for its probe
-                                                       of the record's table before answering
-                                                       "not ready"; must be positive
-=============================  ======================  ============================================
+``IDEMPOTENCY_HEADER`` (default: ``"Idempotency-Key"``)
+    request header that carries the key
+``IDEMPOTENCY_METHODS`` (default: ``("POST", "PATCH")``)
+    the methods a decorated view protects; any other method runs as a request without a
+    key (GET, HEAD, OPTIONS, TRACE may not be listed)
+``IDEMPOTENCY_REQUIRED`` (default: ``False``)
+    a protected route without a key answers 400 (otherwise the request runs unprotected)
+``IDEMPOTENCY_SKIP`` (default: ``None``)
+    callable returning ``True`` for a request that runs unprotected, as without a key
+``IDEMPOTENCY_KEY_FORMAT`` (default: ``None``)
+    what a key must look like, else 400 ``invalid-key``: ``None`` any printable ASCII;
+    ``"uuid"`` a canonical UUID (either case, with hyphens); or a regular expression
+    (str or compiled) the whole key must match
+``IDEMPOTENCY_KEY_MAX_LENGTH`` (default: 255)
+    longest key accepted, 1 to 255 (the key column's size), checked before the format
+``IDEMPOTENCY_TTL`` (default: 24 hours)
+    how long a record is kept (retention window); a retry after that runs again
+``IDEMPOTENCY_LEASE`` (default: 60 seconds)
+    how long an in-progress record that has been committed blocks duplicates (409)
+    before a retry may reclaim it after a crash
+``IDEMPOTENCY_WAIT`` (default: 10 seconds)
+    how long a duplicate waits for the first request's transaction before answering 409
+    (PostgreSQL ``lock_timeout``, MySQL ``innodb_lock_wait_timeout``, SQLite's busy
+    timeout, set around the claim only); ``None``: no bound of ours (the engine's own
+    applies, and its timeout is still a 409), two statements fewer per request
+``IDEMPOTENCY_MAX_BODY`` (default: 1 MiB (1048576))
+    largest response body stored for replay; larger or streamed bodies are not kept
+``IDEMPOTENCY_REPLAY_HEADERS`` (default: ``()``)
+    response headers replayed in addition to ``Content-Type`` and ``Location``; ``"*"``:
+    every header but the never-replayed ones
+``IDEMPOTENCY_STORED_STATUSES`` (default: ``None``)
+    the statuses stored and replayed; ``None``: 2xx, 3xx and deterministic 4xx (not 408,
+    409, 423, 425, 429); a collection of codes (200-499) to store only those; any other
+    answer is rolled back and not stored (unless the view committed work of its own:
+    then any answer is recorded, since the operation happened)
+``IDEMPOTENCY_SCOPE`` (default: ``None``)
+    callable returning the scope string; ``None`` means the endpoint plus the caller's
+    identity (Flask-Login user, Basic user, bearer token digest, session cookie digest):
+    see :func:`.scope.default_scope`
+``IDEMPOTENCY_PURGE_BATCH`` (default: 1000)
+    expired records deleted per transaction
+``IDEMPOTENCY_SCHEDULER`` (default: ``False``)
+    run the jobs in each serving process (started on its first request)
+``IDEMPOTENCY_PURGE_EVERY`` (default: 5 minutes)
+    interval of the cleanup job
+``IDEMPOTENCY_RECOVER_EVERY`` (default: 30 seconds)
+    interval of the lease recovery job
+``IDEMPOTENCY_JOB_LOCK`` (default: 2 minutes)
+    how long a job run holds its lock before renewing; a dead runner's lock frees after
+``IDEMPOTENCY_READY_TIMEOUT`` (default: 2 seconds)
+    how long ``idem.readiness()`` (and ``idem.readiness_view``) waits for its probe of
+    the record's table before answering "not ready"; must be positive
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
 """
