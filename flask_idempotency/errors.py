@@ -170,6 +170,16 @@ class FailedAfterCommitError(ProblemError):
     title = "The request failed after committing part of its work"
     code = 500
 
+    def __init__(
+        self,
+        detail: str = (
+            "This request failed after it had committed part of its work, so it will not "
+            "run again with this idempotency key. Check the resource's state before "
+            "sending a new operation with a new key."
+        ),
+    ) -> None:
+        super().__init__(detail)
+
 
 class NothingToRecoverError(ProblemError):
     """A recovery run found the record finished or gone (409); only the recovery job sees it."""

@@ -47,6 +47,8 @@ logger = logging.getLogger("flask_idempotency")
 # A claim attempt only repeats when another request changed the row between
 # our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
 _CLAIM_ROUNDS = 5
+# A claim that waited longer than this on another request re-stamps its times.
+_RESTAMP_AFTER = dt.timedelta(seconds=1)
 Clock = t.Callable[[], dt.datetime]
 
 
@@ -86,6 +88,9 @@ class Claimed:
     reassert: Reassert
     #: The operation's creation time (kept by a reclaim, new for a new operation).
     created_at: dt.datetime
+    #: The time the claim's lease (and, for a new operation, its retention) counts from.
+    stamped_at: dt.datetime
+    new_operation: bool
 
 
 def _now(clock: Clock) -> dt.datetime:
@@ -170,6 +175,7 @@ class Flow:
         if isinstance(outcome, Record):
             state.previous = outcome
             return self._run_manual(view, kwargs)
+        outcome = self._restamp_if_waited(scope, key, outcome)
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
         state.operation = outcome.created_at.isoformat()
@@ -246,7 +252,7 @@ class Flow:
                         fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
                         if store.try_insert(session, fresh):
                             insert = functools.partial(store.try_insert, values=fresh)
-                            return Claimed(token, {}, insert, now)
+                            return Claimed(token, {}, insert, now, now, True)
                     record = store.load(session, scope, key)
                     expired = record is not None and record.is_expired(now)
                     if not allow_new and (record is None or expired):
@@ -277,8 +283,9 @@ class Flow:
                                 "reclaimed %r in scope %r after its lease ended", key, scope
                             )
                         if expired:  # a new operation
-                            return Claimed(token, {}, take, now)
-                        return Claimed(token, record.recovery_points, take, record.created_at)
+                            return Claimed(token, {}, take, now, now, True)
+                        points = record.recovery_points
+                        return Claimed(token, points, take, record.created_at, now, False)
         except TooLargeToStore as exc:
             session.rollback()
             raise PayloadTooLargeError(
@@ -298,6 +305,27 @@ class Flow:
             "The record for this idempotency key kept changing; retry.",
             retry_after=dt.timedelta(seconds=1),
         )
+
+    def _restamp_if_waited(self, scope: str, key: str, claimed: Claimed) -> Claimed:
+        """The claim's times were taken before it waited on another request's
+        transaction (the unique index, a row lock). When that wait was long, count the
+        lease (and a new operation's retention) from now, or a duplicate that waited
+        past a lease would hold a lease already over."""
+        now = self.now()
+        if now - claimed.stamped_at <= _RESTAMP_AFTER:
+            return claimed
+        settings = self.settings
+        created_at = now if claimed.new_operation else claimed.created_at
+        self.store.restamp(
+            self.session,
+            scope,
+            key,
+            claimed.token,
+            locked_until=now + settings.lease,
+            created_at=now if claimed.new_operation else None,
+            expires_at=now + settings.ttl if claimed.new_operation else None,
+        )
+        return dataclasses.replace(claimed, created_at=created_at, stamped_at=now)
 
     def _signal_conflict(self, scope: str, key: str, record: Record | None) -> None:
         app = resolve_app()
@@ -361,11 +389,7 @@ class Flow:
                     state.key,
                     state.scope,
                 )
-                failure = FailedAfterCommitError(
-                    "This request failed after it had committed part of its work, so it "
-                    "will not run again with this idempotency key. Check the resource's "
-                    "state before sending a new operation with a new key."
-                )
+                failure = FailedAfterCommitError()
                 self._complete(state, app, t.cast(Response, failure.get_response()))
                 raise
             self._release(state)

@@ -368,6 +368,31 @@ class Store:
         params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
         return self._changed_one(executor, self._update_held, params)
 
+    def restamp(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        locked_until: dt.datetime,
+        created_at: dt.datetime | None = None,
+        expires_at: dt.datetime | None = None,
+    ) -> bool:
+        """Set a held record's lease end (and creation and expiry, for a new
+        operation), fenced by ``token``."""
+        params: dict[str, t.Any] = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "locked_until": locked_until,
+        }
+        if created_at is not None:
+            params["created_at"] = created_at
+        if expires_at is not None:
+            params["expires_at"] = expires_at
+        return self._changed_one(executor, self._update_held, params)
+
     def save_recovery_points(
         self,
         executor: Executor,

@@ -133,9 +133,9 @@ def test_response_body_over_64_kib_is_stored_and_replayed(database_url: str) -> 
 # -- waiting, and what each engine does when it stops waiting ---------------------
 
 
-def slow_app(database_url: str, **config: t.Any) -> tuple[Flask, Gates]:
+def slow_app(database_url: str, clock: Clock | None = None, **config: t.Any) -> tuple[Flask, Gates]:
     gates = Gates()
-    app = testapp.create_app(database_url, **config)
+    app = testapp.create_app(database_url, clock=clock, **config)
 
     @app.post("/held")
     @testapp.idem.idempotent()
@@ -315,3 +315,26 @@ def test_body_over_the_engines_packet_limit_is_413_not_500(clock: Clock) -> None
     assert_problem(response, 413)
     assert record_rows(app) == []
     assert ledger_count(app, "upload") == 0
+
+
+def test_a_claim_that_waited_counts_its_times_from_when_it_got_the_key(
+    database_url: str, clock: Clock
+) -> None:
+    """A duplicate waits on the first request's claim; meanwhile 45 s pass (by the
+    app's clock) and the first fails. The duplicate's operation then counts its
+    creation, lease and retention from when it got the key, not from when it
+    arrived."""
+    app, gates = slow_app(database_url, clock, IDEMPOTENCY_WAIT=20)
+    first = send(app, "/held", {}, **{"X-Who": "first-fails"})
+    try:
+        assert gates.arrived("first-fails")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"})
+        assert not dup.done(0.5)  # waiting on the first request's claim
+        clock.advance(seconds=45)
+    finally:
+        gates.open("first-fails")
+    assert first.result().status_code == 500
+    assert dup.result().status_code == 201
+    [record] = record_rows(app)
+    assert record["created_at"] == clock.now
+    assert record["expires_at"] == clock.now + dt.timedelta(hours=24)

@@ -87,6 +87,8 @@ from hypothesis.stateful import (
 )
 
 from flask_idempotency import jobs
+from flask_idempotency.errors import FailedAfterCommitError
+from flask_idempotency.models import as_utc
 from tests import testapp
 from tests.conftest import Clock, reset_tables
 
@@ -143,6 +145,11 @@ class ViewFailed(Exception):
     """The view raises (the ``raise`` action)."""
 
 
+#: What the record holds when a view that committed work of its own then fails.
+FAILED_BODY = b'{"error":"failed"}'
+RAISED_BODY = FailedAfterCommitError().get_response().get_data()
+
+
 # -- what the threads see -------------------------------------------------------------------
 
 
@@ -163,6 +170,14 @@ class Row:
     locked_until: dt.datetime | None
     expires_at: dt.datetime
     response_body: bytes | None
+    recovery_points: str | None = None
+
+    def expired(self, now: dt.datetime) -> bool:
+        """Past its retention, and not held under a live lease (which outlasts it)."""
+        lease_live = (
+            self.status == IN_PROGRESS and self.locked_until is not None and self.locked_until > now
+        )
+        return self.expires_at <= now and not lease_live
 
 
 @dataclasses.dataclass
@@ -224,6 +239,9 @@ class Req(Actor):
         self.ambiguous = False
         self.deleted = False  # its record vanished while it ran
         self.visible = False  # its claim is committed (leased, or the view committed it)
+        # The view committed a transaction of its own: the operation has happened, and a
+        # failure it answers afterwards is recorded and replayed (never run twice).
+        self.view_committed = False
         self.lease_end: dt.datetime | None = None
         self.open_tags: list[str] = []  # ledger rows of the open transaction
         self.tags = 0
@@ -297,16 +315,25 @@ class Harness:
 
     def read_rows(self) -> dict[tuple[str, str], Row]:
         c = self.records.c
-        stmt = sa.select(c.scope, c.key, c.status, c.locked_until, c.expires_at, c.response_body)
+        stmt = sa.select(
+            c.scope,
+            c.key,
+            c.status,
+            c.locked_until,
+            c.expires_at,
+            c.response_body,
+            c.recovery_points,
+        )
         with self.reader.connect() as conn:
             rows = [
                 Row(
                     scope=r.scope,
                     key=r.key,
                     status=r.status,
-                    locked_until=r.locked_until,
-                    expires_at=r.expires_at,
+                    locked_until=as_utc(r.locked_until),
+                    expires_at=t.cast(dt.datetime, as_utc(r.expires_at)),
                     response_body=bytes(r.response_body) if r.response_body is not None else None,
+                    recovery_points=r.recovery_points,
                 )
                 for r in conn.execute(stmt)
             ]
@@ -676,7 +703,6 @@ class Lifecycles(RuleBasedStateMachine):
             and req.op is not None
             and req.lease_end is not None
             and now < req.lease_end
-            and now < req.op.expires_at
         )
 
     def launch(self, caller: str, route: str, key: str, amount: int) -> Req:
@@ -737,7 +763,7 @@ class Lifecycles(RuleBasedStateMachine):
         now = self.clock()
         sk = (req.scope, req.key)
         reclaim = False
-        if row is not None and row.expires_at > now:
+        if row is not None and not row.expired(now):
             assert row.status != COMPLETED, (
                 f"{req} ran the view although the record holds a completed, unexpired "
                 f"response: the retry should have been a replay"
@@ -772,6 +798,7 @@ class Lifecycles(RuleBasedStateMachine):
 
     def on_step(self, req: Req, saved: dict[str, t.Any]) -> None:
         assert req.op is not None
+        req.lease_end = self.clock() + dt.timedelta(seconds=LEASE)  # a step renews it
         assert saved["op"] == req.op.id, (
             f"{req} read recovery point {saved} saved by operation {saved['op']} (request "
             f"#{saved['rid']}): a new operation must start clean"
@@ -804,12 +831,22 @@ class Lifecycles(RuleBasedStateMachine):
             self.self_committed.update(req.open_tags)
         req.committed = bool(req.open_tags) or bool(req.committed)
         req.open_tags = []
+        if not (req.overtaken or req.ambiguous or req.deleted):
+            req.view_committed = True
+            req.lease_end = self.clock() + dt.timedelta(seconds=LEASE)  # counted from here
 
     def on_rollback(self, req: Req) -> None:
         req.open_tags = []
         if req.route == "plain" and not req.visible and self.holder.get(row_key(req)) is req:
             for other in self.overtaken_by(req):
                 other.ambiguous = req.ambiguous = True
+            # The key is claimed again at the rollback; a duplicate that waited on the
+            # claim races that re-claim, and either may win.
+            if any(
+                r is not req and not r.entered and not r.done and row_key(r) == row_key(req)
+                for r in self.requests()
+            ):
+                req.ambiguous = True
 
     def overtaken_by(self, req: Req) -> list[Req]:
         return [r for r in self.requests() if not r.done and r.overtaken_by is req]
@@ -873,11 +910,32 @@ class Lifecycles(RuleBasedStateMachine):
                     f"201, yet the client got {result.status} {result.body[:300]!r}"
                 )
             elif req.last_action in ("fail", "raise"):
-                assert result.status == 500, f"{req} failed, yet the client got {result}"
+                lost = req.overtaken or req.deleted or req.ambiguous
+                if req.view_committed and not lost:
+                    # The operation happened: its failure is recorded, and replayed.
+                    recorded = FAILED_BODY if req.last_action == "fail" else RAISED_BODY
+                    req.op.completed_by.add(req.id)
+                    assert len(req.op.completed_by) == 1, (
+                        f"operation {req.op.id} completed twice, by requests {req.op.completed_by}"
+                    )
+                    req.op.completed_body = recorded
+                    self.legit_bodies[sk].add(recorded)
+                if lost:
+                    assert result.status in (409, 500), f"{req} failed, yet the client got {result}"
+                else:
+                    assert result.status == 500, f"{req} failed, yet the client got {result}"
         req.open_tags = []
 
     def on_replay(self, req: Req, result: Reply) -> None:
         sk = (req.scope, req.key)
+        if result.body in (FAILED_BODY, RAISED_BODY):
+            op = self.current.get(sk)
+            assert op is not None, f"model: {req} got a replay of an unknown operation"
+            assert op.completed_body == result.body, (
+                f"{req} got a replayed failure {result.body!r}, but the current operation "
+                f"of {sk} completed with {op.completed_body!r}"
+            )
+            return
         body = json.loads(result.body)
         assert (body["scope"], body["key"]) == sk, (
             f"{req} got a replay of another caller's or key's response: {body}"
@@ -966,10 +1024,16 @@ class Lifecycles(RuleBasedStateMachine):
             deleters = {job.kind for job in jobs_now if job.target in (None, row_key(req))}
             if "cli" in deleters:
                 continue
-            if "recover" in deleters and now >= req.lease_end:
+            previous = self.rows.get(row_key(req))
+            kept_points = previous is not None and previous.recovery_points is not None
+            if "recover" in deleters and now >= req.lease_end and not kept_points:
                 continue
-            if "purge" in deleters and now >= req.op.expires_at:
+            if "purge" in deleters and now >= req.op.expires_at and now >= req.lease_end:
                 continue
+            assert not ("recover" in deleters and kept_points), (
+                f"recover_abandoned deleted the record of {req} with its recovery points, "
+                "which the client's retry resumes from"
+            )
             assert "recover" not in deleters, (
                 f"recover_abandoned deleted the record of {req} under a live lease"
             )
@@ -1000,6 +1064,7 @@ class Lifecycles(RuleBasedStateMachine):
                 and r.expires_at > now
                 and (r.locked_until is None or r.locked_until <= now)
                 and (r.scope, r.key) not in claiming
+                and r.recovery_points is None  # kept for the retry to resume from
             ]
             assert not stuck, f"recover_abandoned ran, yet {stuck} stay in progress"
 
