@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 
 from . import config, dberrors, health, session_guard
 from .cli import idempotency_cli
-from .errors import DatabaseUnavailableError, ProblemError
+from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
@@ -396,8 +396,17 @@ class Idempotency:
         than we do never answers it with the old operation's result).
         """
         state = self._request_state()
-        if state is None or state.key is None or state.scope is None:
-            raise RuntimeError("idem.derived_key() needs an idempotent request with a key")
+        if state is None:
+            raise RuntimeError("idem.derived_key() can only be called inside an idempotent view")
+        if state.key is None or state.scope is None:
+            # The client sent no key (the route does not require one): there is no
+            # operation to derive from, and calling downstream without a stable key
+            # would make every retry a new call there. The client must send one.
+            header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
+            raise MissingKeyError(
+                f"This endpoint calls other services on the client's behalf and needs an "
+                f"{header} header to keep those calls idempotent."
+            )
         return derive_key(state.scope, state.key, step, operation=state.operation)
 
 

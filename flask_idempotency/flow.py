@@ -142,10 +142,12 @@ class Flow:
         if request.method not in settings.methods:
             # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
             # is read, no body parsed, nothing recorded.
-            g._idempotency = RequestState(payload=None, key=None, scope=None)
+            g._idempotency = RequestState(payload=None, key=None, scope=None, flow=self)
             return self._run_unprotected(view, kwargs)
         if settings.skip is not None and settings.skip():
-            g._idempotency = RequestState(payload=load_payload(route.schema), key=None, scope=None)
+            g._idempotency = RequestState(
+                payload=load_payload(route.schema), key=None, scope=None, flow=self
+            )
             return self._run_unprotected(view, kwargs)
         key = key_from_request(
             settings.header, max_length=settings.key_max_length, key_format=settings.key_format
@@ -153,7 +155,9 @@ class Flow:
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
-            g._idempotency = RequestState(payload=load_payload(route.schema), key=None, scope=None)
+            g._idempotency = RequestState(
+                payload=load_payload(route.schema), key=None, scope=None, flow=self
+            )
             return self._run_unprotected(view, kwargs)
 
         recovery = request.environ.get(RECOVERY_ENVIRON_KEY)

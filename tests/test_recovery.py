@@ -279,3 +279,30 @@ def test_step_in_a_request_without_a_key_just_runs(database_url: str, clock: Clo
     response = app.test_client().post("/keyless-steps", json={})
     assert response.get_json() == {"charge": "ch_1"}
     assert record_rows(app) == []
+
+
+def test_derived_key_in_a_request_without_a_key_asks_the_client_for_one(
+    database_url: str, clock: Clock
+) -> None:
+    """A leased route that calls downstream with derived keys, not requiring a key:
+    a request without one gets 400 problem+json (not an HTML 500), and nothing
+    was called or stored."""
+    app = testapp.create_app(database_url, clock=clock)
+    calls: list[str] = []
+
+    @app.post("/keyless-derived")
+    @testapp.idem.idempotent(lease=30)
+    def keyless_derived() -> tuple[dict[str, t.Any], int]:
+        charge = testapp.idem.step(
+            "charge", lambda: calls.append(testapp.idem.derived_key("charge")) or "ch_1"
+        )
+        testapp.write_ledger("keyless-derived")
+        return {"charge": charge}, 201
+
+    reset_tables(database_url)
+    response = app.test_client().post("/keyless-derived", json={})
+    problem = assert_problem(response, 400)
+    assert problem["type"].endswith("/missing-key")
+    assert calls == []
+    assert ledger_count(app, "keyless-derived") == 0
+    assert record_rows(app) == []
