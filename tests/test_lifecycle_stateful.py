@@ -906,6 +906,9 @@ class Lifecycles(RuleBasedStateMachine):
             )
             req.op.completed_body = result.body
             self.legit_bodies[sk].add(result.body)
+            # A completion proves who held the key: if the model could not tell (two
+            # plain requests racing each other's re-claims after rollbacks), it can now.
+            self.current[sk] = req.op
         else:
             assert not result.replayed, f"{req} ran the view, then got a replay: {result}"
             if req.last_action == "ok":
