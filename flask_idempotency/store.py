@@ -351,9 +351,9 @@ class Store:
         The record is deleted, unless it has recovery points to keep: then its
         lease is ended instead, and the retry reclaims it and resumes.
         """
-        params: dict[str, t.Any] = {"w_scope": scope, "w_key": key, "w_token": token}
         if keep_recovery_points:
-            return self._changed_one(executor, self._update_held, {**params, "locked_until": None})
+            return self._set_held(executor, scope, key, token, {"locked_until": None})
+        params = {"w_scope": scope, "w_key": key, "w_token": token}
         return self._changed_one(executor, self._release, params)
 
     def renew_lease(
@@ -365,8 +365,7 @@ class Store:
         record until that commit, so nobody can take the key over in between.
         ``False``: the record was taken over or deleted.
         """
-        params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
-        return self._changed_one(executor, self._update_held, params)
+        return self._set_held(executor, scope, key, token, {"locked_until": locked_until})
 
     def restamp(
         self,
@@ -381,17 +380,12 @@ class Store:
     ) -> bool:
         """Set a held record's lease end (and creation and expiry, for a new
         operation), fenced by ``token``."""
-        params: dict[str, t.Any] = {
-            "w_scope": scope,
-            "w_key": key,
-            "w_token": token,
-            "locked_until": locked_until,
-        }
+        values: dict[str, t.Any] = {"locked_until": locked_until}
         if created_at is not None:
-            params["created_at"] = created_at
+            values["created_at"] = created_at
         if expires_at is not None:
-            params["expires_at"] = expires_at
-        return self._changed_one(executor, self._update_held, params)
+            values["expires_at"] = expires_at
+        return self._set_held(executor, scope, key, token, values)
 
     def save_recovery_points(
         self,
@@ -404,14 +398,16 @@ class Store:
     ) -> bool:
         """Renew the lease and, unless ``points`` is ``None``, store the recovery
         points, fenced by ``token``; ``False``: the lease was lost."""
-        params: dict[str, t.Any] = {
-            "w_scope": scope,
-            "w_key": key,
-            "w_token": token,
-            "locked_until": locked_until,
-        }
+        values: dict[str, t.Any] = {"locked_until": locked_until}
         if points is not None:
-            params["recovery_points"] = json.dumps(points, sort_keys=True, separators=(",", ":"))
+            values["recovery_points"] = json.dumps(points, sort_keys=True, separators=(",", ":"))
+        return self._set_held(executor, scope, key, token, values)
+
+    def _set_held(
+        self, executor: Executor, scope: str, key: str, token: int, values: dict[str, t.Any]
+    ) -> bool:
+        """Set ``values`` on a record this holder (``token``) still has in progress."""
+        params = {"w_scope": scope, "w_key": key, "w_token": token, **values}
         return self._changed_one(executor, self._update_held, params)
 
     def find_abandoned(self, conn: sa.Connection, now: dt.datetime, limit: int) -> list[Record]:
