@@ -716,6 +716,20 @@ class Lifecycles(RuleBasedStateMachine):
         job.started_at_rule = self.rule_no
         self.h.start_job(job)
 
+    def act_on_parked(self, which: int, action: str) -> None:
+        """The ``act`` rule (its action strategy differs per database)."""
+        self.begin_rule()
+        candidates = self.parked()
+        self.act_on(candidates[which % len(candidates)], action.split("+"))
+        self.after()
+
+    def pick_retry(self, which: int, same_payload: bool) -> tuple[str, str, str, int]:
+        """An earlier request for the ``retry`` rule, or its key with the other payload."""
+        caller, route, key, amount = self.history[which % len(self.history)]
+        if not same_payload:
+            amount = AMOUNTS[1 - AMOUNTS.index(amount)]
+        return caller, route, key, amount
+
     def act_on(self, req: Req, names: t.Sequence[str]) -> None:
         assert req.op is not None
         req.last_action = names[-1]
@@ -1134,9 +1148,7 @@ class Lifecycles(RuleBasedStateMachine):
     def retry(self, which: int, same_payload: bool) -> None:
         """Send an earlier request again (its client retries), or reuse its key."""
         self.begin_rule()
-        caller, route, key, amount = self.history[which % len(self.history)]
-        if not same_payload:
-            amount = AMOUNTS[1 - AMOUNTS.index(amount)]
+        caller, route, key, amount = self.pick_retry(which, same_payload)
         self.launch(caller, route, key, amount)
         self.after()
 
@@ -1152,10 +1164,7 @@ class Lifecycles(RuleBasedStateMachine):
     @precondition(lambda self: explored("act") and bool(self.parked()))
     @rule(which=st.integers(0, 7), action=st.sampled_from(PG_ACTIONS))
     def act(self, which: int, action: str) -> None:
-        self.begin_rule()
-        candidates = self.parked()
-        self.act_on(candidates[which % len(candidates)], action.split("+"))
-        self.after()
+        self.act_on_parked(which, action)
 
     @precondition(lambda self: explored("lease_ends") and bool(self.history))
     @rule()
@@ -1244,9 +1253,7 @@ class LifecyclesOnSQLite(Lifecycles):
     )
     def retry(self, which: int, same_payload: bool, script: list[str], end: str) -> None:
         self.begin_rule()
-        caller, route, key, amount = self.history[which % len(self.history)]
-        if not same_payload:
-            amount = AMOUNTS[1 - AMOUNTS.index(amount)]
+        caller, route, key, amount = self.pick_retry(which, same_payload)
         req = self.launch(caller, route, key, amount)
         if route == "plain":
             self.drive(req, script, end)
@@ -1255,10 +1262,7 @@ class LifecyclesOnSQLite(Lifecycles):
     @precondition(lambda self: explored("act") and bool(self.parked()))
     @rule(which=st.integers(0, 7), action=st.sampled_from(SQLITE_ACTIONS))
     def act(self, which: int, action: str) -> None:
-        self.begin_rule()
-        candidates = self.parked()
-        self.act_on(candidates[which % len(candidates)], action.split("+"))
-        self.after()
+        self.act_on_parked(which, action)
 
 
 def run(machine: type[Lifecycles], url: str) -> None:
