@@ -92,10 +92,12 @@ def _fenced(state: RequestState, name: str, points: dict[str, t.Any] | None) -> 
     locked_until = flow.now() + flow.settings.lease
     # A connection of its own: the view's transaction (its business writes)
     # must not commit here, only the lease and the recovery point.
+    scope, key, token = state.scope, state.key, state.fencing_token
     with flow.session.get_bind().engine.connect() as conn:
-        ok = flow.store.save_recovery_points(
-            conn, state.scope, state.key, state.fencing_token, points, locked_until
-        )
+        if points is None:
+            ok = flow.store.renew_lease(conn, scope, key, token, locked_until)
+        else:
+            ok = flow.store.save_recovery_points(conn, scope, key, token, points, locked_until)
         conn.commit()
     if not ok:
         guard.claim = Claim.LOST

@@ -393,14 +393,15 @@ class Store:
         scope: str,
         key: str,
         token: int,
-        points: dict[str, t.Any] | None,
+        points: dict[str, t.Any],
         locked_until: dt.datetime,
     ) -> bool:
-        """Renew the lease and, unless ``points`` is ``None``, store the recovery
-        points, fenced by ``token``; ``False``: the lease was lost."""
-        values: dict[str, t.Any] = {"locked_until": locked_until}
-        if points is not None:
-            values["recovery_points"] = json.dumps(points, sort_keys=True, separators=(",", ":"))
+        """Store the recovery points and renew the lease, fenced by ``token``;
+        ``False``: the lease was lost."""
+        values = {
+            "locked_until": locked_until,
+            "recovery_points": json.dumps(points, sort_keys=True, separators=(",", ":")),
+        }
         return self._set_held(executor, scope, key, token, values)
 
     def _set_held(
