@@ -58,6 +58,17 @@ _MYSQL_SET_WAIT = sa.text(
 _MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
 
 
+def lease_over(c: t.Any, now: t.Any) -> t.Any:
+    """SQL: the record's lease has ended (or it has none); ``now`` a time or a bind."""
+    return sa.or_(c.locked_until.is_(None), c.locked_until <= now)
+
+
+def expired(c: t.Any, now: t.Any) -> tuple[t.Any, ...]:
+    """SQL, as :meth:`Record.is_expired`: past its retention and not held under a live
+    lease (a holder whose lease still runs keeps its record past the retention)."""
+    return (c.expires_at <= now, sa.or_(c.status != IN_PROGRESS, lease_over(c, now)))
+
+
 def text_param(name: str, value: t.Any = None) -> t.Any:
     """A bind parameter for a scope or key, bound as a string on every engine.
 
@@ -154,19 +165,14 @@ class Store:
         # An UPDATE of a held record; the SET clause comes from the parameters.
         self._update_held = sa.update(table).where(*still_held)
         token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
-        lease_ended = sa.or_(
-            c.status != IN_PROGRESS,
-            c.locked_until.is_(None),
-            c.locked_until <= sa.bindparam("w_now"),
-        )
         self._replace_expired = sa.update(table).where(
-            *token_read, c.expires_at <= sa.bindparam("w_now"), lease_ended
+            *token_read, *expired(c, sa.bindparam("w_now"))
         )
         self._reclaim = sa.update(table).where(
             *token_read,
             c.status == IN_PROGRESS,
             c.request_hash == sa.bindparam("w_request_hash"),
-            sa.or_(c.locked_until.is_(None), c.locked_until <= sa.bindparam("w_now")),
+            lease_over(c, sa.bindparam("w_now")),
         )
 
     @contextlib.contextmanager
@@ -421,7 +427,7 @@ class Store:
             sa.select(self.table)
             .where(
                 c.status == IN_PROGRESS,
-                sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+                lease_over(c, now),
                 c.expires_at > now,
                 sa.or_(c.recovery_points.is_(None), c.request_method.is_not(None)),
             )
@@ -439,7 +445,7 @@ class Store:
             c.key == text_param("w_key", record.key),
             c.fencing_token == record.fencing_token,
             c.status == IN_PROGRESS,
-            sa.or_(c.locked_until.is_(None), c.locked_until <= now),
+            lease_over(c, now),
             c.recovery_points.is_(None),
         )
         return self._changed_one(conn, stmt, {})
@@ -455,37 +461,27 @@ class Store:
         c = self.table.c
         dialect = conn.dialect.name
         # A record past its retention whose holder's lease still runs is not
-        # expired yet (Record.is_expired): cleanup waits for the lease to end.
-        expired = (
-            c.expires_at <= now,
-            sa.or_(c.status != IN_PROGRESS, c.locked_until.is_(None), c.locked_until <= now),
-        )
-        batch = sa.select(c.scope, c.key).where(*expired).order_by(c.expires_at).limit(limit)
+        # expired yet: cleanup waits for the lease to end.
+        gone = expired(c, now)
+        batch = sa.select(c.scope, c.key).where(*gone).order_by(c.expires_at).limit(limit)
         if dialect == "postgresql" or dialect in _MYSQL:
             # MySQL 8 and MariaDB 10.6 know SKIP LOCKED too.
             batch = batch.with_for_update(skip_locked=True)
         if dialect in ("postgresql", "sqlite"):
-            stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(batch), *expired)
+            stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(batch), *gone)
             return int(conn.execute(stmt).rowcount)
         # Engines that refuse LIMIT in an IN subquery (MySQL): read (and lock),
         # then delete, in the caller's transaction.
         keys = [tuple(row) for row in conn.execute(batch)]
         if not keys:
             return 0
-        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), *expired)
+        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), *gone)
         return int(conn.execute(stmt).rowcount)
 
     def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
         """How many records are past their retention and await cleanup."""
         c = self.table.c
-        stmt = (
-            sa.select(sa.func.count())
-            .select_from(self.table)
-            .where(
-                c.expires_at <= now,
-                sa.or_(c.status != IN_PROGRESS, c.locked_until.is_(None), c.locked_until <= now),
-            )
-        )
+        stmt = sa.select(sa.func.count()).select_from(self.table).where(*expired(c, now))
         return int(conn.execute(stmt).scalar_one())
 
     def stats(self, conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
