@@ -33,6 +33,16 @@ T = t.TypeVar("T")
 
 LeaseArg = dt.timedelta | float | int | bool | None
 
+
+class _Unset:
+    """The default of options where ``None`` is itself a setting (``wait``)."""
+
+    def __repr__(self) -> str:
+        return "<app setting>"
+
+
+_UNSET = _Unset()
+
 logger = logging.getLogger("flask_idempotency")
 
 #: What a client is told to wait before retrying after a database failure.
@@ -167,6 +177,7 @@ class Idempotency:
         skip: t.Callable[[], bool] | None = None,
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
+        wait: dt.timedelta | float | _Unset | None = _UNSET,
     ) -> t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -204,6 +215,9 @@ class Idempotency:
             of replaying: it reads ``idem.previous`` and decides the answer
             (``idem.replay()`` gives the usual replay); whatever it writes then
             is rolled back.
+        :param wait: how long a duplicate waits for the first request's
+            transaction before answering 409 (default ``IDEMPOTENCY_WAIT``);
+            ``None``: no bound of ours, the engine's own applies.
         """
         loaded_schema = resolve_schema(schema)
         if isinstance(exclude, str):
@@ -232,6 +246,8 @@ class Idempotency:
             )
         if skip is not None:
             overrides["skip"] = config.optional_callable(skip, "skip")
+        if not isinstance(wait, _Unset):
+            overrides["wait"] = None if wait is None else config.as_timedelta(wait, "wait")
         if replay_headers is not None:
             overrides["replay_headers"] = config.resolve_replay_headers(
                 replay_headers, "replay_headers"

@@ -133,12 +133,17 @@ def test_response_body_over_64_kib_is_stored_and_replayed(database_url: str) -> 
 # -- waiting, and what each engine does when it stops waiting ---------------------
 
 
-def slow_app(database_url: str, clock: Clock | None = None, **config: t.Any) -> tuple[Flask, Gates]:
+def slow_app(
+    database_url: str,
+    clock: Clock | None = None,
+    route: dict[str, t.Any] | None = None,
+    **config: t.Any,
+) -> tuple[Flask, Gates]:
     gates = Gates()
     app = testapp.create_app(database_url, clock=clock, **config)
 
     @app.post("/held")
-    @testapp.idem.idempotent()
+    @testapp.idem.idempotent(**(route or {}))
     def held() -> tuple[dict[str, t.Any], int]:
         row = testapp.write_ledger("held")
         who = request.headers.get("X-Who", "")
@@ -166,10 +171,15 @@ def first_then_waiting_duplicate(app: Flask, gates: Gates) -> tuple[t.Any, t.Any
     return first.result(), dup.result()
 
 
-def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str) -> None:
+@pytest.mark.parametrize("where", ["app", "route"])
+def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str, where: str) -> None:
     """The first request holds its claim; the duplicate gives up after
-    IDEMPOTENCY_WAIT with 409 and Retry-After, long before the first ends."""
-    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=0.5)
+    IDEMPOTENCY_WAIT (or the route's ``wait=``, which wins) with 409 and
+    Retry-After, long before the first ends."""
+    if where == "app":
+        app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=0.5)
+    else:
+        app, gates = slow_app(database_url, route={"wait": 0.5}, IDEMPOTENCY_WAIT=None)
     first = send(app, "/held", {}, **{"X-Who": "first"})
     try:
         assert gates.arrived("first")
