@@ -18,6 +18,7 @@ from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_key, resolve_key_format, resolve_key_max_length
 from .models import Record, job_lock_table, record_table
+from .optimistic import WHY as OPTIMISTIC_WHY
 from .recovery import run_step
 from .responses import replay
 from .route import RouteOptions
@@ -178,6 +179,7 @@ class Idempotency:
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
         wait: dt.timedelta | float | _Unset | None = _UNSET,
+        optimistic: bool = False,
     ) -> t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -218,6 +220,14 @@ class Idempotency:
         :param wait: how long a duplicate waits for the first request's
             transaction before answering 409 (default ``IDEMPOTENCY_WAIT``);
             ``None``: no bound of ours, the engine's own applies.
+        :param optimistic: write the record once, completed, at the end of the
+            view's transaction, instead of claiming it before the view: one
+            statement fewer per new key. A duplicate runs the view too, and its
+            writes roll back when it meets the winner's record, so only views
+            whose every effect is a write to this database, in this
+            transaction, qualify: the view may not commit, call ``idem.step``
+            or ``idem.derived_key``; ``lease``, ``recover`` and ``manual`` are
+            refused with it. See :mod:`flask_idempotency.optimistic`.
         """
         loaded_schema = resolve_schema(schema)
         if isinstance(exclude, str):
@@ -252,6 +262,21 @@ class Idempotency:
             overrides["replay_headers"] = config.resolve_replay_headers(
                 replay_headers, "replay_headers"
             )
+        if optimistic:
+            refused = [
+                name
+                for name, value in (
+                    ("lease", commit_claim),
+                    ("recover", recover),
+                    ("manual", manual),
+                )
+                if value
+            ]
+            if refused:
+                raise ValueError(
+                    f"optimistic=True cannot be combined with {', '.join(refused)}: they need "
+                    "a record before the view runs, and an optimistic route writes it after"
+                )
         route = RouteOptions(
             schema=loaded_schema,
             exclude=excluded,
@@ -259,6 +284,7 @@ class Idempotency:
             commit_claim=commit_claim,
             recover=bool(recover),
             manual=bool(manual),
+            optimistic=bool(optimistic),
             overrides=overrides,
         )
         self._routes.append(route)
@@ -400,6 +426,8 @@ class Idempotency:
         state = self._request_state()
         if state is None:
             raise RuntimeError("idem.step() can only be called inside an idempotent view")
+        if state.optimistic:
+            raise RuntimeError(f"idem.step() is refused: {OPTIMISTIC_WHY}")
         return run_step(state, name, fn)
 
     def derived_key(self, step: str) -> str:
@@ -414,6 +442,8 @@ class Idempotency:
         state = self._request_state()
         if state is None:
             raise RuntimeError("idem.derived_key() can only be called inside an idempotent view")
+        if state.optimistic:
+            raise RuntimeError(f"idem.derived_key() is refused: {OPTIMISTIC_WHY}")
         if state.key is None or state.scope is None:
             # The client sent no key (the route does not require one): there is no
             # operation to derive from, and calling downstream without a stable key

@@ -34,6 +34,7 @@ from .errors import (
 from .fingerprint import load_payload, request_fingerprint, stored_request_body
 from .keys import key_from_request
 from .models import COMPLETED, IN_PROGRESS, Record
+from .optimistic import run_optimistic
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import capture, replay
 from .route import RouteOptions
@@ -69,6 +70,8 @@ class RequestState:
     flow: Flow | None = None
     #: Manual mode: the completed record of this operation, for the view.
     previous: Record | None = None
+    #: An optimistic route: no record exists while the view runs.
+    optimistic: bool = False
     #: When this operation began (its record's creation time): with scope and key,
     #: what derived keys are made from, so that a new operation on a key that
     #: expired never reuses the downstream keys of the one before.
@@ -114,7 +117,7 @@ class Flow:
         clock: Clock,
         route: RouteOptions,
     ) -> None:
-        self._scoped = scoped
+        self.scoped = scoped
         self.store = store
         self.settings = settings
         self.clock = clock
@@ -124,7 +127,7 @@ class Flow:
     def session(self) -> Session:
         """The session the view uses now: a view may close and replace it
         (``db.session.remove()``), and the record must end where its writes are."""
-        return t.cast(Session, self._scoped())
+        return t.cast(Session, self.scoped())
 
     def now(self) -> dt.datetime:
         # The app's clock, already read in UTC and checked (extension.in_utc).
@@ -158,8 +161,12 @@ class Flow:
             recovery = None
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         payload, fingerprint = request_fingerprint(route.schema, route.exclude)
-        state = RequestState(payload=payload, key=key, scope=scope, flow=self)
+        state = RequestState(
+            payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
+        )
         g._idempotency = state
+        if route.optimistic and recovery is None:
+            return run_optimistic(self, view, kwargs, state, fingerprint)
 
         try:
             outcome = self._claim(scope, key, fingerprint, allow_new=recovery is None)
@@ -238,51 +245,53 @@ class Flow:
         ``allow_new=False`` (a recovery run) only resumes an abandoned record:
         it never starts an operation no client asked for.
         """
-        store, session = self.store, self.session
+        store, session, wait = self.store, self.session, self.settings.wait
         try:
-            with store.bounded_wait(session, self.settings.wait):
-                for _ in range(_CLAIM_ROUNDS):
-                    now = self.now()
-                    values = self._claim_values(fingerprint, now)
-                    if allow_new:
-                        token = new_fencing_token()
-                        fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
-                        if store.try_insert(session, fresh):
-                            insert = functools.partial(store.try_insert, values=fresh)
-                            return Claimed(token, {}, insert, now, now, True)
-                    record = store.load(session, scope, key)
-                    expired = record is not None and record.is_expired(now)
-                    if not allow_new and (record is None or expired):
-                        raise RecordGone(f"{scope!r} {key!r}")
-                    if record is None:
-                        continue  # deleted since our insert; insert again
+            for _ in range(_CLAIM_ROUNDS):
+                now = self.now()
+                values = self._claim_values(fingerprint, now)
+                if allow_new:
+                    token = new_fencing_token()
+                    fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
+                    inserted, record = store.claim(session, fresh, wait)
+                    if inserted:
+                        insert = functools.partial(store.try_insert, values=fresh)
+                        return Claimed(token, {}, insert, now, now, True)
+                else:
+                    with store.bounded_wait(session, wait):
+                        record = store.load(session, scope, key, stored_request=False)
+                expired = record is not None and record.is_expired(now)
+                if not allow_new and (record is None or expired):
+                    raise RecordGone(f"{scope!r} {key!r}")
+                if record is None:
+                    continue  # deleted since our insert; insert again
+                if not expired:
+                    answer = self.answer_existing(record, fingerprint, now)
+                    if answer is not None:
+                        if not allow_new:
+                            raise RecordGone(f"{scope!r} {key!r}")
+                        return answer
+                # Replace the expired record (a new operation, starting
+                # clean), or reclaim one whose lease ended (the same
+                # operation, resuming from its recovery points).
+                token = new_fencing_token(record.fencing_token)
+                take: Reassert = functools.partial(
+                    store.take_over,
+                    record=record,
+                    values=values,
+                    now=now,
+                    expired=expired,
+                    token=token,
+                )
+                with store.bounded_wait(session, wait):
+                    taken = take(session)
+                if taken:
                     if not expired:
-                        answer = self._answer_existing(record, fingerprint, now)
-                        if answer is not None:
-                            if not allow_new:
-                                raise RecordGone(f"{scope!r} {key!r}")
-                            return answer
-                    # Replace the expired record (a new operation, starting
-                    # clean), or reclaim one whose lease ended (the same
-                    # operation, resuming from its recovery points).
-                    token = new_fencing_token(record.fencing_token)
-                    take: Reassert = functools.partial(
-                        store.take_over,
-                        record=record,
-                        values=values,
-                        now=now,
-                        expired=expired,
-                        token=token,
-                    )
-                    if take(session):
-                        if not expired:
-                            logger.info(
-                                "reclaimed %r in scope %r after its lease ended", key, scope
-                            )
-                        if expired:  # a new operation
-                            return Claimed(token, {}, take, now, now, True)
-                        points = record.recovery_points
-                        return Claimed(token, points, take, record.created_at, now, False)
+                        logger.info("reclaimed %r in scope %r after its lease ended", key, scope)
+                    if expired:  # a new operation
+                        return Claimed(token, {}, take, now, now, True)
+                    points = record.recovery_points
+                    return Claimed(token, points, take, record.created_at, now, False)
         except TooLargeToStore as exc:
             session.rollback()
             raise PayloadTooLargeError(
@@ -328,7 +337,7 @@ class Flow:
         app = resolve_app()
         signals.request_conflict.send(app, scope=scope, key=key, record=record)
 
-    def _answer_existing(
+    def answer_existing(
         self, record: Record, fingerprint: str, now: dt.datetime
     ) -> Response | Record | None:
         """Replay (or, in manual mode, the record for the view), 422 or 409 for an
@@ -366,7 +375,7 @@ class Flow:
     ) -> Response:
         guard = state.guard
         assert guard is not None
-        guard.watch(self.session, self._scoped)
+        guard.watch(self.session, self.scoped)
         try:
             response = current_app.make_response(view(**kwargs))
         except BaseException as exc:
@@ -486,7 +495,7 @@ class Flow:
         record (``idem.previous``) and answers; anything it writes is rolled
         back, since the operation already happened."""
         watcher = NoCommitGuard()
-        watcher.watch(self.session, self._scoped)
+        watcher.watch(self.session, self.scoped)
         try:
             return current_app.make_response(view(**kwargs))
         finally:

@@ -20,6 +20,8 @@ class RouteOptions:
     commit_claim: bool
     recover: bool
     manual: bool = False
+    #: The completed record is inserted at the end of the view's transaction.
+    optimistic: bool = False
     #: Settings this route overrides (lower-case ``Settings`` field names).
     overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
 

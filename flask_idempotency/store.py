@@ -58,6 +58,14 @@ _MYSQL_SET_WAIT = sa.text(
 _MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
 
 
+# Where a batched claim keeps the app's lock_timeout while ours applies.
+_SAVED_WAIT = "flask_idempotency.saved_lock_timeout"
+
+
+def _millis(wait: dt.timedelta) -> str:
+    return f"{max(1, math.ceil(wait.total_seconds() * 1000))}ms"
+
+
 def lease_over(c: t.Any, now: t.Any) -> t.Any:
     """SQL: the record's lease has ended (or it has none); ``now`` a time or a bind."""
     return sa.or_(c.locked_until.is_(None), c.locked_until <= now)
@@ -99,6 +107,9 @@ def dialect_name(executor: Executor) -> str:
         return executor.get_bind().dialect.name
     return executor.dialect.name
 
+
+#: The request as sent, kept for the recovery job only (``recover=True`` routes).
+STORED_REQUEST = ("request_method", "request_path", "request_content_type", "request_body")
 
 #: Columns a reclaim leaves alone: they belong to the operation it continues.
 RECLAIM_KEEPS = (
@@ -156,8 +167,14 @@ class Store:
             )
         self._portable_insert = sa.insert(table).values(this_record)
         self._load = sa.select(table).where(*this_key)
+        # What a request needs of an existing record: all but the stored request,
+        # which only the recovery job reads (and which may be large).
+        head = [col for col in table.c if col.name not in STORED_REQUEST]
+        self._load_head = sa.select(*head).where(*this_key)
         # A locking read sees the latest committed row whatever the isolation level.
         self._load_locking = self._load.with_for_update(read=True)
+        self._load_head_locking = self._load_head.with_for_update(read=True)
+        self._claim_sql: dict[tuple[str, bool], str] = {}
         self._complete = (
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
@@ -267,11 +284,106 @@ class Store:
         if len(body) + _STATEMENT_MARGIN > limit:
             raise TooLargeToStore(f"{len(body)} bytes, max_allowed_packet is {limit}")
 
-    def load(self, executor: Executor, scope: str, key: str) -> Record | None:
-        """The record for (scope, key), or ``None``: the latest committed version."""
-        stmt = self._load_locking if dialect_name(executor) in _MYSQL else self._load
+    def load(
+        self, executor: Executor, scope: str, key: str, *, stored_request: bool = True
+    ) -> Record | None:
+        """The record for (scope, key), or ``None``: the latest committed version.
+
+        ``stored_request=False`` leaves out the request kept for the recovery
+        job (its fields read ``None``): what a request needs, at less cost.
+        """
+        mysql = dialect_name(executor) in _MYSQL
+        if stored_request:
+            stmt = self._load_locking if mysql else self._load
+        else:
+            stmt = self._load_head_locking if mysql else self._load_head
         row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
         return Record.from_row(row) if row is not None else None
+
+    def claim(
+        self, session: Session, values: dict[str, t.Any], wait: dt.timedelta | None
+    ) -> tuple[bool, Record | None]:
+        """Insert a new record unless one exists; ``(inserted, record)``.
+
+        ``record`` is the one that holds (scope, key) after the insert, without
+        its stored request, when it is not ours (``None``: it was deleted in
+        between); after our insert it may be ours or ``None``. Waiting on
+        another transaction is bounded by ``wait`` (:meth:`bounded_wait`).
+
+        On psycopg2 this is one round trip: setting the bound, the insert,
+        restoring the bound and reading the record travel as one batch
+        (PostgreSQL runs the statements of a batch in order, in the transaction).
+        Elsewhere it is the same statements one by one.
+        """
+        self.check_size(session, values)
+        sql = self._batched_claim(session, wait)
+        if sql is None:
+            with self.bounded_wait(session, wait):
+                if self.try_insert(session, values):
+                    return True, None
+                return False, self.load(
+                    session, values["scope"], values["key"], stored_request=False
+                )
+        params = {**values, "w_scope": values["scope"], "w_key": values["key"]}
+        if wait is not None:
+            params["wait"] = _millis(wait)
+        try:
+            connection = session.connection(bind_arguments={"clause": self.table})
+            row = connection.exec_driver_sql(sql, params).first()
+        except sa_exc.DBAPIError as exc:
+            if dberrors.classify(exc) is dberrors.CONFLICT:
+                raise ClaimWaitExceeded(str(exc.orig)) from exc
+            raise
+        if row is None or row._mapping["scope"] is None:
+            return False, None
+        record = Record.from_row(row)
+        return record.fencing_token == values["fencing_token"], record
+
+    def _batched_claim(self, session: Session, wait: dt.timedelta | None) -> str | None:
+        """The claim as one batch of statements, where the driver sends a batch in
+        one round trip with client-side parameters (psycopg2); else ``None``."""
+        dialect = session.get_bind(clause=self.table).dialect
+        if dialect.name != "postgresql" or dialect.driver != "psycopg2":
+            return None
+        bounded = wait is not None
+        sql = self._claim_sql.get((dialect.name, bounded))
+        if sql is not None:
+            return sql
+        c = self.table.c
+        head = [col for col in self.table.c if col.name not in STORED_REQUEST]
+        restored = "1"
+        parts: list[str] = []
+        if bounded:
+            # Keep the app's lock_timeout in a custom setting of this
+            # transaction, bound ours, and put the app's back after the insert:
+            # SET LOCAL semantics (set_config(..., true)), so a failure ends both.
+            parts.append(
+                f"SELECT set_config('{_SAVED_WAIT}', current_setting('lock_timeout'), true), "
+                "set_config('lock_timeout', %(wait)s, true)"
+            )
+            restored = f"set_config('lock_timeout', current_setting('{_SAVED_WAIT}'), true)"
+        insert = self._inserts["postgresql"]
+        parts.append(self._compiled(insert, dialect, [col.name for col in c]))
+        # The read comes last, so its row is what the batch returns: its own
+        # statement, it sees the row our insert made, or the one it yielded to.
+        # Joined to a one-row subquery so the restore runs when there is no row.
+        restore = sa.select(sa.literal_column(restored).label("restored")).subquery("restore")
+        joined = restore.outerjoin(
+            self.table, sa.and_(c.scope == text_param("w_scope"), c.key == text_param("w_key"))
+        )
+        parts.append(self._compiled(sa.select(*head).select_from(joined), dialect, None))
+        sql = ";\n".join(parts)
+        self._claim_sql[(dialect.name, bounded)] = sql
+        return sql
+
+    def _compiled(self, stmt: t.Any, dialect: t.Any, column_keys: list[str] | None) -> str:
+        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
+        # Every parameter must be one the caller passes: a constant the compiler
+        # bound on its own would be missing from the batch's parameters.
+        named = {"w_scope", "w_key", *(col.name for col in self.table.c)}
+        unexpected = set(compiled.params) - named
+        assert not unexpected, unexpected
+        return str(compiled)
 
     def load_committed(self, engine: sa.Engine, scope: str, key: str) -> Record | None:
         """The committed record for (scope, key), read on a connection of its own."""

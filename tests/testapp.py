@@ -73,6 +73,17 @@ def charges() -> Response:
     return response
 
 
+@bp.post("/optimistic")
+@idem.idempotent(schema=ChargeSchema, exclude=["client_sent_at", "meta.trace_id"], optimistic=True)
+def optimistic() -> tuple[dict[str, t.Any], int, dict[str, str]]:
+    """The record is written at the end: a duplicate runs this too, and its
+    ledger row rolls back. ``?delay=`` sleeps after the write (live races)."""
+    row = write_ledger("optimistic", idem.payload["amount"])
+    time.sleep(float(request.args.get("delay", 0)))
+    body = {"id": row.id, "amount": row.amount, "currency": idem.payload["currency"]}
+    return body, 201, {"Location": f"/optimistic/{row.id}"}
+
+
 @bp.post("/required")
 @idem.idempotent(required=True)
 def required_route() -> tuple[dict[str, t.Any], int]:

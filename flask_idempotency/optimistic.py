@@ -1,0 +1,193 @@
+"""Optimistic routes (``@idem.idempotent(optimistic=True)``): the record is written
+once, completed, at the end of the view's transaction.
+
+No claim before the view: the view runs, then the completed record is inserted
+in the same transaction and committed with the business rows. A duplicate that
+ran at the same time (or a retry of a completed operation) finds the record at
+that insert; its own writes roll back, and it replays the winner's response. A
+new key costs one statement fewer than a claim made first: on PostgreSQL the
+view's writes, one batched insert of the record, and the commit.
+
+What that trades, and why only some views qualify: a retry runs the view
+before it learns that the operation happened, so the view must have no effect
+but its writes to the same database in the same transaction. Everything a
+view could do beyond that is refused:
+
+* committing (the guard raises): a commit without the record would let a
+  duplicate run the operation again;
+* ``idem.step`` and ``idem.derived_key``: they exist for work outside the
+  transaction (downstream calls), which a duplicate's rollback cannot undo;
+* ``lease=``, ``recover=`` and ``manual=True`` at decoration: they need a record
+  before the view runs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import typing as t
+
+from flask import Response, current_app
+from sqlalchemy.orm import Session
+
+from . import signals
+from .errors import ConflictError
+from .models import COMPLETED
+from .responses import capture
+from .session_guard import SessionWatcher
+from .state import resolve_app
+from .store import ClaimWaitExceeded, new_fencing_token
+
+if t.TYPE_CHECKING:
+    from .flow import Flow, RequestState
+
+logger = logging.getLogger("flask_idempotency")
+
+# Columns a replacement keeps: the record's identity (its token is drawn anew).
+_IDENTITY = ("scope", "key", "fencing_token")
+# The record insert only repeats when the record it met was deleted in between.
+_ROUNDS = 3
+
+#: Why an optimistic route refuses what it refuses, for the errors a view sees.
+WHY = (
+    "an optimistic route (@idem.idempotent(optimistic=True)) writes its record at the end "
+    "of the view's transaction, and a duplicate runs the view before it learns the "
+    "operation happened: only writes to the same database, in that transaction, are "
+    "undone for it"
+)
+
+
+class NoCommitInView(SessionWatcher):
+    """Refuses the view's own commits: the record must commit with them."""
+
+    def _before_commit(self, session: Session) -> None:
+        raise RuntimeError(f"the view must not commit: {WHY}")
+
+
+def run_optimistic(
+    flow: Flow,
+    view: t.Callable[..., t.Any],
+    kwargs: dict[str, t.Any],
+    state: RequestState,
+    fingerprint: str,
+) -> Response:
+    """Run the view, then insert the completed record and commit both; or, when
+    the key is taken, roll the view's writes back and answer for the winner."""
+    watcher = NoCommitInView()
+    watcher.watch(flow.session, flow.scoped)
+    try:
+        response = current_app.make_response(view(**kwargs))
+    except Exception:
+        watcher.stop()
+        flow.session.rollback()
+        # A duplicate may have won while this one ran, and the view failed on
+        # that (a unique business key it inserted too): its answer is the one.
+        winner = _replay_winner(flow, state, fingerprint)
+        if winner is not None:
+            return winner
+        raise
+    except BaseException:
+        watcher.stop()
+        flow.session.rollback()
+        raise
+    watcher.stop()
+    if not flow.settings.storable(response.status_code):
+        flow.session.rollback()
+        return response
+    return _record(flow, state, fingerprint, response)
+
+
+def _record(flow: Flow, state: RequestState, fingerprint: str, response: Response) -> Response:
+    assert state.scope is not None
+    assert state.key is not None
+    scope, key, store, session = state.scope, state.key, flow.store, flow.session
+    settings = flow.settings
+    captured = capture(response, settings.replayed_header_names, settings.max_body)
+    try:
+        for _ in range(_ROUNDS):
+            now = flow.now()
+            token = new_fencing_token()
+            values: dict[str, t.Any] = {
+                "scope": scope,
+                "key": key,
+                "fencing_token": token,
+                "request_hash": fingerprint,
+                "status": COMPLETED,
+                "response_code": captured.status,
+                "response_headers": json.dumps(captured.headers),
+                "response_body": captured.body,
+                "body_omitted": captured.body_omitted,
+                "locked_until": None,
+                "created_at": now,
+                "completed_at": now,
+                "expires_at": now + settings.ttl,
+                "recovery_points": None,
+                "request_method": None,
+                "request_path": None,
+                "request_content_type": None,
+                "request_body": None,
+            }
+            inserted, record = store.claim(session, values, settings.wait)
+            if not inserted and record is not None and record.is_expired(now):
+                # An earlier operation's record, past its retention: replace it,
+                # in this transaction, with the view's writes.
+                columns = {k: v for k, v in values.items() if k not in _IDENTITY}
+                token = new_fencing_token(record.fencing_token)
+                inserted = store.take_over(session, record, columns, now, expired=True, token=token)
+                if not inserted:
+                    session.rollback()
+                    raise _changed()
+            if inserted:
+                session.commit()
+                signals.record_completed.send(
+                    resolve_app(), scope=scope, key=key, fencing_token=token, response=response
+                )
+                return response
+            if record is None:
+                continue  # deleted since it blocked our insert: insert again
+            session.rollback()
+            logger.debug("%r in scope %r was completed by another request", key, scope)
+            answer = flow.answer_existing(record, fingerprint, now)
+            if isinstance(answer, Response):
+                return answer
+            # In progress, its lease over: a leased request of another route
+            # sharing this scope died. Its retry, not this one, takes it over.
+            raise ConflictError(
+                "Another request with this idempotency key did not finish; retry later.",
+                retry_after=dt.timedelta(seconds=1),
+            )
+    except ClaimWaitExceeded:
+        session.rollback()
+        raise ConflictError(
+            "Another request with this idempotency key is still running; retry after it finishes.",
+            retry_after=dt.timedelta(seconds=1),
+        ) from None
+    session.rollback()
+    raise _changed()
+
+
+def _changed() -> ConflictError:
+    return ConflictError(
+        "The record for this idempotency key kept changing; retry.",
+        retry_after=dt.timedelta(seconds=1),
+    )
+
+
+def _replay_winner(flow: Flow, state: RequestState, fingerprint: str) -> Response | None:
+    """The stored response of a completed record for this request, if another
+    request committed one; ``None`` otherwise (or if it cannot be read)."""
+    assert state.scope is not None
+    assert state.key is not None
+    try:
+        record = flow.store.load(flow.session, state.scope, state.key, stored_request=False)
+        flow.session.rollback()
+    except Exception:  # the view's own failure is the one to report
+        logger.debug("could not look for a winner of %r", state.key, exc_info=True)
+        return None
+    if record is None or record.status != COMPLETED or record.is_expired(flow.now()):
+        return None
+    if record.request_hash != fingerprint:
+        return None
+    answer = flow.answer_existing(record, fingerprint, flow.now())
+    return answer if isinstance(answer, Response) else None
