@@ -136,7 +136,9 @@ def job_lock_table(metadata: sa.MetaData) -> sa.Table:
 
     A plain row with a holder and an expiry, claimed with a conditional UPDATE,
     so the "one runner at a time" rule works on every engine, with or without
-    advisory locks.
+    advisory locks. ``last_started_at`` (when the last run, anywhere, started)
+    also spaces the runs: a scheduled tick runs only once the job's interval
+    has passed since then (:mod:`flask_idempotency.locks`).
     """
     existing = metadata.tables.get(JOB_LOCK_TABLE_NAME)
     if existing is not None:

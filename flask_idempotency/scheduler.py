@@ -1,8 +1,13 @@
 """APScheduler wiring for the maintenance jobs: cleanup and lease recovery.
 
 Every process may schedule the same jobs; a job run first takes its database
-job lock (:mod:`flask_idempotency.locks`), so one runner at a time does the
-work and the others skip that tick. Runs either inside the serving processes
+job lock (:mod:`flask_idempotency.locks`), which also remembers when the job
+last started anywhere. So one runner at a time does the work, about once per
+interval across all processes and hosts, and the other processes skip their
+ticks: never more often than once per ``every`` minus a small slack
+(:func:`~flask_idempotency.locks.interval_slack`), and no later than the next
+tick of any live process once ``every`` has passed. A process that dies in a
+run holds the lock until ``IDEMPOTENCY_JOB_LOCK`` expires. Runs either inside the serving processes
 (``IDEMPOTENCY_SCHEDULER = True``: started on each process's first request, so
 never at import, never in the Werkzeug reloader's watcher process, and once per
 gunicorn worker after the fork) or as one dedicated process
@@ -54,22 +59,33 @@ class JobScheduler:
         )
 
     def add_job(self, name: str, func: JobFunc, every: dt.timedelta) -> None:
-        """Schedule ``func(app, keep_going)`` every ``every``, one runner at a time.
+        """Schedule ``func(app, keep_going)`` every ``every``, one runner at a time,
+        about once per ``every`` across all processes that schedule it.
 
         ``keep_going()`` renews the job's lock and says whether to go on; a
         long job should call it between units of work.
         """
         self._scheduler.add_job(
-            self.run_job, "interval", args=(name, func), id=name, seconds=every.total_seconds()
+            self.run_job,
+            "interval",
+            args=(name, func, every),
+            id=name,
+            seconds=every.total_seconds(),
         )
 
-    def run_job(self, name: str, func: JobFunc) -> bool:
-        """Run one tick of a job if its lock is free; ``True`` if it ran here."""
+    def run_job(self, name: str, func: JobFunc, every: dt.timedelta | None = None) -> bool:
+        """Run one tick of a job; ``True`` if it ran here.
+
+        Skipped (``False``) while another run holds the job's lock, and, with
+        ``every``, when the job last started anywhere less than ``every`` ago
+        (minus the slack). Without ``every`` (a run asked for by hand) only a
+        run in progress makes it skip.
+        """
         state, clock, ttl = self.state, self.state.clock, self.state.settings.job_lock
         with self.app.app_context():
             engine = state.db.engine
-            if not self.locks.acquire(engine, name, self.holder, ttl, clock()):
-                logger.debug("job %s is running elsewhere; skipping this tick", name)
+            if not self.locks.acquire(engine, name, self.holder, ttl, clock(), every=every):
+                logger.debug("job %s is running or ran recently elsewhere; skipping", name)
                 return False
             error: Exception | None = None
             signals.job_started.send(self.app, name=name, holder=self.holder)

@@ -171,3 +171,52 @@ def test_two_scheduler_processes_run_each_job_one_at_a_time(db: str) -> None:
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"two {job} runs overlapped"
     run_sql(db, "DROP TABLE job_runs")
+
+
+def wait_running(process: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Until ``flask idempotency scheduler`` says it runs (its jobs are scheduled)."""
+    assert process.stdout is not None
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    try:
+        line = process.stdout.readline()
+    finally:
+        timer.cancel()
+    assert "scheduler running" in line, (line, process.communicate(timeout=10))
+
+
+def test_scheduler_processes_run_each_job_about_once_per_interval(db: str) -> None:
+    """Three scheduler processes, recover every 0.5 s and purge every 0.7 s: over
+    6 s each job runs about 6 s / interval times in all, not three times that,
+    and two runs are never closer than the interval minus its slack."""
+    every = {"recover": 0.5, "purge": 0.7}
+    cli_app.job_runs.create(sa.create_engine(db), checkfirst=True)
+    run_sql(db, "DELETE FROM job_runs")
+    config = {
+        "IDEMPOTENCY_RECOVER_EVERY": every["recover"],
+        "IDEMPOTENCY_PURGE_EVERY": every["purge"],
+    }
+    schedulers = [
+        flask_cmd(db, "scheduler", config=config, IDEMPOTENCY_TEST_JOB_RUNS="0") for _ in range(3)
+    ]
+    try:
+        for process in schedulers:
+            wait_running(process)
+        start = time.time()
+        time.sleep(6)
+        end = time.time()
+    finally:
+        for process in schedulers:
+            process.send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=60) for p in schedulers]
+    for process, (_out, err) in zip(schedulers, outputs, strict=True):
+        assert process.returncode == 0, err
+        assert "Traceback" not in err
+    runs = run_sql(db, "SELECT job, pid, started FROM job_runs ORDER BY started")
+    run_sql(db, "DROP TABLE job_runs")
+    for job, interval in every.items():
+        starts = [r.started for r in runs if r.job == job and start <= r.started <= end]
+        expected = (end - start) / interval
+        assert 0.5 * expected <= len(starts) <= 1.5 * expected, (job, len(starts), expected)
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        assert min(gaps) >= 0.75 * interval, (job, min(gaps))
