@@ -30,7 +30,8 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     how long a duplicate waits for the first request's transaction before answering 409
     (PostgreSQL ``lock_timeout``, MySQL ``innodb_lock_wait_timeout``, SQLite's busy
     timeout, set around the claim only); ``None``: no bound of ours (the engine's own
-    applies, and its timeout is still a 409), two statements fewer per request
+    applies, and its timeout is still a 409); with psycopg2 the bound rides in the
+    claim's own round trip, elsewhere it costs two statements
 ``IDEMPOTENCY_MAX_BODY`` (default: 1 MiB (1048576))
     largest response body stored for replay; larger or streamed bodies are not kept
 ``IDEMPOTENCY_REPLAY_HEADERS`` (default: ``()``)
