@@ -190,7 +190,9 @@ def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str, wher
         gates.open("first")
     assert_problem(dup, 409)
     assert dup.headers["Retry-After"] == "1"
-    assert waited < 15  # bounded by the setting, not by the first request (held 30 s)
+    # About the bound (MySQL counts whole seconds, so 1 s there), not the first
+    # request (held 30 s); generous above, for a shared machine.
+    assert 0.4 <= waited < 8
     assert first.result().status_code == 201
     assert ledger_count(app, "held") == 1
 

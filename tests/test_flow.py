@@ -615,13 +615,30 @@ def test_cli_create_tables(database_url: str) -> None:
     assert "ledger" not in tables  # only the extension's own tables
 
 
+@pytest.mark.parametrize("apps_own", ["server default", "connection", "transaction"])
 def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
-    pg_url: str, clock: Clock
+    pg_url: str, clock: Clock, apps_own: str
 ) -> None:
-    """The claim's bounded wait must not leak into the app's own statements."""
+    """The claim's bounded wait must not leak into the app's own statements: the
+    view (and an error handler after a refusal) sees the app's own lock_timeout,
+    whether it is the server's default, set for the connection, or set in the
+    request's transaction before the claim (SET LOCAL in a before_request hook)."""
     from flask_idempotency import KeyReusedError
 
-    app = testapp.create_app(pg_url, clock=clock, IDEMPOTENCY_WAIT=2)
+    options: dict[str, t.Any] = {}
+    expected = None
+    if apps_own == "connection":
+        options = {"connect_args": {"options": "-c lock_timeout=4321ms"}}
+        expected = "4321ms"
+    app = testapp.create_app(
+        pg_url, clock=clock, IDEMPOTENCY_WAIT=2, SQLALCHEMY_ENGINE_OPTIONS=options
+    )
+    if apps_own == "transaction":
+        expected = "777ms"
+
+        @app.before_request
+        def set_local() -> None:
+            testapp.db.session.execute(sa.text("SET LOCAL lock_timeout = '777ms'"))
 
     def lock_timeout() -> str:
         return str(testapp.db.session.execute(sa.text("SHOW lock_timeout")).scalar_one())
@@ -637,8 +654,12 @@ def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
 
     reset_tables(pg_url)
     client = app.test_client()
+    if expected is None:
+        with app.app_context():
+            expected = str(testapp.db.session.execute(sa.text("SHOW lock_timeout")).scalar_one())
+            testapp.db.session.remove()
+    assert expected != "2s"
+    assert post(client, "/show", {"a": 1}).get_json() == {"in_view": expected}
+    assert post(client, "/show", {"a": 2}).get_json() == {"in_handler": expected}
     with app.app_context():
-        default = str(testapp.db.session.execute(sa.text("SHOW lock_timeout")).scalar_one())
-        testapp.db.session.remove()
-    assert post(client, "/show", {"a": 1}).get_json() == {"in_view": default}
-    assert post(client, "/show", {"a": 2}).get_json() == {"in_handler": default}
+        testapp.db.engine.dispose()
