@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from . import signals
 from .errors import ConflictError
-from .models import COMPLETED
+from .models import COMPLETED, Record
 from .responses import capture
 from .session_guard import SessionWatcher
 from .state import resolve_app
@@ -74,6 +74,7 @@ def run_optimistic(
 ) -> Response:
     """Run the view, then insert the completed record and commit both; or, when
     the key is taken, roll the view's writes back and answer for the winner."""
+    _begin(flow.session)
     watcher = NoCommitInView()
     watcher.watch(flow.session, flow.scoped)
     try:
@@ -81,11 +82,12 @@ def run_optimistic(
     except Exception:
         watcher.stop()
         flow.session.rollback()
-        # A duplicate may have won while this one ran, and the view failed on
-        # that (a unique business key it inserted too): its answer is the one.
-        winner = _replay_winner(flow, state, fingerprint)
-        if winner is not None:
-            return winner
+        # A retry of a completed operation (or a duplicate that won while this
+        # one ran, when the view failed on its rows) gets the recorded answer,
+        # or 422 for another payload: never this attempt's failure.
+        existing = _answer_for_record(flow, state, fingerprint)
+        if existing is not None:
+            return existing
         raise
     except BaseException:
         watcher.stop()
@@ -94,8 +96,23 @@ def run_optimistic(
     watcher.stop()
     if not flow.settings.storable(response.status_code):
         flow.session.rollback()
-        return response
+        existing = _answer_for_record(flow, state, fingerprint)
+        return existing if existing is not None else response
     return _record(flow, state, fingerprint, response)
+
+
+def _begin(session: Session) -> None:
+    """Open the database transaction before the view runs.
+
+    Python's sqlite3 opens one only before a write: a view whose first
+    statement is a savepoint would commit at its release, before the record.
+    Elsewhere (and when the app's own settings begin it) there is nothing to do.
+    """
+    connection = session.connection()
+    if connection.dialect.name == "sqlite":
+        raw = connection.connection.driver_connection
+        if raw is not None and not raw.in_transaction:
+            raw.execute("BEGIN")
 
 
 def _record(flow: Flow, state: RequestState, fingerprint: str, response: Response) -> Response:
@@ -137,6 +154,7 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                 inserted = store.take_over(session, record, columns, now, expired=True, token=token)
                 if not inserted:
                     session.rollback()
+                    _signal_conflict(scope, key, record)
                     raise _changed()
             if inserted:
                 session.commit()
@@ -153,18 +171,25 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                 return answer
             # In progress, its lease over: a leased request of another route
             # sharing this scope died. Its retry, not this one, takes it over.
+            _signal_conflict(scope, key, record)
             raise ConflictError(
                 "Another request with this idempotency key did not finish; retry later.",
                 retry_after=dt.timedelta(seconds=1),
             )
     except ClaimWaitExceeded:
         session.rollback()
+        _signal_conflict(scope, key, None)
         raise ConflictError(
             "Another request with this idempotency key is still running; retry after it finishes.",
             retry_after=dt.timedelta(seconds=1),
         ) from None
     session.rollback()
+    _signal_conflict(scope, key, None)
     raise _changed()
+
+
+def _signal_conflict(scope: str, key: str, record: Record | None) -> None:
+    signals.request_conflict.send(resolve_app(), scope=scope, key=key, record=record)
 
 
 def _changed() -> ConflictError:
@@ -174,20 +199,21 @@ def _changed() -> ConflictError:
     )
 
 
-def _replay_winner(flow: Flow, state: RequestState, fingerprint: str) -> Response | None:
-    """The stored response of a completed record for this request, if another
-    request committed one; ``None`` otherwise (or if it cannot be read)."""
+def _answer_for_record(flow: Flow, state: RequestState, fingerprint: str) -> Response | None:
+    """After the view failed or gave an answer that is not kept: the answer the
+    record of this key commands, if another request committed one (its replay,
+    422 for another payload, 409 while it runs); ``None`` when there is none,
+    or it cannot be read (the view's own answer stands)."""
     assert state.scope is not None
     assert state.key is not None
     try:
         record = flow.store.load(flow.session, state.scope, state.key, stored_request=False)
         flow.session.rollback()
     except Exception:  # the view's own failure is the one to report
-        logger.debug("could not look for a winner of %r", state.key, exc_info=True)
+        logger.debug("could not read the record of %r", state.key, exc_info=True)
         return None
-    if record is None or record.status != COMPLETED or record.is_expired(flow.now()):
+    now = flow.now()
+    if record is None or record.is_expired(now):
         return None
-    if record.request_hash != fingerprint:
-        return None
-    answer = flow.answer_existing(record, fingerprint, flow.now())
+    answer = flow.answer_existing(record, fingerprint, now)
     return answer if isinstance(answer, Response) else None

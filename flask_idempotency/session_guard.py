@@ -88,6 +88,10 @@ class SessionWatcher:
         self._session: Session | None = None
         self._scoped: t.Any = None
         self._context_token: contextvars.Token[SessionWatcher | None] | None = None
+        #: Connections the watched sessions' transactions ran on.
+        self._connections: weakref.WeakSet[sa.Connection] = weakref.WeakSet()
+        #: A commit through the session is under way (its connection commits next).
+        self.session_committing = False
 
     def watch(self, session: Session, scoped: t.Any = None) -> None:
         """Start following ``session``; ``scoped`` is the ``scoped_session`` it came
@@ -95,6 +99,8 @@ class SessionWatcher:
         session.info[GUARD_KEY] = self
         self._session, self._scoped = session, scoped
         self._context_token = _watching.set(self)
+        if session.in_transaction():  # begun before the watch: by the claim
+            self._connections.add(session.connection())
 
     def stop(self) -> None:
         if self._session is not None:
@@ -246,15 +252,22 @@ def _watcher(session: Session) -> SessionWatcher | None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: t.Any) -> None:
     watcher = _watcher(session)
-    if watcher is not None and transaction.parent is None:
-        watcher._transaction_began(connection)
+    if watcher is not None:
+        watcher._connections.add(connection)
+        if transaction.parent is None:
+            watcher._transaction_began(connection)
 
 
 def _before_commit(session: Session) -> None:
     watcher = _watcher(session)
     # Commits of savepoints (RELEASE) are not commits of business rows.
     if watcher is not None and not session.in_nested_transaction():
-        watcher._before_commit(session)
+        watcher.session_committing = True
+        try:
+            watcher._before_commit(session)
+        except BaseException:
+            watcher.session_committing = False
+            raise
 
 
 def _after_commit(session: Session) -> None:
@@ -266,7 +279,36 @@ def _after_commit(session: Session) -> None:
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     watcher = _watcher(session)
     if watcher is not None and transaction.parent is None:
+        watcher.session_committing = False
         watcher._transaction_ended()
+
+
+def _connection_commit(connection: sa.Connection) -> None:
+    """A commit of the watched session's connection that did not come through the
+    session (``db.session.connection().commit()``): refused, since the session's
+    hooks (the fenced lease renewal, or the refusal of optimistic and manual
+    routes) would not see it, and business rows would commit unguarded."""
+    watcher = _watching.get()
+    if watcher is None or watcher.session_committing or connection not in watcher._connections:
+        return
+    raise RuntimeError(
+        "the view committed the session's connection directly; commit through the "
+        "session (db.session.commit()) so the idempotency record commits with it"
+    )
+
+
+def _sql_commit(connection: sa.Connection, cursor: t.Any, statement: str, *args: t.Any) -> None:
+    """``COMMIT`` (or PostgreSQL's ``END``) sent as SQL text on the watched session's
+    connection: refused, for the same reason as :func:`_connection_commit`."""
+    watcher = _watching.get()
+    if watcher is None or connection not in watcher._connections:
+        return
+    head = statement.lstrip()[:6].upper()
+    if head.startswith(("COMMIT", "END")):
+        raise RuntimeError(
+            "the view sent COMMIT as SQL; commit through the session "
+            "(db.session.commit()) so the idempotency record commits with it"
+        )
 
 
 def _after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
@@ -287,4 +329,7 @@ def listen(session_factory: t.Any) -> None:
     event.listen(session_factory, "after_commit", _after_commit)
     event.listen(session_factory, "after_transaction_end", _after_transaction_end)
     event.listen(session_factory, "after_soft_rollback", _after_soft_rollback)
+    if not event.contains(sa.Engine, "commit", _connection_commit):
+        event.listen(sa.Engine, "commit", _connection_commit)
+        event.listen(sa.Engine, "before_cursor_execute", _sql_commit)
     _watched.add(session_factory)

@@ -66,6 +66,22 @@ def _millis(wait: dt.timedelta) -> str:
     return f"{max(1, math.ceil(wait.total_seconds() * 1000))}ms"
 
 
+def _sqlite_connection(executor: Executor) -> t.Any:
+    """The ``sqlite3.Connection`` under a session or connection, in its transaction."""
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    return connection.connection.driver_connection
+
+
+def stopped_waiting(exc: sa_exc.DBAPIError) -> bool:
+    """The database gave up on the claim while it waited on another transaction:
+    a lock timeout, a deadlock or serialization victim, or (PostgreSQL) a
+    ``statement_timeout`` of the app's that ended the wait (SQLSTATE 57014; the
+    claim's statements themselves are instant unless they wait)."""
+    if dberrors.classify(exc) is dberrors.CONFLICT:
+        return True
+    return getattr(exc.orig, "pgcode", None) == "57014"
+
+
 def lease_over(c: t.Any, now: t.Any) -> t.Any:
     """SQL: the record's lease has ended (or it has none); ``now`` a time or a bind."""
     return sa.or_(c.locked_until.is_(None), c.locked_until <= now)
@@ -211,7 +227,7 @@ class Store:
             yield
         except sa_exc.DBAPIError as exc:
             failed = True
-            if dberrors.classify(exc) is dberrors.CONFLICT:
+            if stopped_waiting(exc):
                 raise ClaimWaitExceeded(str(exc.orig)) from exc
             raise
         finally:
@@ -233,8 +249,11 @@ class Store:
             executor.execute(_MYSQL_SET_WAIT, {"v": max(1, math.ceil(millis / 1000))})
             return None
         if name == "sqlite":
-            previous = executor.execute(sa.text("PRAGMA busy_timeout")).scalar_one()
-            executor.execute(sa.text(f"PRAGMA busy_timeout = {int(millis)}"))
+            # Straight on the driver's connection: a PRAGMA there takes
+            # microseconds, through SQLAlchemy's statement machinery ten times more.
+            raw = _sqlite_connection(executor)
+            previous = raw.execute("PRAGMA busy_timeout").fetchone()[0]
+            raw.execute(f"PRAGMA busy_timeout = {int(millis)}")
             return previous
         return None
 
@@ -246,7 +265,7 @@ class Store:
         elif name in _MYSQL:
             executor.execute(_MYSQL_RESTORE_WAIT)
         elif name == "sqlite":
-            executor.execute(sa.text(f"PRAGMA busy_timeout = {int(previous)}"))
+            _sqlite_connection(executor).execute(f"PRAGMA busy_timeout = {int(previous)}")
 
     @staticmethod
     def _changed_one(executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
@@ -316,7 +335,8 @@ class Store:
         Elsewhere it is the same statements one by one.
         """
         self.check_size(session, values)
-        sql = self._batched_claim(session, wait)
+        connection = session.connection(bind_arguments={"clause": self.table})
+        sql = self._batched_claim(connection, wait)
         if sql is None:
             with self.bounded_wait(session, wait):
                 if self.try_insert(session, values):
@@ -328,10 +348,9 @@ class Store:
         if wait is not None:
             params["wait"] = _millis(wait)
         try:
-            connection = session.connection(bind_arguments={"clause": self.table})
             row = connection.exec_driver_sql(sql, params).first()
         except sa_exc.DBAPIError as exc:
-            if dberrors.classify(exc) is dberrors.CONFLICT:
+            if stopped_waiting(exc):
                 raise ClaimWaitExceeded(str(exc.orig)) from exc
             raise
         if row is None or row._mapping["scope"] is None:
@@ -339,11 +358,17 @@ class Store:
         record = Record.from_row(row)
         return record.fencing_token == values["fencing_token"], record
 
-    def _batched_claim(self, session: Session, wait: dt.timedelta | None) -> str | None:
+    def _batched_claim(self, connection: sa.Connection, wait: dt.timedelta | None) -> str | None:
         """The claim as one batch of statements, where the driver sends a batch in
-        one round trip with client-side parameters (psycopg2); else ``None``."""
-        dialect = session.get_bind(clause=self.table).dialect
+        one round trip with client-side parameters (psycopg2); else ``None``.
+
+        The batch is compiled once, so it is not used where SQLAlchemy would
+        rewrite statements per connection (``schema_translate_map``).
+        """
+        dialect = connection.dialect
         if dialect.name != "postgresql" or dialect.driver != "psycopg2":
+            return None
+        if connection.get_execution_options().get("schema_translate_map"):
             return None
         bounded = wait is not None
         sql = self._claim_sql.get((dialect.name, bounded))

@@ -350,3 +350,53 @@ def test_a_claim_that_waited_counts_its_times_from_when_it_got_the_key(
     [record] = record_rows(app)
     assert record["created_at"] == clock.now
     assert record["expires_at"] == clock.now + dt.timedelta(hours=24)
+
+
+def test_claim_follows_the_apps_schema_translate_map(pg_url: str) -> None:
+    """An app that maps its tables to a tenant's schema (schema_translate_map):
+    the claim, the completion and the replay all use the mapped table (the
+    one-round-trip claim is compiled once, so it must step aside here)."""
+    engine = sa.create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP SCHEMA IF EXISTS tenant_x CASCADE"))
+        conn.execute(sa.text("CREATE SCHEMA tenant_x"))
+    mapped = {"execution_options": {"schema_translate_map": {None: "tenant_x"}}}
+    app = testapp.create_app(pg_url, SQLALCHEMY_ENGINE_OPTIONS=mapped)
+    try:
+        with app.app_context():
+            testapp.db.create_all()
+        client = app.test_client()
+        body = {"amount": 5, "currency": "EUR"}
+        headers = {"Idempotency-Key": "tenant-k"}
+        first = client.post("/charges", json=body, headers=headers)
+        again = client.post("/charges", json=body, headers=headers)
+        assert first.status_code == 201, first.get_data(as_text=True)
+        assert again.headers["Idempotent-Replayed"] == "true"
+        with engine.connect() as conn:
+            mapped_rows = conn.execute(
+                sa.text("SELECT count(*) FROM tenant_x.idempotency_keys")
+            ).scalar_one()
+            ledger = conn.execute(sa.text("SELECT count(*) FROM tenant_x.ledger")).scalar_one()
+        assert (mapped_rows, ledger) == (1, 1)
+    finally:
+        with app.app_context():
+            testapp.db.engine.dispose()
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA tenant_x CASCADE"))
+        engine.dispose()
+
+
+def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
+    """No bound of ours, and the app's statement_timeout (not lock_timeout) ends
+    the duplicate's wait on the claim: the documented 409, not a 503."""
+    options = {"connect_args": {"options": "-c statement_timeout=700"}}
+    app, gates = slow_app(pg_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
+    finally:
+        gates.open("first")
+    assert_problem(dup, 409)
+    assert first.result().status_code == 201
+    assert ledger_count(app, "held") == 1

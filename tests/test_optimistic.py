@@ -269,3 +269,133 @@ def test_live_concurrent_duplicates_make_one_charge(pg_url: str) -> None:
             testapp.db.engine.dispose()
     finally:
         server.stop()
+
+
+def test_retry_whose_view_answers_an_unstored_status_replays_or_refuses(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    """A retry's view may answer differently (409 "exists", a 500, an exception):
+    the record decides the answer, as on a claimed route: the replay for the same
+    payload, 422 for another."""
+    app = make_app()
+
+    @app.post("/orders")
+    @testapp.idem.idempotent(optimistic=True)
+    def orders() -> tuple[dict[str, t.Any], int]:
+        if ledger_count(app, "orders"):
+            if request.headers.get("X-Raise"):
+                raise RuntimeError("the view fails on a retry")
+            return {"error": "order exists"}, 409
+        row = testapp.write_ledger("orders")
+        return {"id": row.id}, 201
+
+    client = app.test_client()
+    first = post(client, {"n": 1}, path="/orders")
+    assert first.status_code == 201
+    retry = post(client, {"n": 1}, path="/orders")
+    assert retry.status_code == 201
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_data() == first.get_data()
+    assert post(client, {"n": 2}, path="/orders").status_code == 422
+    raising = {"Idempotency-Key": "k1", "X-Raise": "1"}
+    other = client.post("/orders", json={"n": 2}, headers=raising)
+    assert other.status_code == 422
+    raised = client.post("/orders", json={"n": 1}, headers=raising)
+    assert raised.status_code == 201
+    assert raised.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "orders") == 1
+
+
+@pytest.mark.parametrize("how", ["connection", "sql"])
+@pytest.mark.parametrize("optimistic", [True, False])
+def test_commit_around_the_session_is_refused(
+    database_url: str, make_app: t.Callable[..., Flask], how: str, optimistic: bool
+) -> None:
+    """A commit the session's hooks cannot see (the connection's own commit(),
+    COMMIT as SQL) would commit business rows without the record (optimistic) or
+    without the fenced lease renewal (claimed): refused, nothing commits, ever."""
+    app = make_app(IDEMPOTENCY_LEASE=1)
+
+    @app.post("/sneaky")
+    @testapp.idem.idempotent(optimistic=optimistic)
+    def sneaky() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("sneaky")
+        if how == "connection":
+            testapp.db.session.connection().commit()
+        else:
+            testapp.db.session.execute(sa.text("COMMIT"))
+        return {}, 201
+
+    client = app.test_client()
+    assert [post(client, {}, path="/sneaky").status_code for _ in range(3)] == [500] * 3
+    assert ledger_count(app, "sneaky") == 0
+    assert record_rows(app) == []
+
+
+def test_a_savepoint_first_does_not_commit_on_sqlite(make_app: t.Callable[..., Flask]) -> None:
+    """Python's sqlite3 opens no transaction before a SAVEPOINT, so releasing one
+    would commit; the optimistic route opens the transaction before the view."""
+    app = make_app()
+
+    @app.post("/nested")
+    @testapp.idem.idempotent(optimistic=True)
+    def nested() -> tuple[dict[str, t.Any], int]:
+        with testapp.db.session.begin_nested():
+            testapp.write_ledger("nested")
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    answers = [post(client, {}, path="/nested") for _ in range(3)]
+    assert [a.status_code for a in answers] == [201] * 3
+    assert [a.headers.get("Idempotent-Replayed") for a in answers] == [None, "true", "true"]
+    assert ledger_count(app, "nested") == 1
+
+
+def test_conflicts_send_the_request_conflict_signal(
+    database_url: str, make_app: t.Callable[..., Flask]
+) -> None:
+    """A duplicate blocked past the wait at the record's insert answers 409 and
+    sends request_conflict, as on a claimed route."""
+    from flask_idempotency import signals
+
+    gates = Gates()
+    app = make_app(IDEMPOTENCY_WAIT=0.5)
+    seen: list[str] = []
+
+    def conflict(sender: t.Any, **kw: t.Any) -> None:
+        seen.append(kw["key"])
+
+    @app.post("/slow-commit")
+    @testapp.idem.idempotent(optimistic=True)
+    def slow_commit() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("slow-commit")
+        return {"who": request.headers.get("X-Who", "")}, 201
+
+    def hold_first(session: t.Any) -> None:
+        if request.headers.get("X-Who") == "first":
+            gates.pause("first")
+
+    # The first request holds its inserted record, uncommitted, just before COMMIT.
+    with app.app_context():
+        sa.event.listen(testapp.db.session.session_factory, "before_commit", hold_first)
+    signals.request_conflict.connect(conflict, app, weak=False)
+    try:
+        first = send(app, "/slow-commit", {}, **{"X-Who": "first"})
+        assert gates.arrived("first")
+        try:
+            dup = send(app, "/slow-commit", {}, **{"X-Who": "dup"}).result()
+        finally:
+            gates.open("first")
+        assert first.result().status_code == 201
+    finally:
+        signals.request_conflict.disconnect(conflict, app)
+        with app.app_context():
+            sa.event.remove(testapp.db.session.session_factory, "before_commit", hold_first)
+    assert dup.status_code == 409
+    assert ledger_count(app, "slow-commit") == 1
+    if database_url.startswith("sqlite"):
+        # One writer: the duplicate's view write waits first, on the write lock,
+        # and the engine's busy timeout answers (409 as a database conflict).
+        assert seen == []
+    else:
+        assert seen == ["K"]
