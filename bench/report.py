@@ -47,11 +47,18 @@ class EngineResult:
         values = [v for v in values if not math.isnan(v)]
         return statistics.median(values) if values else math.nan
 
-    def ratio(self, numerator: str, denominator: str) -> float | None:
+    def ratio(self, numerator: str, denominator: str, *, by_cpu: bool = False) -> float | None:
+        """Median over the rounds of ``numerator``'s requests/s over ``denominator``'s;
+        ``by_cpu``: of ``denominator``'s CPU per request over ``numerator``'s."""
         if numerator not in self.samples or denominator not in self.samples:
             return None
         pairs = zip(self.samples[numerator], self.samples[denominator], strict=True)
-        return statistics.median(a.rate / b.rate for a, b in pairs if b.rate > 0)
+        if by_cpu:
+            values = [b.cpu_ms / a.cpu_ms for a, b in pairs if a.cpu_ms > 0]
+        else:
+            values = [a.rate / b.rate for a, b in pairs if b.rate > 0]
+        values = [v for v in values if not math.isnan(v)]
+        return statistics.median(values) if values else None
 
 
 @dataclasses.dataclass
@@ -103,7 +110,10 @@ def variant_table(result: EngineResult) -> str:
 
 
 def ratio_table(result: EngineResult) -> str:
-    lines = ["| throughput ratio | value | target | |", "|---|---:|---|---|"]
+    lines = [
+        "| ratio | throughput | target | | by CPU/req |",
+        "|---|---:|---|---|---:|",
+    ]
     for ratio in RATIOS:
         if ratio.engine not in (None, result.engine):
             continue
@@ -113,9 +123,10 @@ def ratio_table(result: EngineResult) -> str:
         target = ""
         if ratio.target is not None:
             target = f"{'>' if ratio.strict else '>='} {ratio.target:.2f}"
+        by_cpu = result.ratio(ratio.numerator, ratio.denominator, by_cpu=True)
         lines.append(
             f"| {ratio.numerator} / {ratio.denominator} | {value:.3f} | {target} "
-            f"| {_verdict(ratio.met(value))} |"
+            f"| {_verdict(ratio.met(value))} | {_fmt(by_cpu, 3)} |"
         )
     return "\n".join(lines)
 
@@ -197,8 +208,11 @@ default rollback-journal mode, which lets one writer at a time).
   time the client sends after a reply (psycopg2 sends `BEGIN` as an exchange of its
   own). Connection setup is left out (warm-up requests first, then the counters are
   reset). The statements of one request are listed below.
-* **throughput ratio**: median over the rounds of the ratio of the two variants'
-  requests/s in that round.
+* **ratio, throughput**: median over the rounds of the ratio of the two variants'
+  requests/s in that round; the target is the issue's. **by CPU/req**: median over the
+  rounds of the second variant's CPU per request over the first's: the throughput ratio
+  a CPU-bound server would show, and steadier than throughput when other work shares
+  the machine.
 * **HOT share**: PostgreSQL only: `n_tup_hot_upd / n_tup_upd` of the key table
   (`pg_stat_user_tables`) over a phase of new-key requests per variant (the app in
   process, one request at a time; counters read after the backend has reported them).
@@ -260,6 +274,7 @@ def plot(path: Path, results: list[EngineResult]) -> str | None:
         matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
         plt = importlib.import_module("matplotlib.pyplot")
+        ticker = importlib.import_module("matplotlib.ticker")
     except ImportError:
         return "matplotlib is not installed (pip install -e .[bench]): no plot written"
     figure, axes = plt.subplots(len(results), 2, figsize=(13, 4.2 * len(results)), squeeze=False)
@@ -273,7 +288,11 @@ def plot(path: Path, results: list[EngineResult]) -> str | None:
         p99 = [result.median(n, "p99_ms") for n in names]
         row[1].bar([p - 0.2 for p in positions], p50, width=0.4, label="p50")
         row[1].bar([p + 0.2 for p in positions], p99, width=0.4, label="p99")
-        row[1].set_title(f"{result.engine}: latency (ms, median)")
+        row[1].set_yscale("log")  # p99 can be 100 times p50 (SQLite's lock waits)
+        row[1].yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        row[1].yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
+        row[1].yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+        row[1].set_title(f"{result.engine}: latency (ms, median, log scale)")
         row[1].legend()
         for axis in row:
             axis.set_xticks(positions)

@@ -65,7 +65,9 @@ def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short runs, to check the harness")
     parser.add_argument("--rounds", type=int, help="rounds (default 6; quick 3)")
     parser.add_argument(
-        "--duration", type=float, help="seconds per variant per round (default 10; quick 2)"
+        "--duration",
+        type=float,
+        help="seconds per variant per round (default 10; quick 2; wrk rounds to whole seconds)",
     )
     parser.add_argument(
         "--engines", default=",".join(ENGINES), help="comma-separated: postgresql,sqlite"

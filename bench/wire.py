@@ -109,7 +109,12 @@ class CountingProxy:
             except (TimeoutError, OSError):
                 continue
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            link = _Link(client, self._connect_upstream())
+            try:
+                upstream = self._connect_upstream()
+            except OSError:
+                client.close()  # the client sees the connection refused
+                continue
+            link = _Link(client, upstream)
             with self._lock:
                 self._links.append(link)
             thread = threading.Thread(target=self._serve, args=(link,), daemon=True)
