@@ -162,10 +162,20 @@ def memory_table(memory: MemoryFigure) -> str:
     )
 
 
+def _exchange_lines(text: str, width: int = 160) -> list[str]:
+    """One exchange as shown: each statement of a batch (``a; b``) on a line of its
+    own, the ones after the first marked ``+`` (they share the round trip)."""
+    statements = [s.strip() for s in text.split("; ") if s.strip()]
+    return [
+        f"    {'  + ' if i else ''}{s if len(s) <= width else s[: width - 3] + '...'}"
+        for i, s in enumerate(statements)
+    ]
+
+
 def statements_block(wire: dict[str, WireFigure]) -> str:
     parts = []
     for name, figure in wire.items():
-        shown = "\n".join(f"    {s[:200]}" for s in figure.statements)
+        shown = "\n".join(line for s in figure.statements for line in _exchange_lines(s))
         parts.append(f"{name} ({figure.per_request:.2f} exchanges per request):\n\n{shown}\n")
     return "\n".join(parts)
 
@@ -259,6 +269,9 @@ def markdown(
         if result.wire:
             parts += [
                 f"## Statements of one request on the wire ({result.engine})",
+                "",
+                "Each line is one exchange; a `+` line was sent in the same exchange as the",
+                "line above it (statements psycopg2 sends as one batch).",
                 "",
                 statements_block(result.wire),
             ]
