@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
+import importlib
 import os
 import re
 import signal
@@ -27,6 +28,13 @@ from bench.app import DATABASE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
+
+
+def _quiet_options() -> list[str]:
+    """``--no-control-socket`` where gunicorn has a control socket (newer releases):
+    its default path is one per user, shared with every other gunicorn running."""
+    settings = importlib.import_module("gunicorn.config").Config().settings
+    return ["--no-control-socket"] if "control_socket_disable" in settings else []
 
 
 class Gunicorn:
@@ -72,6 +80,7 @@ class Gunicorn:
                     "120",
                     "--log-level",
                     "info",
+                    *_quiet_options(),
                     "bench.app:create_app()",
                 ],
                 cwd=ROOT,
