@@ -29,6 +29,8 @@ setup(
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],
         "mysql": ["pymysql>=1.1"],
+        # The benchmark's plot (python -m bench.run); the tables need nothing extra.
+        "bench": ["matplotlib>=3.7"],
     },
     classifiers=[
         "Framework :: Flask",

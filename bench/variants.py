@@ -1,0 +1,97 @@
+"""What the benchmark compares: the variants, and the ratios between them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bench.load import KeyMode
+
+#: The key every replay variant sends; completed once before the rounds.
+REPLAY_KEY = "bench-replay-key"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    path: str
+    key_mode: KeyMode
+    what: str
+    #: The table holding its idempotency records, for new-key variants.
+    key_table: str | None = None
+    #: Needs ``@idem.idempotent(optimistic=True)``.
+    optimistic: bool = False
+
+
+VARIANTS = (
+    Variant("plain", "/plain", "none", "no idempotency: insert the order, commit"),
+    Variant(
+        "floor",
+        "/floor",
+        "new",
+        "hand-written floor, new key: claim insert (ON CONFLICT DO NOTHING), order, "
+        "UPDATE with the response, one commit",
+        key_table="floor_keys",
+    ),
+    Variant(
+        "ext",
+        "/ext",
+        "new",
+        "@idem.idempotent(), new key (IDEMPOTENCY_WAIT 10 s)",
+        key_table="idempotency_keys",
+    ),
+    Variant(
+        "ext-nowait",
+        "/ext-nowait",
+        "new",
+        "@idem.idempotent(wait=None), new key (no lock_timeout bound)",
+        key_table="idempotency_keys",
+    ),
+    Variant(
+        "ext-optimistic",
+        "/ext-optimistic",
+        "new",
+        "@idem.idempotent(optimistic=True), new key (completed record inserted at the end)",
+        key_table="idempotency_keys",
+        optimistic=True,
+    ),
+    Variant("no-key", "/ext", "none", "@idem.idempotent() route, request without a key"),
+    Variant("floor-replay", "/floor", "fixed", "floor, a completed key: every request replays"),
+    Variant(
+        "ext-replay", "/ext", "fixed", "@idem.idempotent(), a completed key: every request replays"
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """``numerator``'s throughput over ``denominator``'s (median of per-round ratios)."""
+
+    numerator: str
+    denominator: str
+    #: The least acceptable ratio, or None when the ratio is only shown.
+    target: float | None = None
+    #: The ratio must exceed the target (not only reach it).
+    strict: bool = False
+    #: Only on this engine, or on every engine when None.
+    engine: str | None = None
+
+    def met(self, value: float) -> bool | None:
+        if self.target is None:
+            return None
+        return value > self.target if self.strict else value >= self.target
+
+
+RATIOS = (
+    Ratio("ext", "floor", 0.97),
+    Ratio("ext-nowait", "floor"),
+    Ratio("ext-optimistic", "floor"),
+    Ratio("floor", "plain"),
+    Ratio("ext", "plain", 0.75, engine="sqlite"),
+    Ratio("ext", "plain", engine="postgresql"),
+    Ratio("ext-nowait", "plain"),
+    Ratio("ext-optimistic", "plain"),
+    Ratio("ext-replay", "floor-replay", 0.95),
+    Ratio("ext-replay", "ext", 1.0, strict=True),
+    Ratio("floor-replay", "floor"),
+    Ratio("no-key", "plain", 0.97),
+)
