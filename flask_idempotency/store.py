@@ -190,7 +190,7 @@ class Store:
         # A locking read sees the latest committed row whatever the isolation level.
         self._load_locking = self._load.with_for_update(read=True)
         self._load_head_locking = self._load_head.with_for_update(read=True)
-        self._claim_sql: dict[tuple[str, bool], str] = {}
+        self._claim_sql: dict[tuple[bool, tuple[str, ...]], str] = {}
         self._complete = (
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
@@ -267,10 +267,13 @@ class Store:
         elif name == "sqlite":
             _sqlite_connection(executor).execute(f"PRAGMA busy_timeout = {int(previous)}")
 
-    @staticmethod
-    def _changed_one(executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+    def _changed_one(self, executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+        if isinstance(executor, Session):
+            # Core statements on the session's connection: the ORM's execute
+            # path (bind lookup, ORM compile hooks) costs more than the statement.
+            executor = executor.connection(bind_arguments={"clause": self.table})
         result = executor.execute(stmt, params)
-        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+        return bool(result.rowcount == 1)
 
     def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists.
@@ -326,7 +329,7 @@ class Store:
 
         ``record`` is the one that holds (scope, key) after the insert, without
         its stored request, when it is not ours (``None``: it was deleted in
-        between); after our insert it may be ours or ``None``. Waiting on
+        between); after our insert it is ``None``. Waiting on
         another transaction is bounded by ``wait`` (:meth:`bounded_wait`).
 
         On psycopg2 this is one round trip: setting the bound, the insert,
@@ -336,7 +339,7 @@ class Store:
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
-        sql = self._batched_claim(connection, wait)
+        sql = self._batched_claim(connection, wait, values)
         if sql is None:
             with self.bounded_wait(session, wait):
                 if self.try_insert(session, values):
@@ -353,17 +356,21 @@ class Store:
             if stopped_waiting(exc):
                 raise ClaimWaitExceeded(str(exc.orig)) from exc
             raise
-        if row is None or row._mapping["scope"] is None:
-            return False, None
-        record = Record.from_row(row)
-        return record.fencing_token == values["fencing_token"], record
+        if row is None or row._mapping["fencing_token"] is None:
+            return False, None  # deleted since it blocked our insert
+        if row._mapping["fencing_token"] == values["fencing_token"]:
+            return True, None  # ours (its other columns were not even sent)
+        return False, Record.from_row(row)
 
-    def _batched_claim(self, connection: sa.Connection, wait: dt.timedelta | None) -> str | None:
+    def _batched_claim(
+        self, connection: sa.Connection, wait: dt.timedelta | None, values: dict[str, t.Any]
+    ) -> str | None:
         """The claim as one batch of statements, where the driver sends a batch in
         one round trip with client-side parameters (psycopg2); else ``None``.
 
-        The batch is compiled once, so it is not used where SQLAlchemy would
-        rewrite statements per connection (``schema_translate_map``).
+        The batch is compiled once per shape (bounded or not, the columns that
+        have a value), so it is not used where SQLAlchemy would rewrite
+        statements per connection (``schema_translate_map``).
         """
         dialect = connection.dialect
         if dialect.name != "postgresql" or dialect.driver != "psycopg2":
@@ -371,11 +378,12 @@ class Store:
         if connection.get_execution_options().get("schema_translate_map"):
             return None
         bounded = wait is not None
-        sql = self._claim_sql.get((dialect.name, bounded))
+        # Columns left out of the INSERT are NULL: fewer parameters to send.
+        columns = tuple(name for name, value in values.items() if value is not None)
+        sql = self._claim_sql.get((bounded, columns))
         if sql is not None:
             return sql
         c = self.table.c
-        head = [col for col in self.table.c if col.name not in STORED_REQUEST]
         restored = "1"
         parts: list[str] = []
         if bounded:
@@ -388,17 +396,24 @@ class Store:
             )
             restored = f"set_config('lock_timeout', current_setting('{_SAVED_WAIT}'), true)"
         insert = self._inserts["postgresql"]
-        parts.append(self._compiled(insert, dialect, [col.name for col in c]))
+        parts.append(self._compiled(insert, dialect, list(columns)))
         # The read comes last, so its row is what the batch returns: its own
         # statement, it sees the row our insert made, or the one it yielded to.
         # Joined to a one-row subquery so the restore runs when there is no row.
+        # Only another request's record is read whole: ours is known.
         restore = sa.select(sa.literal_column(restored).label("restored")).subquery("restore")
         joined = restore.outerjoin(
             self.table, sa.and_(c.scope == text_param("w_scope"), c.key == text_param("w_key"))
         )
-        parts.append(self._compiled(sa.select(*head).select_from(joined), dialect, None))
+        theirs = c.fencing_token != sa.bindparam("fencing_token")
+        read = [c.fencing_token] + [
+            sa.case((theirs, col)).label(col.name)
+            for col in c
+            if col.name not in STORED_REQUEST and col.name != "fencing_token"
+        ]
+        parts.append(self._compiled(sa.select(*read).select_from(joined), dialect, None))
         sql = ";\n".join(parts)
-        self._claim_sql[(dialect.name, bounded)] = sql
+        self._claim_sql[(bounded, columns)] = sql
         return sql
 
     def _compiled(self, stmt: t.Any, dialect: t.Any, column_keys: list[str] | None) -> str:
