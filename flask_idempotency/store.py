@@ -191,7 +191,7 @@ class Store:
         self._load_locking = self._load.with_for_update(read=True)
         self._load_head_locking = self._load_head.with_for_update(read=True)
         self._claim_sql: dict[tuple[bool, tuple[str, ...]], str] = {}
-        self._sql_cache: dict[tuple[int, tuple[str, ...]], tuple[str, dict[str, t.Any]]] = {}
+        self._sql_cache: dict[tuple[int, tuple[str, ...]], tuple[t.Any, str, dict[str, t.Any]]] = {}
         self._complete = (
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
@@ -301,12 +301,13 @@ class Store:
         names = tuple(params)
         cache_key = (id(stmt), names)
         found = self._sql_cache.get(cache_key)
-        if found is None:
+        # The entry holds the statement itself, so its id cannot be reused by another.
+        if found is None or found[0] is not stmt:
             columns = [name for name in names if not name.startswith("w_")]
             compiled = stmt.compile(dialect=dialect, column_keys=columns)
             constants = {k: v for k, v in compiled.params.items() if k not in names}
-            found = self._sql_cache[cache_key] = (str(compiled), constants)
-        return found
+            found = self._sql_cache[cache_key] = (stmt, str(compiled), constants)
+        return found[1], found[2]
 
     def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists.
