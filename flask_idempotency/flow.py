@@ -41,7 +41,13 @@ from .route import RouteOptions
 from .scope import resolve_scope
 from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
 from .state import resolve_app
-from .store import ClaimWaitExceeded, Store, TooLargeToStore, new_fencing_token
+from .store import (
+    ClaimWaitExceeded,
+    Store,
+    TooLargeToStore,
+    new_fencing_token,
+    operation_values,
+)
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -205,25 +211,13 @@ class Flow:
 
     def _claim_values(self, fingerprint: str, now: dt.datetime) -> dict[str, t.Any]:
         settings = self.settings
-        values: dict[str, t.Any] = {
-            "request_hash": fingerprint,
-            "status": IN_PROGRESS,
-            "response_code": None,
-            "response_headers": None,
-            "response_body": None,
-            "body_omitted": False,
-            "locked_until": now + settings.lease,
-            "created_at": now,
-            "completed_at": None,
-            "expires_at": now + settings.ttl,
-            # Every column of an operation is set, so that a replaced record
-            # keeps nothing of the operation before it.
-            "recovery_points": None,
-            "request_method": None,
-            "request_path": None,
-            "request_content_type": None,
-            "request_body": None,
-        }
+        values = operation_values(
+            request_hash=fingerprint,
+            status=IN_PROGRESS,
+            locked_until=now + settings.lease,
+            created_at=now,
+            expires_at=now + settings.ttl,
+        )
         if self.route.recover:
             # The body as sent, or, if a hook parsed the form first, a faithful
             # re-encoding of it (with the content type that goes with it).

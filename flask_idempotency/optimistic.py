@@ -37,7 +37,7 @@ from .models import COMPLETED, Record
 from .responses import capture
 from .session_guard import SessionWatcher
 from .state import resolve_app
-from .store import ClaimWaitExceeded, new_fencing_token
+from .store import ClaimWaitExceeded, new_fencing_token, operation_values
 
 if t.TYPE_CHECKING:
     from .flow import Flow, RequestState
@@ -125,26 +125,20 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
         for _ in range(_ROUNDS):
             now = flow.now()
             token = new_fencing_token()
-            values: dict[str, t.Any] = {
-                "scope": scope,
-                "key": key,
-                "fencing_token": token,
-                "request_hash": fingerprint,
-                "status": COMPLETED,
-                "response_code": captured.status,
-                "response_headers": json.dumps(captured.headers),
-                "response_body": captured.body,
-                "body_omitted": captured.body_omitted,
-                "locked_until": None,
-                "created_at": now,
-                "completed_at": now,
-                "expires_at": now + settings.ttl,
-                "recovery_points": None,
-                "request_method": None,
-                "request_path": None,
-                "request_content_type": None,
-                "request_body": None,
-            }
+            values = operation_values(
+                scope=scope,
+                key=key,
+                fencing_token=token,
+                request_hash=fingerprint,
+                status=COMPLETED,
+                response_code=captured.status,
+                response_headers=json.dumps(captured.headers),
+                response_body=captured.body,
+                body_omitted=captured.body_omitted,
+                created_at=now,
+                completed_at=now,
+                expires_at=now + settings.ttl,
+            )
             inserted, record = store.claim(session, values, settings.wait)
             if not inserted and record is not None and record.is_expired(now):
                 # An earlier operation's record, past its retention: replace it,

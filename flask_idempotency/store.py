@@ -127,6 +127,27 @@ def dialect_name(executor: Executor) -> str:
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
 STORED_REQUEST = ("request_method", "request_path", "request_content_type", "request_body")
 
+
+def operation_values(**values: t.Any) -> dict[str, t.Any]:
+    """Every column of an operation, those not in ``values`` as a new one starts
+    (no response, no recovery points, no stored request): so that a record that
+    replaces an expired one keeps nothing of the operation before it."""
+    return {
+        "response_code": None,
+        "response_headers": None,
+        "response_body": None,
+        "body_omitted": False,
+        "locked_until": None,
+        "completed_at": None,
+        "recovery_points": None,
+        "request_method": None,
+        "request_path": None,
+        "request_content_type": None,
+        "request_body": None,
+        **values,
+    }
+
+
 #: Columns a reclaim leaves alone: they belong to the operation it continues.
 RECLAIM_KEEPS = (
     "created_at",

@@ -197,6 +197,20 @@ def test_duplicate_waits_no_longer_than_the_wait_setting(database_url: str, wher
     assert ledger_count(app, "held") == 1
 
 
+def assert_duplicate_gets_409_and_one_charge(app: Flask, gates: Gates) -> None:
+    """The first request holds its claim; the duplicate's wait ends in a 409
+    problem; the first then completes, with one ledger row."""
+    first = send(app, "/held", {}, **{"X-Who": "first"})
+    try:
+        assert gates.arrived("first")
+        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
+    finally:
+        gates.open("first")
+    assert_problem(dup, 409)
+    assert first.result().status_code == 201
+    assert ledger_count(app, "held") == 1
+
+
 def _engine_timeout_options(database_url: str) -> dict[str, t.Any]:
     """Engine options that make the database itself stop waiting after ~1 s."""
     if database_url.startswith("postgresql"):
@@ -222,15 +236,7 @@ def test_engines_own_lock_timeout_is_a_409_not_a_500(database_url: str) -> None:
         with app.app_context():
             sa.event.listen(testapp.db.engine, "connect", on_connect)
             testapp.db.engine.dispose()
-    first = send(app, "/held", {}, **{"X-Who": "first"})
-    try:
-        assert gates.arrived("first")
-        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
-    finally:
-        gates.open("first")
-    assert_problem(dup, 409)
-    assert first.result().status_code == 201
-    assert ledger_count(app, "held") == 1
+    assert_duplicate_gets_409_and_one_charge(app, gates)
 
 
 def test_first_request_failing_under_waiting_duplicates_never_shows_a_500_page(
@@ -391,12 +397,4 @@ def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
     the duplicate's wait on the claim: the documented 409, not a 503."""
     options = {"connect_args": {"options": "-c statement_timeout=700"}}
     app, gates = slow_app(pg_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
-    first = send(app, "/held", {}, **{"X-Who": "first"})
-    try:
-        assert gates.arrived("first")
-        dup = send(app, "/held", {}, **{"X-Who": "dup"}).result(timeout=20)
-    finally:
-        gates.open("first")
-    assert_problem(dup, 409)
-    assert first.result().status_code == 201
-    assert ledger_count(app, "held") == 1
+    assert_duplicate_gets_409_and_one_charge(app, gates)
