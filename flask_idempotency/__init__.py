@@ -27,6 +27,7 @@ from .errors import (
     ValidationProblem,
 )
 from .extension import Idempotency
+from .keys import derive_key
 from .models import COMPLETED, IN_PROGRESS, Record
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "UnsupportedMediaTypeError",
     "ValidationProblem",
     "signals",
+    "derive_key",
 ]

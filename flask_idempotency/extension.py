@@ -16,7 +16,7 @@ from .cli import idempotency_cli
 from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
-from .keys import derive_key, resolve_key_format, resolve_key_max_length
+from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
 from .models import Record, job_lock_table, record_table
 from .optimistic import WHY as OPTIMISTIC_WHY
 from .recovery import run_step
@@ -437,23 +437,56 @@ class Idempotency:
         same on every retry and resume of this operation, unique per step, per
         scope, and per operation (a new operation on a key whose record expired
         gets new downstream keys, so a downstream that remembers keys longer
-        than we do never answers it with the old operation's result).
+        than we do never answers it with the old operation's result). It is
+        :func:`flask_idempotency.derive_key` of the scoped parent key
+        (:func:`flask_idempotency.keys.scoped_parent_key`) and ``step``.
         """
-        state = self._request_state()
-        if state is None:
-            raise RuntimeError("idem.derived_key() can only be called inside an idempotent view")
-        if state.optimistic:
-            raise RuntimeError(f"idem.derived_key() is refused: {OPTIMISTIC_WHY}")
-        if state.key is None or state.scope is None:
-            # The client sent no key (the route does not require one): there is no
-            # operation to derive from, and calling downstream without a stable key
-            # would make every retry a new call there. The client must send one.
-            header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
-            raise MissingKeyError(
-                f"This endpoint calls other services on the client's behalf and needs an "
-                f"{header} header to keep those calls idempotent."
-            )
-        return derive_key(state.scope, state.key, step, operation=state.operation)
+        return current_derived_key(step)
+
+    def forward_headers(self, step: str | None = None) -> dict[str, str]:
+        """The headers that carry this operation's key to an outgoing call.
+
+        Without ``step``: the client's key, unchanged, for a downstream that shares
+        this service's key space (``{"Idempotency-Key": '"<key>"'}``, the header
+        named by ``IDEMPOTENCY_HEADER``). With ``step``: :meth:`derived_key` of
+        it, for one call among several. The value is always an RFC 8941 string
+        (quoted), the form the IETF draft specifies and this extension reads
+        back as the same key, whatever characters the key holds. Refused like
+        :meth:`derived_key`: outside an idempotent view, on optimistic routes,
+        and (400 ``missing-key``) in a request without a key.
+        """
+        state = _downstream_state("idem.forward_headers()")
+        header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
+        assert state.key is not None
+        if step is None:
+            return {header: quote_key(state.key)}
+        return {header: quote_key(current_derived_key(step))}
+
+
+def _downstream_state(caller: str) -> RequestState:
+    """The current idempotent request's state, for a call downstream; raises if none."""
+    state = t.cast("RequestState | None", g.get("_idempotency"))
+    if state is None:
+        raise RuntimeError(f"{caller} can only be called inside an idempotent view")
+    if state.optimistic:
+        raise RuntimeError(f"{caller} is refused: {OPTIMISTIC_WHY}")
+    if state.key is None or state.scope is None:
+        # The client sent no key (the route does not require one): there is no
+        # operation to derive from, and calling downstream without a stable key
+        # would make every retry a new call there. The client must send one.
+        header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
+        raise MissingKeyError(
+            f"This endpoint calls other services on the client's behalf and needs an "
+            f"{header} header to keep those calls idempotent."
+        )
+    return state
+
+
+def current_derived_key(step: str) -> str:
+    """``idem.derived_key(step)`` of the current request, without the extension object."""
+    state = _downstream_state("idem.derived_key()")
+    assert state.key is not None and state.scope is not None
+    return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 
 
 def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:

@@ -202,27 +202,65 @@ def key_from_request(
     return key
 
 
-# -- the default scope ----------------------------------------------------------------
+# -- keys across services ------------------------------------------------------------
 
 
-def derive_key(scope: str, key: str, step: str, *, operation: str = "") -> str:
+def quote_key(key: str) -> str:
+    """``key`` as an RFC 8941 Structured Field string (``"abc"``), whatever it holds.
+
+    The form the IETF draft specifies, and one :func:`parse_key` reads back as
+    ``key``: a comma or a quote in the key survives the trip.
+    """
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _child_key(parent: bytes, step: str, errors: str) -> str:
+    if not step:
+        raise ValueError("a derived key needs a non-empty step name")
+    if "\x00" in step:
+        raise ValueError("a scope, step or operation must not contain NUL")
+    return hashlib.sha256(parent + b"\x00" + step.encode("utf-8", errors)).hexdigest()
+
+
+def derive_key(parent_key: str, step: str) -> str:
+    """The key for ``step`` of the operation named ``parent_key``.
+
+    Exactly ``sha256((parent_key + "\\x00" + step).encode("utf-8")).hexdigest()``
+    (64 lowercase hex digits), so a service written in any language computes the
+    same child key from the same parent and step. An empty ``step``, or a NUL
+    in it, raises :class:`ValueError` (NUL is the separator: refusing it keeps
+    every (parent, step) pair apart, since keys are printable ASCII).
+    """
+    return _child_key(parent_key.encode("utf-8"), step, "strict")
+
+
+def scoped_parent_key(scope: str, key: str, *, operation: str = "") -> str:
+    """The parent key ``idem.derived_key`` derives from: scope, key and operation.
+
+    ``scope + "\\x00" + key``, plus ``"\\x00" + operation`` when there is one.
+    """
+    if "\x00" in scope or "\x00" in operation:
+        raise ValueError("a scope, step or operation must not contain NUL")
+    return f"{scope}\x00{key}\x00{operation}" if operation else f"{scope}\x00{key}"
+
+
+def derive_scoped_key(scope: str, key: str, step: str, *, operation: str = "") -> str:
     """The key for one downstream call of the operation (scope, key): SHA-256, hex.
 
+    ``derive_key(scoped_parent_key(scope, key, operation=operation), step)``.
     Stable on every retry and resume of the same operation, different for each
     ``step``, and different across scopes, so two tenants that chose the same
     key never collide downstream; ``operation`` (when the operation began) sets
     apart two operations that used the same key one after the other, across an
     expiry. Minting a fresh random key per attempt instead would let the
     downstream run the call once per attempt.
+
+    The scope may hold undecodable bytes of a URL (``surrogateescape``): they are
+    encoded back as those bytes, as they always were; for any other text this is
+    byte for byte :func:`derive_key`.
     """
-    if not step:
-        raise ValueError("a derived key needs a non-empty step name")
-    # NUL separates the parts; keys are printable ASCII, so refusing it in the
-    # scope, step and operation keeps every (scope, key, operation, step) apart.
-    if "\x00" in scope or "\x00" in step or "\x00" in operation:
-        raise ValueError("a scope, step or operation must not contain NUL")
-    parent = f"{scope}\x00{key}".encode("utf-8", "surrogateescape")
+    parent = scoped_parent_key(scope, key, operation=operation)
     if operation:
-        parent += b"\x00" + operation.encode("utf-8")
-    digest = hashlib.sha256(parent + b"\x00" + step.encode("utf-8", "surrogateescape"))
-    return digest.hexdigest()
+        # The operation was always encoded strictly (it is a timestamp): keep it.
+        operation.encode("utf-8")
+    return _child_key(parent.encode("utf-8", "surrogateescape"), step, "surrogateescape")

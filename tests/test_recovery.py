@@ -11,7 +11,7 @@ from flask import Flask, request
 
 from flask_idempotency import IN_PROGRESS
 from flask_idempotency.jobs import recover_abandoned
-from flask_idempotency.keys import derive_key
+from flask_idempotency.keys import derive_scoped_key as derive_key
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.test_flow import _abandon, assert_problem, post
