@@ -29,6 +29,8 @@ setup(
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],
         "mysql": ["pymysql>=1.1"],
+        # flask_idempotency.client: retries with one Idempotency-Key for all attempts.
+        "client": ["requests>=2.31"],
         # The benchmark's plot (python -m bench.run); the tables need nothing extra.
         "bench": ["matplotlib>=3.7"],
     },

@@ -50,6 +50,6 @@ __all__ = [
     "TransactionConflictError",
     "UnsupportedMediaTypeError",
     "ValidationProblem",
-    "signals",
     "derive_key",
+    "signals",
 ]

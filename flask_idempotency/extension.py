@@ -485,7 +485,8 @@ def _downstream_state(caller: str) -> RequestState:
 def current_derived_key(step: str) -> str:
     """``idem.derived_key(step)`` of the current request, without the extension object."""
     state = _downstream_state("idem.derived_key()")
-    assert state.key is not None and state.scope is not None
+    assert state.key is not None
+    assert state.scope is not None
     return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 
 
