@@ -1,0 +1,436 @@
+"""flask_idempotency.client: real HTTP against a scripted server on 127.0.0.1.
+
+The server records every attempt (method, path, Idempotency-Key as received,
+time) and answers from a script: a status with headers, ``"drop"`` (close the
+connection without an answer) or ``("sleep", seconds)`` (answer 200 late, for
+read timeouts); once the script is used up it answers 200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import socket
+import threading
+import time
+import typing as t
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from flask import Flask
+
+from flask_idempotency.client import IdempotentSession
+from flask_idempotency.keys import parse_key, quote_key, scoped_parent_key
+from flask_idempotency.keys import derive_key as public_derive_key
+from tests import testapp
+from tests.conftest import reset_tables
+
+Action = t.Union[int, tuple[int, dict[str, str]], str, tuple[str, float]]
+
+
+@dataclasses.dataclass
+class Attempt:
+    method: str
+    path: str
+    key: str | None
+    at: float
+
+
+class Downstream:
+    def __init__(self, script: list[Action] | None = None, port: int = 0) -> None:
+        self.script: list[Action] = list(script or [])
+        self.attempts: list[Attempt] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: t.Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._handle()
+
+            def do_POST(self) -> None:
+                self._handle()
+
+            do_PATCH = do_POST
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                with outer.lock:
+                    outer.attempts.append(
+                        Attempt(
+                            self.command,
+                            self.path,
+                            self.headers.get("Idempotency-Key"),
+                            time.monotonic(),
+                        )
+                    )
+                    action: Action = outer.script.pop(0) if outer.script else 200
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                headers: dict[str, str] = {}
+                if isinstance(action, tuple) and action[0] == "sleep":
+                    time.sleep(t.cast(float, action[1]))
+                    status = 200
+                elif isinstance(action, tuple):
+                    status, headers = t.cast(tuple[int, dict[str, str]], action)
+                else:
+                    status = t.cast(int, action)
+                body = json.dumps({"attempt": len(outer.attempts)}).encode()
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def keys(self) -> list[str | None]:
+        return [a.key for a in self.attempts]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def downstream() -> t.Iterator[Downstream]:
+    server = Downstream()
+    yield server
+    server.close()
+
+
+def fast(**options: t.Any) -> IdempotentSession:
+    """A session whose backoff is short, so tests do not wait on it."""
+    defaults: dict[str, t.Any] = {"backoff_factor": 0.01, "backoff_jitter": 0.0}
+    return IdempotentSession(**{**defaults, **options})
+
+
+def one_key(server: Downstream, attempts: int) -> str:
+    """Assert ``attempts`` attempts, all with one key; return that key (unquoted)."""
+    keys = server.keys()
+    assert len(keys) == attempts, keys
+    assert len(set(keys)) == 1, keys
+    assert keys[0] is not None
+    return parse_key(keys[0])
+
+
+def test_same_key_on_every_attempt_until_success(downstream: Downstream) -> None:
+    downstream.script = [503, 502, 504, 429, 200]
+    response = fast().post(downstream.url + "/charges", json={"amount": 1})
+    assert response.status_code == 200
+    key = one_key(downstream, 5)
+    assert str(uuid.UUID(key)) == key
+    assert downstream.keys()[0] == quote_key(key)  # sent as an RFC 8941 string
+
+
+def test_each_call_gets_its_own_key(downstream: Downstream) -> None:
+    http = fast()
+    http.post(downstream.url + "/a", json={})
+    http.post(downstream.url + "/b", json={})
+    first, second = downstream.keys()
+    assert first != second
+
+
+def test_stops_after_total_retries_and_returns_the_last_response(
+    downstream: Downstream,
+) -> None:
+    downstream.script = [503] * 10
+    response = fast(total=2).post(downstream.url + "/charges", json={})
+    assert response.status_code == 503
+    one_key(downstream, 3)
+
+
+def test_stops_at_its_deadline(downstream: Downstream) -> None:
+    downstream.script = [503] * 1000
+    http = IdempotentSession(
+        total=1000, backoff_factor=0.1, backoff_max=0.2, backoff_jitter=0.05, deadline=1.0
+    )
+    started = time.monotonic()
+    response = http.post(downstream.url + "/charges", json={})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 503
+    assert 2 <= len(downstream.attempts) < 100
+    assert elapsed < 3.0
+    # No attempt started after the budget.
+    assert downstream.attempts[-1].at - started <= 1.0 + 0.2
+    one_key(downstream, len(downstream.attempts))
+
+
+def test_a_retry_after_beyond_the_deadline_is_not_waited_for(downstream: Downstream) -> None:
+    downstream.script = [(503, {"Retry-After": "30"})]
+    started = time.monotonic()
+    response = fast(deadline=2.0).post(downstream.url + "/charges", json={})
+    assert response.status_code == 503
+    assert time.monotonic() - started < 2.0
+    assert len(downstream.attempts) == 1
+
+
+def test_honours_retry_after(downstream: Downstream) -> None:
+    downstream.script = [(503, {"Retry-After": "1"}), 200]
+    response = fast().post(downstream.url + "/charges", json={})
+    assert response.status_code == 200
+    one_key(downstream, 2)
+    first, second = downstream.attempts
+    assert second.at - first.at >= 0.9
+
+
+def test_409_with_retry_after_is_retried(downstream: Downstream) -> None:
+    downstream.script = [(409, {"Retry-After": "0"}), 201]
+    response = fast().post(downstream.url + "/charges", json={})
+    assert response.status_code == 201
+    one_key(downstream, 2)
+
+
+@pytest.mark.parametrize(
+    "action",
+    [409, 400, 404, 422, (422, {"Retry-After": "0"}), (413, {"Retry-After": "0"}), 500],
+)
+def test_no_retry_for_other_client_errors(downstream: Downstream, action: Action) -> None:
+    downstream.script = [action]
+    response = fast().post(downstream.url + "/charges", json={})
+    expected = action[0] if isinstance(action, tuple) else action
+    assert response.status_code == expected
+    assert len(downstream.attempts) == 1
+
+
+def test_retries_a_dropped_connection(downstream: Downstream) -> None:
+    downstream.script = ["drop", "drop", 201]
+    response = fast().post(downstream.url + "/charges", json={})
+    assert response.status_code == 201
+    one_key(downstream, 3)
+
+
+def test_retries_a_read_timeout(downstream: Downstream) -> None:
+    downstream.script = [("sleep", 1.5), 201]
+    response = fast().post(downstream.url + "/charges", json={}, timeout=0.5)
+    assert response.status_code == 201
+    one_key(downstream, 2)
+
+
+def test_retries_a_refused_connection_until_the_server_is_up() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started: list[Downstream] = []
+
+    def start_later() -> None:
+        time.sleep(0.5)
+        started.append(Downstream(port=port))
+
+    starter = threading.Thread(target=start_later)
+    starter.start()
+    try:
+        http = IdempotentSession(total=10, backoff_factor=0.1, backoff_max=0.4, deadline=10)
+        response = http.post(f"http://127.0.0.1:{port}/charges", json={})
+        assert response.status_code == 200
+    finally:
+        starter.join()
+        for server in started:
+            server.close()
+    assert len(started[0].attempts) == 1
+
+
+def test_gives_up_on_a_refused_connection_with_a_connection_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(requests.ConnectionError):
+        fast(total=2).post(f"http://127.0.0.1:{port}/charges", json={})
+
+
+def test_caller_key_is_used_as_is(downstream: Downstream) -> None:
+    downstream.script = [503, 200]
+    fast().post(downstream.url + "/charges", json={}, idempotency_key="order-42, part 1")
+    assert parse_key(one_key_raw(downstream, 2)) == "order-42, part 1"
+
+
+def test_an_explicit_header_is_sent_verbatim(downstream: Downstream) -> None:
+    downstream.script = [503, 200]
+    fast().post(downstream.url + "/charges", json={}, headers={"idempotency-key": "abc"})
+    assert one_key_raw(downstream, 2) == "abc"
+
+
+def test_a_key_in_two_places_is_refused(downstream: Downstream) -> None:
+    with pytest.raises(TypeError):
+        fast().post(
+            downstream.url, json={}, headers={"Idempotency-Key": "a"}, idempotency_key="b"
+        )
+    assert downstream.attempts == []
+
+
+def test_get_gets_no_key_but_is_retried(downstream: Downstream) -> None:
+    downstream.script = [503, 200]
+    assert fast().get(downstream.url + "/charges/1").status_code == 200
+    assert downstream.keys() == [None, None]
+
+
+def test_a_step_outside_an_idempotent_view_is_refused(downstream: Downstream) -> None:
+    with pytest.raises(RuntimeError):
+        fast().post(downstream.url, json={}, step="charge")
+    assert downstream.attempts == []
+
+
+def one_key_raw(server: Downstream, attempts: int) -> str:
+    one_key(server, attempts)
+    key = server.keys()[0]
+    assert key is not None
+    return key
+
+
+# -- inside an idempotent view ----------------------------------------------------------
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> t.Iterator[Flask]:
+    url = f"sqlite:///{tmp_path / 'client.sqlite3'}"
+    app = testapp.create_app(url)
+    reset_tables(url)
+    yield app
+    with app.app_context():
+        testapp.db.engine.dispose()
+
+
+def test_a_step_in_an_idempotent_view_sends_the_derived_key(
+    app: Flask, downstream: Downstream
+) -> None:
+    seen: list[str] = []
+    http = fast()
+
+    @app.post("/calls-downstream")
+    @testapp.idem.idempotent(required=True)
+    def calls_downstream() -> tuple[dict[str, t.Any], int]:
+        state = testapp.idem._request_state()
+        assert state is not None
+        assert state.scope is not None
+        assert state.key is not None
+        parent = scoped_parent_key(state.scope, state.key, operation=state.operation)
+        seen.append(public_derive_key(parent, "charge"))
+        seen.append(testapp.idem.derived_key("charge"))
+        answer = http.post(downstream.url + "/charges", json={}, step="charge")
+        return {"downstream": answer.status_code}, 201
+
+    downstream.script = [503, "drop", 200]
+    client = app.test_client()
+    first = client.post("/calls-downstream", json={}, headers={"Idempotency-Key": "up-1"})
+    assert first.status_code == 201
+    assert first.get_json() == {"downstream": 200}
+    key = one_key(downstream, 3)
+    assert seen == [key, key]
+    # The client's retry is replayed: the downstream is not called again.
+    retry = client.post("/calls-downstream", json={}, headers={"Idempotency-Key": "up-1"})
+    assert retry.get_json() == first.get_json()
+    assert len(downstream.attempts) == 3
+
+
+def test_a_keyless_post_in_an_idempotent_view_is_refused(
+    app: Flask, downstream: Downstream
+) -> None:
+    errors: list[str] = []
+
+    @app.post("/keyless-downstream")
+    @testapp.idem.idempotent(required=True)
+    def keyless_downstream() -> tuple[dict[str, t.Any], int]:
+        try:
+            fast().post(downstream.url + "/charges", json={})
+        except ValueError as exc:
+            errors.append(str(exc))
+        return {}, 201
+
+    response = app.test_client().post(
+        "/keyless-downstream", json={}, headers={"Idempotency-Key": "up-2"}
+    )
+    assert response.status_code == 201
+    assert errors
+    assert "step=" in errors[0]
+    assert downstream.attempts == []
+
+
+# -- idem.forward_headers ---------------------------------------------------------------
+
+
+def test_forward_headers_pass_the_key_through_or_derive_it(app: Flask) -> None:
+    @app.post("/forward")
+    @testapp.idem.idempotent()
+    def forward() -> dict[str, t.Any]:
+        return {
+            "through": testapp.idem.forward_headers(),
+            "charge": testapp.idem.forward_headers("charge"),
+            "derived": testapp.idem.derived_key("charge"),
+        }
+
+    client = app.test_client()
+    for sent, key in [('"a,b \\"c\\""', 'a,b "c"'), ("plain-1", "plain-1")]:
+        body = client.post("/forward", json={}, headers={"Idempotency-Key": sent}).get_json()
+        assert body["through"] == {"Idempotency-Key": quote_key(key)}
+        assert parse_key(body["through"]["Idempotency-Key"]) == key
+        assert body["charge"] == {"Idempotency-Key": quote_key(body["derived"])}
+
+
+def test_forward_headers_use_the_configured_header(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'header.sqlite3'}"
+    app = testapp.create_app(url, IDEMPOTENCY_HEADER="X-Request-Key")
+    reset_tables(url)
+
+    @app.post("/forward-header")
+    @testapp.idem.idempotent()
+    def forward_header() -> dict[str, str]:
+        return testapp.idem.forward_headers()
+
+    response = app.test_client().post(
+        "/forward-header", json={}, headers={"X-Request-Key": "k9"}
+    )
+    assert response.get_json() == {"X-Request-Key": '"k9"'}
+    with app.app_context():
+        testapp.db.engine.dispose()
+
+
+def test_forward_headers_without_a_key_ask_the_client_for_one(app: Flask) -> None:
+    @app.post("/forward-keyless")
+    @testapp.idem.idempotent()
+    def forward_keyless() -> dict[str, str]:
+        return testapp.idem.forward_headers()
+
+    response = app.test_client().post("/forward-keyless", json={})
+    assert response.status_code == 400
+    assert response.get_json()["type"].endswith("/missing-key")
+
+
+def test_forward_headers_are_refused_on_optimistic_routes(app: Flask) -> None:
+    errors: list[str] = []
+
+    @app.post("/forward-optimistic")
+    @testapp.idem.idempotent(optimistic=True)
+    def forward_optimistic() -> tuple[dict[str, t.Any], int]:
+        try:
+            testapp.idem.forward_headers()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            raise
+        return {}, 201
+
+    response = app.test_client().post(
+        "/forward-optimistic", json={}, headers={"Idempotency-Key": "o-1"}
+    )
+    assert response.status_code == 500
+    assert errors
+    assert "optimistic" in errors[0]
+
+
+def test_forward_headers_outside_a_view_are_refused(app: Flask) -> None:
+    with app.test_request_context(), pytest.raises(RuntimeError, match="idempotent view"):
+        testapp.idem.forward_headers()
