@@ -23,12 +23,12 @@ import requests
 from flask import Flask
 
 from flask_idempotency.client import IdempotentSession
-from flask_idempotency.keys import parse_key, quote_key, scoped_parent_key
 from flask_idempotency.keys import derive_key as public_derive_key
+from flask_idempotency.keys import parse_key, quote_key, scoped_parent_key
 from tests import testapp
 from tests.conftest import reset_tables
 
-Action = t.Union[int, tuple[int, dict[str, str]], str, tuple[str, float]]
+Action = int | tuple[int, dict[str, str]] | str | tuple[str, float]
 
 
 @dataclasses.dataclass
@@ -267,9 +267,7 @@ def test_an_explicit_header_is_sent_verbatim(downstream: Downstream) -> None:
 
 def test_a_key_in_two_places_is_refused(downstream: Downstream) -> None:
     with pytest.raises(TypeError):
-        fast().post(
-            downstream.url, json={}, headers={"Idempotency-Key": "a"}, idempotency_key="b"
-        )
+        fast().post(downstream.url, json={}, headers={"Idempotency-Key": "a"}, idempotency_key="b")
     assert downstream.attempts == []
 
 
@@ -391,9 +389,7 @@ def test_forward_headers_use_the_configured_header(tmp_path: Path) -> None:
     def forward_header() -> dict[str, str]:
         return testapp.idem.forward_headers()
 
-    response = app.test_client().post(
-        "/forward-header", json={}, headers={"X-Request-Key": "k9"}
-    )
+    response = app.test_client().post("/forward-header", json={}, headers={"X-Request-Key": "k9"})
     assert response.get_json() == {"X-Request-Key": '"k9"'}
     with app.app_context():
         testapp.db.engine.dispose()
