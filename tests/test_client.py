@@ -335,6 +335,38 @@ def test_a_step_in_an_idempotent_view_sends_the_derived_key(
     assert len(downstream.attempts) == 3
 
 
+def test_a_retried_operation_sends_the_same_derived_key(
+    app: Flask, downstream: Downstream
+) -> None:
+    """A leased view charges through the client in a step, then fails: its retry
+    resumes the operation with the same derived key, and skips the saved step."""
+    seen: list[str] = []
+    failures = [True]
+    http = fast()
+
+    @app.post("/charge-then-fail")
+    @testapp.idem.idempotent(lease=30, required=True)
+    def charge_then_fail() -> tuple[dict[str, t.Any], int]:
+        seen.append(testapp.idem.derived_key("charge"))
+        charge = testapp.idem.step(
+            "charge",
+            lambda: http.post(downstream.url + "/charges", json={}, step="charge").json(),
+        )
+        if failures.pop() if failures else False:
+            return {"error": "later failure"}, 503
+        return {"charge": charge["attempt"]}, 201
+
+    downstream.script = [503, 200]
+    client = app.test_client()
+    headers = {"Idempotency-Key": "up-3"}
+    assert client.post("/charge-then-fail", json={}, headers=headers).status_code == 503
+    retry = client.post("/charge-then-fail", json={}, headers=headers)
+    assert retry.status_code == 201
+    assert retry.get_json() == {"charge": 2}
+    key = one_key(downstream, 2)  # the saved step was not called again
+    assert seen == [key, key]
+
+
 def test_a_keyless_post_in_an_idempotent_view_is_refused(
     app: Flask, downstream: Downstream
 ) -> None:
