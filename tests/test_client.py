@@ -367,6 +367,40 @@ def test_a_retried_operation_sends_the_same_derived_key(
     assert seen == [key, key]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a failed attempt releases (deletes) its record, so the retry is a new "
+    "operation and derives new keys; a downstream that acted on a timed-out call acts again",
+)
+def test_a_call_with_an_unknown_outcome_keeps_its_key_on_the_retry(
+    app: Flask, downstream: Downstream
+) -> None:
+    http = fast(total=1)
+
+    @app.post("/times-out")
+    @testapp.idem.idempotent(lease=30, required=True)
+    def times_out() -> tuple[dict[str, t.Any], int]:
+        try:
+            testapp.idem.step(
+                "charge",
+                lambda: http.post(
+                    downstream.url + "/charges", json={}, step="charge", timeout=0.3
+                ).json(),
+            )
+        except requests.ConnectionError:
+            return {"error": "downstream timed out"}, 504
+        return {}, 201
+
+    # Both attempts time out: the downstream may have acted on either.
+    downstream.script = [("sleep", 0.6), ("sleep", 0.6)]
+    client = app.test_client()
+    headers = {"Idempotency-Key": "up-4"}
+    assert client.post("/times-out", json={}, headers=headers).status_code == 504
+    time.sleep(0.01)  # the retry's operation starts at a later time
+    assert client.post("/times-out", json={}, headers=headers).status_code == 201
+    one_key(downstream, 3)
+
+
 def test_a_keyless_post_in_an_idempotent_view_is_refused(
     app: Flask, downstream: Downstream
 ) -> None:
