@@ -335,9 +335,7 @@ def test_a_step_in_an_idempotent_view_sends_the_derived_key(
     assert len(downstream.attempts) == 3
 
 
-def test_a_retried_operation_sends_the_same_derived_key(
-    app: Flask, downstream: Downstream
-) -> None:
+def test_a_retried_operation_sends_the_same_derived_key(app: Flask, downstream: Downstream) -> None:
     """A leased view charges through the client in a step, then fails: its retry
     resumes the operation with the same derived key, and skips the saved step."""
     seen: list[str] = []
