@@ -494,3 +494,15 @@ def test_forward_headers_are_refused_on_optimistic_routes(app: Flask) -> None:
 def test_forward_headers_outside_a_view_are_refused(app: Flask) -> None:
     with app.test_request_context(), pytest.raises(RuntimeError, match="idempotent view"):
         testapp.idem.forward_headers()
+
+
+def test_without_requests_the_import_error_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "requests", None)
+    monkeypatch.delitem(sys.modules, "flask_idempotency.client")
+    with pytest.raises(ImportError, match=r"Flask-Idempotency\[client\]"):
+        importlib.import_module("flask_idempotency.client")
