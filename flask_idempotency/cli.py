@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import signal
 import threading
 import typing as t
@@ -87,6 +88,9 @@ def stats() -> None:
     with state.db.engine.connect() as conn:
         numbers = state.store.stats(conn, state.clock())
     numbers["oldest_in_progress"] = _iso(numbers["oldest_in_progress"])
+    from .relay import outbox_stats
+
+    numbers.update(outbox_stats(resolve_app()))
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 
@@ -266,3 +270,63 @@ def scheduler() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         click.echo("idempotency scheduler stopped")
+
+
+@idempotency_cli.command("relay")
+@click.option("--once", is_flag=True, help="Publish what is pending now, then exit.")
+@click.option("--batch", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--poll", type=click.FloatRange(min=0.01), default=1.0, show_default=True, help="Seconds."
+)
+def relay(once: bool, batch: int, poll: float) -> None:
+    """Publish outbox events through IDEMPOTENCY_PUBLISHER, until SIGTERM/Ctrl-C.
+
+    Several relays may run at once (they take disjoint rows); delivery is at
+    least once. Between batches it waits up to --poll seconds, less when this
+    process commits an event; on PostgreSQL it also LISTENs on the
+    ``idempotency_outbox`` channel.
+    """
+    from .outbox import WAKE
+    from .relay import relay_once
+
+    _state()
+    app = resolve_app()
+    if once:
+        total = 0
+        while (n := relay_once(app, batch=batch)) > 0:
+            total += n
+            if n < batch:
+                break
+        click.echo(f"outbox relay: published {total}")
+        return
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+        WAKE.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    click.echo("outbox relay running; SIGTERM or Ctrl-C stops it")
+    try:
+        while not stop.is_set():
+            try:
+                n = relay_once(app, batch=batch)
+            except Exception:
+                logging.getLogger("flask_idempotency").exception("outbox relay run failed")
+                n = 0
+            if n < batch:
+                WAKE.wait(poll)
+                WAKE.clear()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        click.echo("outbox relay stopped")
+
+
+@idempotency_cli.command("outbox-retry")
+def outbox_retry() -> None:
+    """Un-park the events the relay gave up on (attempts reset, due now)."""
+    from .relay import retry_parked
+
+    _state()
+    click.echo(f"un-parked {retry_parked(resolve_app())} event(s)")

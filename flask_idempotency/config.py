@@ -59,6 +59,14 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 ``IDEMPOTENCY_READY_TIMEOUT`` (default: 2 seconds)
     how long ``idem.readiness()`` (and ``idem.readiness_view``) waits for its probe of
     the record's table before answering "not ready"; must be positive
+``IDEMPOTENCY_PUBLISHER`` (default: ``None``)
+    the outbox relay's publisher (:mod:`flask_idempotency.publishers`): an object with
+    ``publish(event)``, or an import string ``"module:attribute"`` naming one (or a
+    callable returning one); the relay job and ``flask idempotency relay`` use it
+``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` (default: 10)
+    failed publishes of one event before the relay parks it (``failed_at``)
+``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
+    interval of the outbox relay job (scheduled only when a publisher is configured)
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
 """
@@ -96,6 +104,9 @@ DEFAULTS: dict[str, t.Any] = {
     "RECOVER_EVERY": timedelta(seconds=30),
     "JOB_LOCK": timedelta(minutes=2),
     "READY_TIMEOUT": timedelta(seconds=2),
+    "PUBLISHER": None,
+    "OUTBOX_MAX_ATTEMPTS": 10,
+    "RELAY_EVERY": timedelta(seconds=1),
 }
 
 
@@ -245,6 +256,8 @@ class Settings:
     key_max_length: int = MAX_KEY_LENGTH
 
     ready_timeout: timedelta = timedelta(seconds=2)
+    outbox_max_attempts: int = 10
+    relay_every: timedelta = timedelta(seconds=1)
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -287,6 +300,12 @@ class Settings:
                 values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
             ),
             ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
+            outbox_max_attempts=positive_int(
+                values.get("OUTBOX_MAX_ATTEMPTS", 10), "IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"
+            ),
+            relay_every=positive_duration(
+                values.get("RELAY_EVERY", timedelta(seconds=1)), "IDEMPOTENCY_RELAY_EVERY"
+            ),
         )
 
     @functools.cached_property

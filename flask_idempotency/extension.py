@@ -11,13 +11,13 @@ import weakref
 
 from flask import Flask, Response, current_app, g, jsonify, request
 
-from . import config, dberrors, health, session_guard
+from . import config, dberrors, health, outbox, session_guard
 from .cli import idempotency_cli
 from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
-from .models import Record, job_lock_table, record_table
+from .models import Record, job_lock_table, outbox_table, record_table
 from .optimistic import WHY as OPTIMISTIC_WHY
 from .recovery import run_step
 from .responses import replay
@@ -153,6 +153,8 @@ class Idempotency:
         for route in self._routes:
             state.route_settings[route] = route.settings_for(settings)
         session_guard.listen(db.session.session_factory)
+        outbox_table(db.metadata)
+        outbox.listen(db.session.session_factory)
         app.extensions[EXTENSION_KEY] = state
         self._states.add(state)
         app.cli.add_command(idempotency_cli)
@@ -442,6 +444,19 @@ class Idempotency:
         (:func:`flask_idempotency.keys.scoped_parent_key`) and ``step``.
         """
         return current_derived_key(step)
+
+    def emit(self, topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None) -> str:
+        """Add an event to the outbox in the current transaction; its event id.
+
+        The row is inserted through the app's session, so it commits with the
+        view's writes and the record, or rolls back with them; the relay
+        publishes it after the commit, at least once. The id of the n-th emit
+        of a request is ``derived_key(f"event:{topic}:{n}")``: a retried or
+        resumed operation emits the same ids, and an id already in the outbox
+        adds nothing. Allowed on optimistic routes (random ids there). See
+        :mod:`flask_idempotency.outbox`.
+        """
+        return outbox.emit(topic, payload, headers)
 
     def forward_headers(self, step: str | None = None) -> dict[str, str]:
         """The headers that carry this operation's key to an outgoing call.

@@ -220,3 +220,57 @@ class Record:
         return (
             self.status == IN_PROGRESS and self.locked_until is not None and self.locked_until > now
         )
+
+
+OUTBOX_TABLE_NAME = "idempotency_outbox"
+
+
+def outbox_table(metadata: sa.MetaData) -> sa.Table:
+    """The ``idempotency_outbox`` table: events written with the business rows.
+
+    ``id`` is the write order the relay publishes in; ``event_id`` is the
+    event's identity, unique, so an emit repeated by a resumed operation adds
+    nothing (:mod:`flask_idempotency.outbox`). ``event_id`` is VARBINARY on
+    MySQL like the record's key columns: the ids are lower-case hex or caller
+    supplied, and an explicit id must compare byte for byte, not through a
+    case-folding, pad-ignoring collation.
+
+    The relay's query is "unpublished, not parked, due, in id order". The index
+    ``(published_at, failed_at, id)`` serves it on every engine: the two
+    leading columns are equality on NULL, so the rows come in id order from the
+    index. On PostgreSQL the index is partial (``WHERE published_at IS NULL
+    AND failed_at IS NULL``): it holds only the pending rows, so it stays small
+    however many published rows the table keeps.
+    """
+    existing = metadata.tables.get(OUTBOX_TABLE_NAME)
+    if existing is not None:
+        return existing
+    table = sa.Table(
+        OUTBOX_TABLE_NAME,
+        metadata,
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        sa.Column("event_id", _exact_text(64, 64), nullable=False),
+        sa.Column("topic", sa.String(255), nullable=False),
+        sa.Column("payload", _long_text(), nullable=False),
+        sa.Column("headers", _long_text(), nullable=True),
+        sa.Column("created_at", _timestamp(), nullable=False),
+        sa.Column("published_at", _timestamp(), nullable=True),
+        sa.Column("attempts", sa.Integer, nullable=False, default=0),
+        sa.Column("next_attempt_at", _timestamp(), nullable=True),
+        sa.Column("last_error", _long_text(), nullable=True),
+        sa.Column("failed_at", _timestamp(), nullable=True),
+        sa.UniqueConstraint("event_id", name="idempotency_outbox_event_id"),
+    )
+    sa.Index(
+        "idempotency_outbox_pending",
+        table.c.published_at,
+        table.c.failed_at,
+        table.c.id,
+        postgresql_where=sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None)),
+    )
+    return table

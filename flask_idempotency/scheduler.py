@@ -36,6 +36,14 @@ logger = logging.getLogger("flask_idempotency")
 JobFunc = t.Callable[[Flask, KeepGoing], object]
 
 
+def _relay_job(app: Flask, keep_going: KeepGoing) -> None:
+    from .relay import relay_once
+
+    # Drain: whole batches until one comes back short or the lock is lost.
+    while relay_once(app) >= 100 and keep_going():
+        pass
+
+
 class JobScheduler:
     """The jobs of one app in one process. ``start()``, then ``shutdown()``."""
 
@@ -57,6 +65,8 @@ class JobScheduler:
             lambda app, keep: recover_abandoned(app, keep_going=keep),
             settings.recover_every,
         )
+        if app.config.get("IDEMPOTENCY_PUBLISHER") is not None:
+            self.add_job("relay", _relay_job, settings.relay_every)
 
     def add_job(self, name: str, func: JobFunc, every: dt.timedelta) -> None:
         """Schedule ``func(app, keep_going)`` every ``every``, one runner at a time,

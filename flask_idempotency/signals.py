@@ -27,3 +27,8 @@ record_completed = _signals.signal("idempotency-record-completed")
 job_started = _signals.signal("idempotency-job-started")
 #: That run ended, just before its lock is freed (``name``, ``holder``, ``error``).
 job_finished = _signals.signal("idempotency-job-finished")
+#: The outbox relay published an event and marked it (``event``: an ``OutboxEvent``).
+event_published = _signals.signal("idempotency-event-published")
+#: An event failed ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` times and was parked
+#: (``event``, ``error``); ``flask idempotency outbox-retry`` un-parks it.
+event_parked = _signals.signal("idempotency-event-parked")

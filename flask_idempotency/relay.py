@@ -1,0 +1,203 @@
+"""The outbox relay: publishes committed events, in id order, at least once.
+
+:func:`relay_once` runs one batch in a transaction of its own:
+
+1. select the pending rows (unpublished, not parked, due) ``ORDER BY id LIMIT
+   batch``; on PostgreSQL and MySQL/MariaDB ``FOR UPDATE SKIP LOCKED``, so
+   relays running at once take disjoint batches and never publish one event at
+   the same time; on SQLite the transaction first takes the database's write
+   lock (SQLite has one writer), so a second relay waits for the first to
+   commit and then sees the rows as published;
+2. publish each row through the publisher, holding those row locks;
+3. mark the published rows (``published_at``), and the failed ones with
+   ``attempts + 1``, ``last_error`` and an exponential backoff
+   (``next_attempt_at``; parked, ``failed_at``, after
+   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``), and commit.
+
+Every run selects all pending rows: there is no high-water mark over ids, so
+an event whose transaction took its id early and committed late (after events
+with higher ids were published) is published by the next run.
+
+Delivery is at least once. A relay that dies after the broker took an event
+and before its commit leaves the row unpublished (the marking never committed,
+and the row lock went with the connection), so the next run publishes it
+again. No order of "publish" and "mark" avoids that without a transaction
+spanning the broker and the database; consumers deduplicate on ``event_id``.
+Order: events are published in id order within and across runs, except that
+an event waiting out its backoff lets later events pass it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import logging
+import typing as t
+
+import sqlalchemy as sa
+from flask import Flask
+
+from . import signals
+from .models import as_utc, outbox_table
+from .outbox import OutboxEvent
+from .state import app_state
+
+logger = logging.getLogger("flask_idempotency")
+
+#: Backoff after the n-th failure: BASE * 2**(n-1), at most CAP.
+BACKOFF_BASE = dt.timedelta(seconds=1)
+BACKOFF_CAP = dt.timedelta(minutes=10)
+
+
+class Publisher(t.Protocol):
+    """What the relay publishes through.
+
+    ``publish(event)`` returns once the event is safely handed over (for a
+    broker: confirmed), and raises on any failure; the relay then retries it
+    later. ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON)
+    and ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
+    """
+
+    def publish(self, event: OutboxEvent) -> None: ...
+
+
+def backoff(attempts: int) -> dt.timedelta:
+    """The wait after the ``attempts``-th failed publish."""
+    factor: int = 2 ** max(0, min(attempts - 1, 30))
+    return min(BACKOFF_CAP, BACKOFF_BASE * factor)
+
+
+def resolve_publisher(value: t.Any) -> Publisher | None:
+    """``IDEMPOTENCY_PUBLISHER``: an object with ``publish``, or ``"module:attr"``
+    naming one or a callable returning one."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        module, _, attr = value.partition(":")
+        if not attr:
+            raise ValueError(f"IDEMPOTENCY_PUBLISHER must be 'module:attribute', got {value!r}")
+        value = getattr(importlib.import_module(module), attr)
+        if not hasattr(value, "publish") and callable(value):
+            value = value()
+    if not hasattr(value, "publish"):
+        raise TypeError(f"IDEMPOTENCY_PUBLISHER has no publish(event) method: {value!r}")
+    return t.cast(Publisher, value)
+
+
+def app_publisher(app: Flask) -> Publisher | None:
+    """The publisher configured on ``app`` (``IDEMPOTENCY_PUBLISHER``), resolved once."""
+    cache = app.extensions.setdefault("idempotency_publisher", {})
+    raw = app.config.get("IDEMPOTENCY_PUBLISHER")
+    if cache.get("raw") is not raw or "publisher" not in cache:
+        cache["raw"], cache["publisher"] = raw, resolve_publisher(raw)
+    return t.cast("Publisher | None", cache["publisher"])
+
+
+def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> int:
+    """Publish one batch of pending events; the number published.
+
+    ``publisher`` defaults to the app's ``IDEMPOTENCY_PUBLISHER``. See the
+    module for the locking and the at-least-once guarantee.
+    """
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    with app.app_context():
+        state = app_state(app)
+        if publisher is None:
+            publisher = app_publisher(app)
+            if publisher is None:
+                raise RuntimeError("no outbox publisher: set IDEMPOTENCY_PUBLISHER")
+        table = outbox_table(state.db.metadata)
+        engine = state.db.engine
+        max_attempts = state.settings.outbox_max_attempts
+        published: list[OutboxEvent] = []
+        parked: list[tuple[OutboxEvent, str]] = []
+        with engine.begin() as conn:
+            now = state.clock()
+            query = (
+                sa.select(table)
+                .where(
+                    table.c.published_at.is_(None),
+                    table.c.failed_at.is_(None),
+                    sa.or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
+                )
+                .order_by(table.c.id)
+                .limit(batch)
+            )
+            if engine.dialect.name == "sqlite":
+                # Take SQLite's write lock now (a write starts the write
+                # transaction even when it matches nothing): a second relay
+                # waits here instead of reading the same rows.
+                conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
+            else:
+                query = query.with_for_update(skip_locked=True)
+            events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
+            failures: list[tuple[OutboxEvent, str]] = []
+            for ev in events:
+                try:
+                    publisher.publish(ev)
+                except Exception as exc:
+                    logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000]))
+                else:
+                    published.append(ev)
+            done_at = state.clock()
+            if published:
+                conn.execute(
+                    sa.update(table)
+                    .where(table.c.id.in_([ev.id for ev in published]))
+                    .values(published_at=done_at)
+                )
+            for ev, error in failures:
+                attempts = ev.attempts + 1
+                values: dict[str, t.Any] = {
+                    "attempts": attempts,
+                    "last_error": error,
+                    "next_attempt_at": done_at + backoff(attempts),
+                }
+                if attempts >= max_attempts:
+                    values["failed_at"] = done_at
+                    parked.append((ev, error))
+                conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
+        for ev in published:
+            signals.event_published.send(app, event=ev)
+        for ev, error in parked:
+            logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
+            signals.event_parked.send(app, event=ev, error=error)
+        return len(published)
+
+
+def retry_parked(app: Flask) -> int:
+    """Un-park every parked event (attempts reset, due now); the number un-parked."""
+    with app.app_context():
+        state = app_state(app)
+        table = outbox_table(state.db.metadata)
+        with state.db.engine.begin() as conn:
+            result = conn.execute(
+                sa.update(table)
+                .where(table.c.failed_at.is_not(None), table.c.published_at.is_(None))
+                .values(failed_at=None, attempts=0, next_attempt_at=None)
+            )
+            return int(result.rowcount)
+
+
+def outbox_stats(app: Flask) -> dict[str, t.Any]:
+    """Depth (pending), oldest pending age in seconds, and parked count."""
+    with app.app_context():
+        state = app_state(app)
+        table = outbox_table(state.db.metadata)
+        pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
+        with state.db.engine.connect() as conn:
+            depth = conn.execute(sa.select(sa.func.count()).where(pending)).scalar_one()
+            oldest = conn.execute(
+                sa.select(sa.func.min(table.c.created_at)).where(pending)
+            ).scalar()
+            parked = conn.execute(
+                sa.select(sa.func.count()).where(
+                    table.c.failed_at.is_not(None), table.c.published_at.is_(None)
+                )
+            ).scalar_one()
+        age = None
+        if oldest is not None:
+            age = (state.clock() - t.cast(dt.datetime, as_utc(oldest))).total_seconds()
+        return {"outbox_pending": depth, "outbox_oldest_age_s": age, "outbox_parked": parked}
