@@ -31,6 +31,8 @@ setup(
         "mysql": ["pymysql>=1.1"],
         # flask_idempotency.client: retries with one Idempotency-Key for all attempts.
         "client": ["requests>=2.31"],
+        # flask_idempotency.publishers.KombuPublisher: the outbox relay to a broker.
+        "kombu": ["kombu>=5.3"],
         # The benchmark's plot (python -m bench.run); the tables need nothing extra.
         "bench": ["matplotlib>=3.7"],
     },
