@@ -69,13 +69,13 @@ class KombuPublisher:
             raise ImportError(
                 "KombuPublisher needs kombu: pip install 'flask-idempotency[kombu]'"
             ) from exc
-        self._kombu = kombu
+        self._kombu: t.Any = kombu
         options = dict(transport_options or {})
         if url.split("://", 1)[0] in ("amqp", "pyamqp", "amqps"):
             options.setdefault("confirm_publish", True)
         self.url = url
         self.transport_options = options
-        self.exchange = kombu.Exchange(exchange, type=exchange_type, durable=True)
+        self.exchange: t.Any = self._kombu.Exchange(exchange, type=exchange_type, durable=True)
         self.declare = declare
         self._connection: t.Any = None
         self._producer: t.Any = None
