@@ -1,0 +1,401 @@
+"""The transactional outbox and its relay, on real databases."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import typing as t
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from sqlalchemy import orm
+
+from flask_idempotency import signals
+from flask_idempotency.models import outbox_table
+from flask_idempotency.outbox import OutboxEvent, add_event
+from flask_idempotency.publishers import KombuPublisher, ListPublisher
+from flask_idempotency.relay import backoff, relay_once, retry_parked
+
+from . import outbox_app
+from .conftest import Clock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reset(url: str) -> None:
+    engine = sa.create_engine(url)
+    try:
+        outbox_app.db.metadata.drop_all(engine)
+        outbox_app.db.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
+    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3)
+    reset(database_url)
+    yield app
+    with app.app_context():
+        outbox_app.db.engine.dispose()
+
+
+def rows(app: Flask) -> list[dict[str, t.Any]]:
+    with app.app_context():
+        table = outbox_table(outbox_app.db.metadata)
+        with outbox_app.db.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.select(table).order_by(table.c.id))]
+
+
+def orders(app: Flask) -> int:
+    with app.app_context():
+        return int(outbox_app.db.session.query(outbox_app.Order).count())
+
+
+def post(app: Flask, path: str = "/orders", key: str | None = None, **body: t.Any) -> t.Any:
+    headers = {"Idempotency-Key": key} if key else {}
+    return app.test_client().post(path, json={"amount": 5, **body}, headers=headers)
+
+
+class FlakyPublisher:
+    """Fails the first ``failures`` publishes of each event id listed in ``flaky``."""
+
+    def __init__(self, failures: int = 0, flaky: t.Collection[str] = ()) -> None:
+        self.failures, self.flaky = failures, set(flaky)
+        self.tries: dict[str, int] = {}
+        self.published: list[OutboxEvent] = []
+
+    def publish(self, event: OutboxEvent) -> None:
+        n = self.tries[event.event_id] = self.tries.get(event.event_id, 0) + 1
+        if event.event_id in self.flaky and n <= self.failures:
+            raise ConnectionError(f"broker down ({n})")
+        self.published.append(event)
+
+
+def test_emit_commits_with_the_business_rows(app: Flask) -> None:
+    response = post(app, key="k1", twice=True)
+    assert response.status_code == 201
+    events = response.get_json()["events"]
+    assert orders(app) == 1
+    stored = rows(app)
+    assert [r["topic"] for r in stored] == ["order.created", "order.created"]
+    assert [
+        r["event_id"] if isinstance(r["event_id"], str) else r["event_id"].decode() for r in stored
+    ] == events
+    assert json.loads(stored[0]["payload"]) == {"amount": 5, "order": 1}
+    assert all(r["published_at"] is None and r["attempts"] == 0 for r in stored)
+    assert len(set(events)) == 2
+    assert all(len(e) == 64 for e in events)
+
+
+def test_emit_rolls_back_with_the_business_rows(app: Flask) -> None:
+    assert post(app, key="k1", fail=True).status_code == 500
+    assert orders(app) == 0
+    assert rows(app) == []
+    publisher = ListPublisher()
+    assert relay_once(app, publisher) == 0
+    assert publisher.events == []
+
+
+def test_a_replayed_request_does_not_emit_again(app: Flask) -> None:
+    first = post(app, key="k1")
+    again = post(app, key="k1")
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.get_json() == first.get_json()
+    assert len(rows(app)) == 1
+    assert orders(app) == 1
+
+
+def test_emit_is_conflict_tolerant_on_event_id(app: Flask) -> None:
+    """A resumed operation re-emitting an id already committed adds nothing and
+    does not fail (the insert is ON CONFLICT DO NOTHING or its MySQL form)."""
+    with app.app_context():
+        session = outbox_app.db.session
+        add_event(session, "t", {"a": 1}, event_id="e1")
+        session.commit()
+        add_event(session, "t", {"a": 2}, event_id="e1")
+        session.commit()
+    stored = rows(app)
+    assert len(stored) == 1
+    assert json.loads(stored[0]["payload"]) == {"a": 1}
+
+
+def test_optimistic_routes_emit_too(app: Flask) -> None:
+    response = post(app, "/fast-orders", key="k1")
+    assert response.status_code == 201
+    assert post(app, "/fast-orders", key="k1").headers.get("Idempotent-Replayed") == "true"
+    assert len(rows(app)) == 1
+    assert orders(app) == 1
+
+
+def test_relay_publishes_in_id_order_and_marks_published(app: Flask) -> None:
+    for i in range(5):
+        post(app, key=f"k{i}", amount=i)
+    sent: list[t.Any] = []
+    def on_published(sender: Flask, event: OutboxEvent) -> None:
+        sent.append(event.id)
+
+    signals.event_published.connect(on_published, app)
+    publisher = ListPublisher()
+    assert relay_once(app, publisher, batch=3) == 3
+    assert relay_once(app, publisher, batch=3) == 2
+    assert relay_once(app, publisher, batch=3) == 0
+    assert [e.payload["amount"] for e in publisher.events] == [0, 1, 2, 3, 4]
+    assert [e.id for e in publisher.events] == sorted(e.id for e in publisher.events) == sent
+    assert all(r["published_at"] is not None for r in rows(app))
+
+
+def test_failures_back_off_then_park_then_retry(app: Flask, clock: Clock) -> None:
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {"n": 1}, event_id="bad")
+        add_event(outbox_app.db.session, "t", {"n": 2}, event_id="good")
+        outbox_app.db.session.commit()
+    parked: list[str] = []
+    def on_parked(sender: Flask, event: OutboxEvent, error: str) -> None:
+        parked.append(event.event_id)
+
+    signals.event_parked.connect(on_parked, app)
+    publisher = FlakyPublisher(failures=10, flaky={"bad"})
+    assert relay_once(app, publisher) == 1  # "good" passes the failing one
+    bad = rows(app)[0]
+    assert bad["attempts"] == 1
+    assert "broker down (1)" in bad["last_error"]
+    assert bad["failed_at"] is None
+    # Not due until its backoff has passed.
+    assert relay_once(app, publisher) == 0
+    assert publisher.tries["bad"] == 1
+    clock.advance(seconds=backoff(1).total_seconds() + 0.01)
+    assert relay_once(app, publisher) == 0
+    assert publisher.tries["bad"] == 2
+    assert rows(app)[0]["attempts"] == 2
+    clock.advance(seconds=backoff(1).total_seconds())  # 1 s: backoff(2) is 2 s
+    assert relay_once(app, publisher) == 0
+    assert publisher.tries["bad"] == 2
+    clock.advance(seconds=backoff(2).total_seconds())
+    assert relay_once(app, publisher) == 0
+    assert publisher.tries["bad"] == 3
+    assert rows(app)[0]["failed_at"] is not None  # parked after 3 attempts
+    assert parked == ["bad"]
+    clock.advance(hours=1)
+    assert relay_once(app, publisher) == 0
+    assert publisher.tries["bad"] == 3
+    publisher.failures = 0
+    assert retry_parked(app) == 1
+    assert relay_once(app, publisher) == 1
+    assert [e.event_id for e in publisher.published] == ["good", "bad"]
+    assert backoff(1) == dt.timedelta(seconds=1)
+    assert backoff(50) == dt.timedelta(minutes=10)
+
+
+def test_cli_stats_and_outbox_retry(app: Flask, clock: Clock) -> None:
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {}, event_id="a")
+        add_event(outbox_app.db.session, "t", {}, event_id="b")
+        outbox_app.db.session.commit()
+    app.config["IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"] = 3
+    publisher = FlakyPublisher(failures=99, flaky={"a"})
+    for _ in range(3):
+        relay_once(app, publisher)
+        clock.advance(minutes=1)
+    runner = app.test_cli_runner()
+    result = runner.invoke(args=["idempotency", "stats"])
+    numbers = json.loads(result.output)
+    assert numbers["outbox_pending"] == 0
+    assert numbers["outbox_parked"] == 1
+    assert numbers["outbox_oldest_age_s"] is None
+    result = runner.invoke(args=["idempotency", "outbox-retry"])
+    assert "un-parked 1 event(s)" in result.output
+    numbers = json.loads(runner.invoke(args=["idempotency", "stats"]).output)
+    assert numbers["outbox_pending"] == 1
+    assert numbers["outbox_oldest_age_s"] >= 180
+
+
+def test_an_event_committed_late_with_a_lower_id_is_still_published(
+    app: Flask, database_url: str
+) -> None:
+    """No high-water mark: txn A takes id 1 and commits after id 2 is published."""
+    if database_url.startswith("sqlite"):
+        pytest.skip("SQLite has one writer: transactions commit in the order of their ids")
+    with app.app_context():
+        engine = outbox_app.db.engine
+    with app.app_context(), orm.Session(engine) as a, orm.Session(engine) as b:
+        add_event(a, "t", {"txn": "A"}, event_id="A")
+        add_event(b, "t", {"txn": "B"}, event_id="B")
+        b.commit()
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 1
+        a.commit()
+        assert relay_once(app, publisher) == 1
+    assert [e.event_id for e in publisher.events] == ["B", "A"]
+    assert publisher.events[1].id < publisher.events[0].id
+
+
+class RecordingPublisher:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.published: list[tuple[str, float, str]] = []
+
+    def publish(self, event: OutboxEvent) -> None:
+        with self.lock:
+            self.published.append(
+                (event.event_id, time.monotonic(), threading.current_thread().name)
+            )
+
+
+def test_concurrent_relays_publish_every_event_exactly_once(pg_url: str) -> None:
+    app = outbox_app.create_app(pg_url, SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 10})
+    reset(pg_url)
+    with app.app_context():
+        table = outbox_table(outbox_app.db.metadata)
+        with outbox_app.db.engine.begin() as conn:
+            now = dt.datetime.now(dt.timezone.utc)
+            conn.execute(
+                sa.insert(table),
+                [
+                    {
+                        "event_id": f"e{i:05d}",
+                        "topic": "t",
+                        "payload": "{}",
+                        "created_at": now,
+                        "attempts": 0,
+                    }
+                    for i in range(2000)
+                ],
+            )
+    publisher = RecordingPublisher()
+    errors: list[BaseException] = []
+
+    def relay() -> None:
+        try:
+            idle = 0
+            while idle < 3:
+                idle = idle + 1 if relay_once(app, publisher, batch=50) == 0 else 0
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=relay, name=f"relay-{i}") for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    ids = [p[0] for p in publisher.published]
+    assert len(ids) == 2000
+    assert len(set(ids)) == 2000
+    assert len({p[2] for p in publisher.published}) > 1  # the relays really shared the work
+    with app.app_context():
+        with outbox_app.db.engine.connect() as conn:
+            pending = conn.execute(
+                sa.select(sa.func.count()).where(table.c.published_at.is_(None))
+            ).scalar_one()
+        outbox_app.db.engine.dispose()
+    assert pending == 0
+
+
+def test_a_relay_killed_after_publishing_publishes_again(pg_url: str, tmp_path: Path) -> None:
+    """At least once: SIGKILL between the publish and the commit that marks it."""
+    app = outbox_app.create_app(pg_url)
+    reset(pg_url)
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {"n": 1}, event_id="only")
+        outbox_app.db.session.commit()
+        outbox_app.db.engine.dispose()
+    out = tmp_path / "published.jsonl"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OUTBOX_TEST_DB": pg_url,
+        "OUTBOX_TEST_FILE": str(out),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "flask",
+        "--app",
+        "tests.outbox_app:from_env",
+        "idempotency",
+        "relay",
+        "--once",
+    ]
+    killed = subprocess.run(
+        cmd,
+        env={**env, "OUTBOX_KILL_AFTER_PUBLISH": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert [json.loads(line)["event_id"] for line in out.read_text().splitlines()] == ["only"]
+    assert rows(app)[0]["published_at"] is None
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "published 1" in again.stdout
+    assert [json.loads(line)["event_id"] for line in out.read_text().splitlines()] == [
+        "only",
+        "only",
+    ]
+    assert rows(app)[0]["published_at"] is not None
+    with app.app_context():
+        outbox_app.db.engine.dispose()
+
+
+def _consume(url: str, exchange: str, publish: t.Callable[[], None]) -> list[t.Any]:
+    import kombu
+
+    with kombu.Connection(url) as conn:
+        queue = kombu.Queue(
+            f"q-{uuid.uuid4().hex[:8]}",
+            kombu.Exchange(exchange, type="topic", durable=True),
+            routing_key="order.#",
+            auto_delete=True,
+        )
+        queue(conn.channel()).declare()
+        publish()
+        simple = conn.SimpleQueue(queue)
+        got = []
+        for _ in range(2):
+            message = simple.get(timeout=5)
+            got.append((message.payload, message.properties.get("message_id"), message.headers))
+            message.ack()
+        simple.close()
+        return got
+
+
+@pytest.mark.parametrize("url", ["memory://", "rabbitmq"])
+def test_kombu_publisher_through_the_relay(sqlite_app: Flask, url: str) -> None:
+    if url == "rabbitmq":
+        url = "amqp://guest:guest@127.0.0.1:5672//"
+        try:
+            socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+        except OSError as exc:
+            pytest.skip(f"no RabbitMQ at 127.0.0.1:5672: {exc}")
+    exchange = f"idem-test-{uuid.uuid4().hex[:8]}"
+    publisher = KombuPublisher(url, exchange=exchange)
+    if url.startswith("amqp"):
+        assert publisher.transport_options["confirm_publish"] is True
+    post(sqlite_app, key="k1", twice=True)
+    try:
+        got = _consume(url, exchange, lambda: relay_once(sqlite_app, publisher))
+    finally:
+        publisher.close()
+    ids = [r["event_id"] for r in rows(sqlite_app)]
+    assert [g[1] for g in got] == ids
+    assert got[0][0] == {"amount": 5, "order": 1}
+
+
+@pytest.fixture
+def sqlite_app(tmp_path: Path) -> Flask:
+    url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    app = outbox_app.create_app(url)
+    reset(url)
+    return app
