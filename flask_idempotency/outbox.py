@@ -119,7 +119,9 @@ def add_event(
     state = app_state()
     table = outbox_table(state.db.metadata)
     values = {
-        "event_id": event_id,
+        # As a string on every engine: MySQL's VARBINARY type would want bytes
+        # (the server stores the string's bytes; see store.text_param).
+        "event_id": sa.bindparam("event_id", event_id, type_=sa.String()),
         "topic": topic,
         "payload": json.dumps(payload, separators=(",", ":"), sort_keys=True),
         "headers": json.dumps(dict(headers)) if headers else None,
