@@ -141,6 +141,7 @@ def test_relay_publishes_in_id_order_and_marks_published(app: Flask) -> None:
     for i in range(5):
         post(app, key=f"k{i}", amount=i)
     sent: list[t.Any] = []
+
     def on_published(sender: Flask, event: OutboxEvent) -> None:
         sent.append(event.id)
 
@@ -160,6 +161,7 @@ def test_failures_back_off_then_park_then_retry(app: Flask, clock: Clock) -> Non
         add_event(outbox_app.db.session, "t", {"n": 2}, event_id="good")
         outbox_app.db.session.commit()
     parked: list[str] = []
+
     def on_parked(sender: Flask, event: OutboxEvent, error: str) -> None:
         parked.append(event.event_id)
 
