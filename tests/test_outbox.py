@@ -198,6 +198,15 @@ def test_failures_back_off_then_park_then_retry(app: Flask, clock: Clock) -> Non
     assert backoff(50) == dt.timedelta(minutes=10)
 
 
+def test_cli_create_tables_creates_the_outbox(app: Flask, database_url: str) -> None:
+    engine = sa.create_engine(database_url)
+    outbox_app.db.metadata.drop_all(engine)
+    result = app.test_cli_runner().invoke(args=["idempotency", "create-tables"])
+    assert "idempotency_outbox: present" in result.output
+    assert "idempotency_outbox" in sa.inspect(engine).get_table_names()
+    engine.dispose()
+
+
 def test_cli_stats_and_outbox_retry(app: Flask, clock: Clock) -> None:
     with app.app_context():
         add_event(outbox_app.db.session, "t", {}, event_id="a")
