@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import logging
 import signal
+import sys
 import threading
 import typing as t
 
@@ -288,8 +289,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     process commits an event; on PostgreSQL it also LISTENs on the
     ``idempotency_outbox`` channel.
     """
-    from .outbox import WAKE
-    from .relay import relay_once
+    from .relay import Listener, relay_once
 
     _state()
     app = resolve_app()
@@ -302,13 +302,16 @@ def relay(once: bool, batch: int, poll: float) -> None:
         click.echo(f"outbox relay: published {total}")
         return
     stop = threading.Event()
+    listener = Listener(app)
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
-        WAKE.set()
+        listener.interrupt()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    click.echo("outbox relay running; SIGTERM or Ctrl-C stops it")
+    how = "LISTEN idempotency_outbox and polling" if listener.listening else "polling"
+    click.echo(f"outbox relay running ({how}); SIGTERM or Ctrl-C stops it")
+    sys.stdout.flush()
     try:
         while not stop.is_set():
             try:
@@ -316,10 +319,10 @@ def relay(once: bool, batch: int, poll: float) -> None:
             except Exception:
                 logging.getLogger("flask_idempotency").exception("outbox relay run failed")
                 n = 0
-            if n < batch:
-                WAKE.wait(poll)
-                WAKE.clear()
+            if n < batch and not stop.is_set():
+                listener.wait(poll)
     finally:
+        listener.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         click.echo("outbox relay stopped")

@@ -24,6 +24,14 @@ but have no operation time to derive from, and a request without a key has no
 operation at all: there the id is random (``uuid4().hex``). That is enough
 because the event commits only with the winning record: a duplicate's whole
 transaction, event included, rolls back when it meets the winner's record.
+
+Wake-ups: a commit that carried events sets :data:`WAKE` in this process (an
+``after_commit`` hook on the app's sessions), and on PostgreSQL the first emit
+of a transaction also runs ``pg_notify('idempotency_outbox', '')``, which
+PostgreSQL delivers at the commit (and drops on rollback), so a relay that
+LISTENs wakes at once instead of waiting for its next poll. Both only shorten
+the wait: the relay polls regardless, so a lost wake-up (an emit in a savepoint
+rolled back before a later one) only delays an event to the next poll.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ from .state import app_state
 #: Set when a transaction that emitted events commits in this process: an
 #: in-process relay waits on it instead of sleeping its whole poll interval.
 WAKE = threading.Event()
+
+#: The PostgreSQL channel a transaction that emitted notifies.
+CHANNEL = "idempotency_outbox"
 
 _INFO_FLAG = "idempotency_outbox_emitted"
 _COUNTER = "_idempotency_outbox_emits"
@@ -128,8 +139,12 @@ def add_event(
         "created_at": now or state.clock(),
         "attempts": 0,
     }
-    bind = session.get_bind()
-    session.execute(_insert(table, bind.dialect.name, values))
+    dialect = session.get_bind().dialect.name
+    session.execute(_insert(table, dialect, values))
+    if dialect == "postgresql" and not session.info.get(_INFO_FLAG):
+        # Once per transaction; PostgreSQL delivers it at the commit, and drops it
+        # with a rollback. A LISTENing relay wakes at once (relay.Listener).
+        session.execute(sa.text(f"SELECT pg_notify('{CHANNEL}', '')"))
     session.info[_INFO_FLAG] = True
     return event_id
 

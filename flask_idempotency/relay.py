@@ -29,9 +29,12 @@ an event waiting out its backoff lets later events pass it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib
 import logging
+import os
+import select
 import typing as t
 
 import sqlalchemy as sa
@@ -39,7 +42,7 @@ from flask import Flask
 
 from . import signals
 from .models import as_utc, outbox_table
-from .outbox import OutboxEvent
+from .outbox import CHANNEL, WAKE, OutboxEvent
 from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -201,3 +204,63 @@ def outbox_stats(app: Flask) -> dict[str, t.Any]:
         if oldest is not None:
             age = (state.clock() - t.cast(dt.datetime, as_utc(oldest))).total_seconds()
         return {"outbox_pending": depth, "outbox_oldest_age_s": age, "outbox_parked": parked}
+
+
+class Listener:
+    """How a foreground relay waits between runs: at most ``timeout``, less when
+    there is work.
+
+    On PostgreSQL with psycopg2 it LISTENs on ``idempotency_outbox`` on a
+    connection of its own (autocommit, detached from the pool) and waits in
+    ``select()`` for a notification; elsewhere it waits on the in-process
+    :data:`~flask_idempotency.outbox.WAKE`. :meth:`interrupt` (safe in a signal
+    handler) ends a wait at once.
+    """
+
+    def __init__(self, app: Flask) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._raw: t.Any = None
+        self._conn: t.Any = None
+        with app.app_context():
+            engine = app_state(app).db.engine
+        if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg2":
+            try:
+                raw = engine.raw_connection()
+                conn: t.Any = raw.driver_connection
+                raw.detach()  # its own: never back to the pool LISTENing
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute(f"LISTEN {CHANNEL}")
+                self._raw, self._conn = raw, conn
+            except Exception:
+                logger.warning("outbox relay: LISTEN failed; polling only", exc_info=True)
+
+    @property
+    def listening(self) -> bool:
+        return self._conn is not None
+
+    def wait(self, timeout: float) -> None:
+        if self._conn is None:
+            readable, _, _ = select.select([self._read], [], [], 0)
+            if not readable:
+                WAKE.wait(timeout)
+        else:
+            readable, _, _ = select.select([self._conn, self._read], [], [], timeout)
+            if self._conn in readable:
+                self._conn.poll()
+                self._conn.notifies.clear()
+        WAKE.clear()
+
+    def interrupt(self) -> None:
+        WAKE.set()
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write, b"x")
+
+    def close(self) -> None:
+        if self._raw is not None:
+            with contextlib.suppress(Exception):
+                self._raw.close()
+        self._raw = self._conn = None
+        os.close(self._read)
+        os.close(self._write)

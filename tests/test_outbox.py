@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -410,3 +411,56 @@ def sqlite_app(tmp_path: Path) -> Flask:
     app = outbox_app.create_app(url)
     reset(url)
     return app
+
+
+@pytest.mark.parametrize("engine", ["postgresql", "sqlite"])
+def test_the_foreground_relay_wakes_on_notify_and_stops_on_sigterm(
+    engine: str, pg_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL: LISTEN/NOTIFY wakes the relay long before its 30 s poll. SQLite:
+    it polls (short poll here). Both stop at once on SIGTERM."""
+    url = pg_url if engine == "postgresql" else f"sqlite:///{tmp_path / 'relay.sqlite3'}"
+    poll = "30" if engine == "postgresql" else "0.2"
+    app = outbox_app.create_app(url)
+    reset(url)
+    out = tmp_path / "published.jsonl"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OUTBOX_TEST_DB": url,
+        "OUTBOX_TEST_FILE": str(out),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "flask",
+        "--app",
+        "tests.outbox_app:from_env",
+        "idempotency",
+        "relay",
+        "--poll",
+        poll,
+    ]
+    relay = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        banner = relay.stdout.readline()
+        assert ("LISTEN" in banner) == (engine == "postgresql"), banner
+        time.sleep(0.3)  # past its first (empty) run, into the wait
+        started = time.monotonic()
+        with app.app_context():
+            add_event(outbox_app.db.session, "t", {}, event_id="woken")
+            outbox_app.db.session.commit()
+            outbox_app.db.engine.dispose()
+        while not (out.exists() and out.read_text()) and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        assert time.monotonic() - started < 5
+        assert json.loads(out.read_text())["event_id"] == "woken"
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(10) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+        if relay.stdout is not None:
+            relay.stdout.close()
