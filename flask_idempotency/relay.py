@@ -72,7 +72,7 @@ def backoff(attempts: int) -> dt.timedelta:
 
 def resolve_publisher(value: t.Any) -> Publisher | None:
     """``IDEMPOTENCY_PUBLISHER``: an object with ``publish``, or ``"module:attr"``
-    naming one or a callable returning one."""
+    naming one, or a class or factory called without arguments to make one."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -80,7 +80,7 @@ def resolve_publisher(value: t.Any) -> Publisher | None:
         if not attr:
             raise ValueError(f"IDEMPOTENCY_PUBLISHER must be 'module:attribute', got {value!r}")
         value = getattr(importlib.import_module(module), attr)
-        if not hasattr(value, "publish") and callable(value):
+        if isinstance(value, type) or (not hasattr(value, "publish") and callable(value)):
             value = value()
     if not hasattr(value, "publish"):
         raise TypeError(f"IDEMPOTENCY_PUBLISHER has no publish(event) method: {value!r}")

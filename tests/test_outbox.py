@@ -464,3 +464,34 @@ def test_the_foreground_relay_wakes_on_notify_and_stops_on_sigterm(
             relay.wait()
         if relay.stdout is not None:
             relay.stdout.close()
+
+
+def test_the_scheduler_runs_the_relay_job_with_the_configured_publisher(tmp_path: Path) -> None:
+    from flask_idempotency.scheduler import JobScheduler
+
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
+    publisher = ListPublisher()
+    app = outbox_app.create_app(url, IDEMPOTENCY_PUBLISHER=publisher)
+    reset(url)
+    post(app, key="k1")
+    jobs = JobScheduler(app)
+    job = jobs._scheduler.get_job("relay")
+    assert job is not None
+    assert jobs.run_job("relay", job.args[1])
+    assert [e.topic for e in publisher.events] == ["order.created"]
+    assert "relay" not in {
+        j.id for j in JobScheduler(outbox_app.create_app(url))._scheduler.get_jobs()
+    }
+
+
+def test_the_publisher_setting_takes_an_import_string(tmp_path: Path) -> None:
+    from flask_idempotency.relay import app_publisher
+
+    url = f"sqlite:///{tmp_path / 'p.sqlite3'}"
+    app = outbox_app.create_app(
+        url, IDEMPOTENCY_PUBLISHER="flask_idempotency.publishers:ListPublisher"
+    )
+    assert isinstance(app_publisher(app), ListPublisher)
+    assert app_publisher(app) is app_publisher(app)  # resolved once
+    with pytest.raises(ValueError, match="module:attribute"):
+        app_publisher(outbox_app.create_app(url, IDEMPOTENCY_PUBLISHER="nocolon"))
