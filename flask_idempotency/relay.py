@@ -113,61 +113,85 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
         table = outbox_table(state.db.metadata)
         engine = state.db.engine
         max_attempts = state.settings.outbox_max_attempts
-        published: list[OutboxEvent] = []
-        parked: list[tuple[OutboxEvent, str]] = []
-        with engine.begin() as conn:
-            now = state.clock()
-            query = (
-                sa.select(table)
-                .where(
-                    table.c.published_at.is_(None),
-                    table.c.failed_at.is_(None),
-                    sa.or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
+        with engine.connect() as conn:
+            if engine.dialect.name in ("mysql", "mariadb"):
+                # InnoDB's REPEATABLE READ would take next-key (gap) locks over
+                # the range scanned, up to the index's end when fewer than a
+                # batch are pending: every emit (an insert at the end) would
+                # wait for this batch to be published. READ COMMITTED locks the
+                # selected rows only.
+                conn = conn.execution_options(isolation_level="READ COMMITTED")
+            with conn.begin():
+                published, parked = _run_batch(
+                    conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
                 )
-                .order_by(table.c.id)
-                .limit(batch)
-            )
-            if engine.dialect.name == "sqlite":
-                # Take SQLite's write lock now (a write starts the write
-                # transaction even when it matches nothing): a second relay
-                # waits here instead of reading the same rows.
-                conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
-            else:
-                query = query.with_for_update(skip_locked=True)
-            events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
-            failures: list[tuple[OutboxEvent, str]] = []
-            for ev in events:
-                try:
-                    publisher.publish(ev)
-                except Exception as exc:
-                    logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
-                    failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000]))
-                else:
-                    published.append(ev)
-            done_at = state.clock()
-            if published:
-                conn.execute(
-                    sa.update(table)
-                    .where(table.c.id.in_([ev.id for ev in published]))
-                    .values(published_at=done_at)
-                )
-            for ev, error in failures:
-                attempts = ev.attempts + 1
-                values: dict[str, t.Any] = {
-                    "attempts": attempts,
-                    "last_error": error,
-                    "next_attempt_at": done_at + backoff(attempts),
-                }
-                if attempts >= max_attempts:
-                    values["failed_at"] = done_at
-                    parked.append((ev, error))
-                conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
         for ev in published:
             signals.event_published.send(app, event=ev)
         for ev, error in parked:
             logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
             signals.event_parked.send(app, event=ev, error=error)
         return len(published)
+
+
+def _run_batch(
+    conn: sa.Connection,
+    table: sa.Table,
+    clock: t.Callable[[], dt.datetime],
+    publisher: Publisher,
+    batch: int,
+    max_attempts: int,
+    dialect: str,
+) -> tuple[list[OutboxEvent], list[tuple[OutboxEvent, str]]]:
+    """Select, publish and mark one batch, in ``conn``'s open transaction."""
+    published: list[OutboxEvent] = []
+    parked: list[tuple[OutboxEvent, str]] = []
+    now = clock()
+    query = (
+        sa.select(table)
+        .where(
+            table.c.published_at.is_(None),
+            table.c.failed_at.is_(None),
+            sa.or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
+        )
+        .order_by(table.c.id)
+        .limit(batch)
+    )
+    if dialect == "sqlite":
+        # Take SQLite's write lock now (a write starts the write transaction
+        # even when it matches nothing): a second relay waits here instead of
+        # reading the same rows.
+        conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
+    else:
+        query = query.with_for_update(skip_locked=True)
+    events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
+    failures: list[tuple[OutboxEvent, str]] = []
+    for ev in events:
+        try:
+            publisher.publish(ev)
+        except Exception as exc:
+            logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000]))
+        else:
+            published.append(ev)
+    done_at = clock()
+    if published:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.id.in_([ev.id for ev in published]))
+            .values(published_at=done_at)
+        )
+    for ev, error in failures:
+        attempts = ev.attempts + 1
+        values: dict[str, t.Any] = {
+            "attempts": attempts,
+            "last_error": error,
+            "next_attempt_at": done_at + backoff(attempts),
+        }
+        if attempts >= max_attempts:
+            values["failed_at"] = done_at
+            parked.append((ev, error))
+        conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
+    return published, parked
 
 
 def retry_parked(app: Flask) -> int:

@@ -495,3 +495,35 @@ def test_the_publisher_setting_takes_an_import_string(tmp_path: Path) -> None:
     assert app_publisher(app) is app_publisher(app)  # resolved once
     with pytest.raises(ValueError, match="module:attribute"):
         app_publisher(outbox_app.create_app(url, IDEMPOTENCY_PUBLISHER="nocolon"))
+
+
+def test_a_relay_publishing_does_not_block_emits(app: Flask, database_url: str) -> None:
+    """The relay holds its rows' locks while it publishes; a request emitting
+    meanwhile must not wait for it (MySQL: no gap locks, READ COMMITTED)."""
+    if database_url.startswith("sqlite"):
+        pytest.skip("SQLite has one writer: an emit waits for the relay's commit")
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {}, event_id="first")
+        outbox_app.db.session.commit()
+        engine = outbox_app.db.engine
+    waited: list[float] = []
+
+    def emit_meanwhile(event: OutboxEvent) -> None:
+        started = time.monotonic()
+        with engine.connect() as conn:
+            if engine.dialect.name == "postgresql":
+                conn.execute(sa.text("SET lock_timeout = '2s'"))
+            else:
+                conn.execute(sa.text("SET SESSION innodb_lock_wait_timeout = 2"))
+            with orm.Session(bind=conn) as session, app.app_context():
+                add_event(session, "t", {}, event_id=f"during-{event.event_id}")
+                session.commit()
+            conn.commit()
+        waited.append(time.monotonic() - started)
+
+    from flask_idempotency.publishers import CallablePublisher
+
+    assert relay_once(app, CallablePublisher(emit_meanwhile)) == 1
+    assert waited
+    assert waited[0] < 1.5
+    assert [r["published_at"] is None for r in rows(app)] == [False, True]
