@@ -335,3 +335,20 @@ def outbox_retry() -> None:
 
     _state()
     click.echo(f"un-parked {retry_parked(resolve_app())} event(s)")
+
+
+@idempotency_cli.command("outbox-purge")
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=168.0,
+    show_default=True,
+    help="Hours since the event was published.",
+)
+def outbox_purge(older_than: float) -> None:
+    """Delete outbox events published more than --older-than hours ago."""
+    from .relay import purge_published
+
+    _state()
+    deleted = purge_published(resolve_app(), dt.timedelta(hours=older_than))
+    click.echo(f"deleted {deleted} published event(s)")

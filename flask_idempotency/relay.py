@@ -208,6 +208,32 @@ def retry_parked(app: Flask) -> int:
             return int(result.rowcount)
 
 
+def purge_published(app: Flask, older_than: dt.timedelta, *, batch: int = 1000) -> int:
+    """Delete events published more than ``older_than`` ago, ``batch`` rows per
+    transaction; the number deleted. Pending and parked events are never deleted.
+    (Consumers that deduplicate on ``event_id`` do not need the rows.)"""
+    with app.app_context():
+        state = app_state(app)
+        table = outbox_table(state.db.metadata)
+        cutoff = state.clock() - older_than
+        total = 0
+        while True:
+            with state.db.engine.begin() as conn:
+                ids = list(
+                    conn.execute(
+                        sa.select(table.c.id)
+                        .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
+                        .order_by(table.c.id)
+                        .limit(batch)
+                    ).scalars()
+                )
+                if ids:
+                    conn.execute(sa.delete(table).where(table.c.id.in_(ids)))
+            total += len(ids)
+            if len(ids) < batch:
+                return total
+
+
 def outbox_stats(app: Flask) -> dict[str, t.Any]:
     """Depth (pending), oldest pending age in seconds, and parked count."""
     with app.app_context():

@@ -213,8 +213,7 @@ def test_cli_stats_and_outbox_retry(app: Flask, clock: Clock) -> None:
         add_event(outbox_app.db.session, "t", {}, event_id="a")
         add_event(outbox_app.db.session, "t", {}, event_id="b")
         outbox_app.db.session.commit()
-    app.config["IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"] = 3
-    publisher = FlakyPublisher(failures=99, flaky={"a"})
+    publisher = FlakyPublisher(failures=99, flaky={"a"})  # parked after 3 (the app's setting)
     for _ in range(3):
         relay_once(app, publisher)
         clock.advance(minutes=1)
@@ -527,3 +526,26 @@ def test_a_relay_publishing_does_not_block_emits(app: Flask, database_url: str) 
     assert waited
     assert waited[0] < 1.5
     assert [r["published_at"] is None for r in rows(app)] == [False, True]
+
+
+def test_outbox_purge_deletes_only_old_published_events(app: Flask, clock: Clock) -> None:
+    with app.app_context():
+        for name in ("old", "parked"):
+            add_event(outbox_app.db.session, "t", {}, event_id=name)
+        outbox_app.db.session.commit()
+    publisher = FlakyPublisher(failures=99, flaky={"parked"})
+    for _ in range(3):  # IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3 in this app
+        relay_once(app, publisher)
+        clock.advance(minutes=1)
+    clock.advance(hours=200)
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {}, event_id="pending")
+        outbox_app.db.session.commit()
+    result = app.test_cli_runner().invoke(args=["idempotency", "outbox-purge"])
+    assert "deleted 1 published event(s)" in result.output
+    stored = rows(app)
+    left = [
+        r["event_id"] if isinstance(r["event_id"], str) else r["event_id"].decode() for r in stored
+    ]
+    assert left == ["parked", "pending"]
+    assert stored[0]["failed_at"] is not None
