@@ -1,4 +1,5 @@
-"""APScheduler wiring for the maintenance jobs: cleanup and lease recovery.
+"""APScheduler wiring for the maintenance jobs: cleanup and lease recovery, and
+the outbox relay when ``IDEMPOTENCY_PUBLISHER`` is set.
 
 Every process may schedule the same jobs; a job run first takes its database
 job lock (:mod:`flask_idempotency.locks`), which also remembers when the job
