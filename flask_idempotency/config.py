@@ -59,6 +59,9 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 ``IDEMPOTENCY_READY_TIMEOUT`` (default: 2 seconds)
     how long ``idem.readiness()`` (and ``idem.readiness_view``) waits for its probe of
     the record's table before answering "not ready"; must be positive
+``IDEMPOTENCY_INBOX_TTL`` (default: 7 days)
+    how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
+    redelivery after that is processed again; must be positive
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
 """
@@ -96,6 +99,7 @@ DEFAULTS: dict[str, t.Any] = {
     "RECOVER_EVERY": timedelta(seconds=30),
     "JOB_LOCK": timedelta(minutes=2),
     "READY_TIMEOUT": timedelta(seconds=2),
+    "INBOX_TTL": timedelta(days=7),
 }
 
 
@@ -245,6 +249,7 @@ class Settings:
     key_max_length: int = MAX_KEY_LENGTH
 
     ready_timeout: timedelta = timedelta(seconds=2)
+    inbox_ttl: timedelta = timedelta(days=7)
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -287,6 +292,7 @@ class Settings:
                 values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
             ),
             ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
+            inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )
 
     @functools.cached_property

@@ -27,3 +27,6 @@ record_completed = _signals.signal("idempotency-record-completed")
 job_started = _signals.signal("idempotency-job-started")
 #: That run ended, just before its lock is freed (``name``, ``holder``, ``error``).
 job_finished = _signals.signal("idempotency-job-finished")
+#: The inbox skipped a delivery of an event already processed (``consumer``,
+#: ``event_id``); sent with the current app, or ``None`` outside an app context.
+event_skipped_duplicate = _signals.signal("idempotency-event-skipped-duplicate")
