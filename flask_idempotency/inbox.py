@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import random
+import time
 import typing as t
 
 import sqlalchemy as sa
@@ -27,7 +29,7 @@ from flask import current_app, has_app_context
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, scoped_session
 
-from . import signals
+from . import dberrors, signals
 from .models import _exact_text, _timestamp, as_utc
 from .state import EXTENSION_KEY
 from .store import text_param
@@ -208,16 +210,57 @@ def process(
     redelivery does the work. A duplicate sends
     :data:`~flask_idempotency.signals.event_skipped_duplicate`.
     """
+    # A scoped session: the registry's current session.
+    current = session() if isinstance(session, scoped_session) else session
     try:
-        fresh = mark_processed(session, consumer, event_id, ttl=ttl, now=now)
+        fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
         if not fresh:
             _skipped(consumer, event_id)
         yield fresh
         if commit:
-            session.commit()
+            current.commit()
     except BaseException:
-        session.rollback()
+        current.rollback()
         raise
+
+
+#: Attempts at the insert when the database picks it as a deadlock victim.
+ATTEMPTS = 5
+
+
+def _deadlock_victim(exc: sa.exc.DBAPIError) -> bool:
+    """The database rolled this transaction back to break a deadlock or a
+    serialization conflict: running it again may succeed."""
+    orig = exc.orig
+    if orig is None:
+        return False
+    if getattr(orig, "pgcode", None) in ("40P01", "40001"):
+        return True
+    return dberrors._mysql_errno(orig) in (1213, 1020)  # deadlock; record changed (MariaDB)
+
+
+def _mark_retrying(
+    session: Session,
+    consumer: str,
+    event_id: str,
+    *,
+    ttl: dt.timedelta | float | None,
+    now: dt.datetime | None,
+) -> bool:
+    """:func:`mark_processed`, run again when the database picks it as a deadlock
+    victim (on MySQL/MariaDB, deliveries waiting on a first one that rolls back
+    deadlock each other), provided the transaction held nothing before it: then
+    the rollback loses nothing of the caller's."""
+    retry = not session.in_transaction()
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return mark_processed(session, consumer, event_id, ttl=ttl, now=now)
+        except sa.exc.DBAPIError as exc:
+            if not retry or attempt == ATTEMPTS or not _deadlock_victim(exc):
+                raise
+            session.rollback()
+            time.sleep(random.uniform(0, 0.01 * attempt))
+    raise AssertionError("unreachable")
 
 
 def _skipped(consumer: str, event_id: str) -> None:
