@@ -67,6 +67,9 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     failed publishes of one event before the relay parks it (``failed_at``)
 ``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
     interval of the outbox relay job (scheduled only when a publisher is configured)
+``IDEMPOTENCY_INBOX_TTL`` (default: 7 days)
+    how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
+    redelivery after that is processed again; must be positive
 
 Durations accept a :class:`~datetime.timedelta` or a number of seconds.
 """
@@ -107,6 +110,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PUBLISHER": None,
     "OUTBOX_MAX_ATTEMPTS": 10,
     "RELAY_EVERY": timedelta(seconds=1),
+    "INBOX_TTL": timedelta(days=7),
 }
 
 
@@ -258,6 +262,7 @@ class Settings:
     ready_timeout: timedelta = timedelta(seconds=2)
     outbox_max_attempts: int = 10
     relay_every: timedelta = timedelta(seconds=1)
+    inbox_ttl: timedelta = timedelta(days=7)
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -306,6 +311,7 @@ class Settings:
             relay_every=positive_duration(
                 values.get("RELAY_EVERY", timedelta(seconds=1)), "IDEMPOTENCY_RELAY_EVERY"
             ),
+            inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )
 
     @functools.cached_property

@@ -16,6 +16,7 @@ from .cli import idempotency_cli
 from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
+from .inbox import inbox_table
 from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
 from .models import Record, job_lock_table, outbox_table, record_table
 from .optimistic import WHY as OPTIMISTIC_WHY
@@ -142,6 +143,7 @@ class Idempotency:
             {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
         )
         table = record_table(db.metadata)
+        inbox_table(db.metadata)
         state = AppState(
             db=db,
             store=Store(table),

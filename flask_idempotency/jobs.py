@@ -13,6 +13,7 @@ import typing as t
 
 from flask import Flask
 
+from . import inbox
 from .models import Record
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import REPLAYED_HEADER
@@ -34,9 +35,14 @@ class PurgeReport:
 
     deleted: int = 0  #: records deleted (or, with ``dry_run``, that would be)
     batches: int = 0  #: transactions used
+    inbox_deleted: int = 0  #: expired inbox ids deleted (or, with ``dry_run``, that would be)
+    inbox_batches: int = 0  #: transactions used for the inbox
 
     def __str__(self) -> str:
-        return f"deleted {self.deleted} expired record(s) in {self.batches} batch(es)"
+        text = f"deleted {self.deleted} expired record(s) in {self.batches} batch(es)"
+        if self.inbox_deleted:
+            text += f"; {self.inbox_deleted} expired inbox id(s) in {self.inbox_batches} batch(es)"
+        return text
 
 
 def purge_expired(
@@ -52,7 +58,9 @@ def purge_expired(
     run at once: on PostgreSQL each skips the rows another holds. Stops when a
     batch comes back short, or when ``keep_going()`` says so (the scheduler's
     lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
-    ``IDEMPOTENCY_PURGE_BATCH``.
+    ``IDEMPOTENCY_PURGE_BATCH``. Expired ids of the inbox
+    (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
+    records, when its table exists.
     """
     app = resolve_app(app)
     report = PurgeReport()
@@ -60,18 +68,33 @@ def purge_expired(
         state = app_state(app)
         size = batch_size or state.settings.purge_batch
         engine = state.db.engine
+        with engine.connect() as conn:
+            has_inbox = inbox.table_exists(conn)
         if dry_run:
             with engine.connect() as conn:
                 report.deleted = state.store.count_expired(conn, state.clock())
+                if has_inbox:
+                    report.inbox_deleted = inbox.count_expired(conn, state.clock())
             return report
+        going = True
         while True:
             with engine.begin() as conn:
                 deleted = state.store.purge_batch(conn, state.clock(), size)
             report.batches += 1
             report.deleted += deleted
+            if deleted < size:
+                break
+            if not keep_going():
+                going = False
+                break
+        while has_inbox and going:
+            with engine.begin() as conn:
+                deleted = inbox.purge_batch(conn, state.clock(), size)
+            report.inbox_batches += 1
+            report.inbox_deleted += deleted
             if deleted < size or not keep_going():
                 break
-    if report.deleted:
+    if report.deleted or report.inbox_deleted:
         logger.info("cleanup: %s", report)
     return report
 

@@ -32,3 +32,6 @@ event_published = _signals.signal("idempotency-event-published")
 #: An event failed ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` times and was parked
 #: (``event``, ``error``); ``flask idempotency outbox-retry`` un-parks it.
 event_parked = _signals.signal("idempotency-event-parked")
+#: The inbox skipped a delivery of an event already processed (``consumer``,
+#: ``event_id``); sent with the current app, or ``None`` outside an app context.
+event_skipped_duplicate = _signals.signal("idempotency-event-skipped-duplicate")

@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
+from flask_idempotency.inbox import inbox_table
 from flask_idempotency.models import as_utc, job_lock_table, record_table
 from flask_idempotency.store import text_param
 from tests import testapp
@@ -191,6 +192,7 @@ def reset_tables(url: str) -> None:
     # resets before creating its first app still gets them.
     record_table(testapp.db.metadata)
     job_lock_table(testapp.db.metadata)
+    inbox_table(testapp.db.metadata)
     engine = sa.create_engine(url)
     try:
         testapp.db.metadata.drop_all(engine)

@@ -1,0 +1,343 @@
+"""The inbox: consumer-side dedupe of events delivered more than once.
+
+A broker delivers at least once; a consumer that must act once per event keeps
+the ids it has processed in ``idempotency_inbox``, one row per (consumer,
+event_id), inserted in the same transaction as the consumer's work. The insert
+decides, as the record's claim does: a conflict-tolerant insert (``ON CONFLICT
+DO NOTHING`` on PostgreSQL and SQLite, ``INSERT IGNORE`` on MySQL/MariaDB) that
+inserts one row means "do the work"; none means the event was processed (and
+committed) already. A concurrent delivery of the same event waits on the first
+one's uncommitted row (the primary key), then sees it (the first committed:
+skip) or inserts it (the first rolled back: do the work).
+
+Processed ids are kept for ``IDEMPOTENCY_INBOX_TTL`` (7 days by default); an id
+past it counts as new, and cleanup (:func:`flask_idempotency.jobs.purge_expired`)
+deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import random
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import current_app, has_app_context
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, scoped_session
+
+from . import dberrors, signals
+from .models import _exact_text, _timestamp, as_utc
+from .state import EXTENSION_KEY
+from .store import text_param
+
+INBOX_TABLE_NAME = "idempotency_inbox"
+
+#: How long a processed id is kept when neither ``ttl=`` nor the app's
+#: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
+DEFAULT_TTL = dt.timedelta(days=7)
+
+_MYSQL = ("mysql", "mariadb")
+
+
+def inbox_table(metadata: sa.MetaData) -> sa.Table:
+    """The ``idempotency_inbox`` table on ``metadata``, defined once per metadata.
+
+    Consumer and event id compare byte for byte on every engine (VARBINARY on
+    MySQL/MariaDB, whose default collations fold case: ``"Evt-1"`` and
+    ``"evt-1"`` are two events).
+    """
+    existing = metadata.tables.get(INBOX_TABLE_NAME)
+    if existing is not None:
+        return existing
+    return sa.Table(
+        INBOX_TABLE_NAME,
+        metadata,
+        sa.Column("consumer", _exact_text(255, 1020), nullable=False),
+        sa.Column("event_id", _exact_text(255, 1020), nullable=False),
+        sa.Column("processed_at", _timestamp(), nullable=False),
+        sa.Column("expires_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("consumer", "event_id", name="idempotency_inbox_consumer_event"),
+        # Cleanup finds expired ids by this index.
+        sa.Index("idempotency_inbox_expires_at", "expires_at"),
+    )
+
+
+# The statements are built on a table of our own: the SQL is the same whatever
+# metadata the app's table lives on.
+_TABLE = inbox_table(sa.MetaData())
+_C = _TABLE.c
+_THIS = (_C.consumer == text_param("w_consumer"), _C.event_id == text_param("w_event_id"))
+_VALUES = {
+    "consumer": text_param("consumer"),
+    "event_id": text_param("event_id"),
+    "processed_at": sa.bindparam("processed_at"),
+    "expires_at": sa.bindparam("expires_at"),
+}
+_INSERTS: dict[str, t.Any] = {
+    "postgresql": postgresql.insert(_TABLE).values(_VALUES).on_conflict_do_nothing(),
+    "sqlite": sqlite.insert(_TABLE).values(_VALUES).on_conflict_do_nothing(),
+    **{name: sa.insert(_TABLE).values(_VALUES).prefix_with("IGNORE") for name in _MYSQL},
+}
+_READ = sa.select(_C.expires_at).where(*_THIS)
+_READ_LOCKING = _READ.with_for_update(read=True)
+# An id kept past its window counts as new: the delivery that takes it over does
+# the work. The UPDATE re-checks the expiry on the latest row (a concurrent
+# taker's commit makes it fail), so only one delivery wins.
+_RENEW = (
+    sa.update(_TABLE)
+    .where(*_THIS, _C.expires_at <= sa.bindparam("w_now"))
+    .values(processed_at=sa.bindparam("processed_at"), expires_at=sa.bindparam("expires_at"))
+)
+
+
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _app_state() -> t.Any:
+    if has_app_context():
+        return current_app.extensions.get(EXTENSION_KEY)
+    return None
+
+
+def _resolve_ttl(ttl: dt.timedelta | float | None) -> dt.timedelta:
+    if ttl is None:
+        state = _app_state()
+        return state.settings.inbox_ttl if state is not None else DEFAULT_TTL
+    value = ttl if isinstance(ttl, dt.timedelta) else dt.timedelta(seconds=ttl)
+    if value <= dt.timedelta(0):
+        raise ValueError(f"the inbox ttl must be positive, got {value}")
+    return value
+
+
+def _resolve_now(now: dt.datetime | None) -> dt.datetime:
+    if now is not None:
+        return now
+    state = _app_state()
+    return state.clock() if state is not None else _utc_now()
+
+
+def mark_processed(
+    session: Session | scoped_session[t.Any],
+    consumer: str,
+    event_id: str,
+    *,
+    ttl: dt.timedelta | float | None = None,
+    now: dt.datetime | None = None,
+) -> bool:
+    """Insert (consumer, event_id) in ``session``'s transaction; ``True`` if this
+    delivery must do the work, ``False`` if the event was processed already.
+
+    Waits for a concurrent delivery's transaction holding the same id. Nothing
+    is committed: the row commits (or rolls back) with the caller's work.
+    """
+    if not consumer or not event_id:
+        raise ValueError("consumer and event_id must be non-empty strings")
+    now = _resolve_now(now)
+    expires = now + _resolve_ttl(ttl)
+    params = {
+        "consumer": consumer,
+        "event_id": event_id,
+        "processed_at": now,
+        "expires_at": expires,
+    }
+    name = session.get_bind().dialect.name
+    insert = _INSERTS.get(name)
+    if insert is not None:
+        inserted = session.execute(insert, params).rowcount == 1  # type: ignore[attr-defined]
+    else:  # another engine: the insert in a savepoint, a duplicate is "exists"
+        try:
+            with session.begin_nested():
+                session.execute(sa.insert(_TABLE).values(_VALUES), params)
+            inserted = True
+        except sa.exc.IntegrityError:
+            inserted = False
+    if inserted:
+        return True
+    # The id is there, committed. Only an expired one is taken over; a live one
+    # is left without a write lock (on MySQL every waiter holds a shared lock on
+    # it after INSERT IGNORE: a write by each would deadlock them). The read
+    # locks on MySQL, so that it sees the latest row whatever the snapshot.
+    read = _READ_LOCKING if name in _MYSQL else _READ
+    expires_at = session.execute(read, {"w_consumer": consumer, "w_event_id": event_id}).scalar()
+    if expires_at is None or t.cast(dt.datetime, as_utc(expires_at)) > now:
+        # Not visible: committed after this transaction's snapshot (PostgreSQL
+        # REPEATABLE READ), so processed just now.
+        return False
+    renewed = session.execute(
+        _RENEW,
+        {
+            "processed_at": now,
+            "expires_at": expires,
+            "w_consumer": consumer,
+            "w_event_id": event_id,
+            "w_now": now,
+        },
+    )
+    return bool(renewed.rowcount == 1)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def process(
+    session: Session | scoped_session[t.Any],
+    *,
+    consumer: str,
+    event_id: str,
+    commit: bool = False,
+    ttl: dt.timedelta | float | None = None,
+    now: dt.datetime | None = None,
+) -> t.Iterator[bool]:
+    """Process one delivery of ``event_id`` for ``consumer`` at most once::
+
+        with inbox.process(db.session, consumer="billing", event_id=eid, commit=True) as fresh:
+            if fresh:
+                db.session.add(Invoice(...))
+
+    ``fresh`` is ``True`` when this delivery must do the work, ``False`` when
+    the event was processed (and committed) already: skip it. Enter it first in
+    the transaction (on SQLite a transaction that has read before it writes
+    cannot wait for another writer).
+
+    The inbox row is inserted in ``session``'s transaction, so it commits with
+    the work. The block does not commit unless ``commit=True``: without it the
+    caller commits (and a row never committed is a delivery never processed).
+    An exception leaving the block rolls the session back (the work and the
+    inbox row alike, and anything else pending in it) and propagates, so the
+    redelivery does the work. A duplicate sends
+    :data:`~flask_idempotency.signals.event_skipped_duplicate`.
+    """
+    # A scoped session: the registry's current session.
+    current = session() if isinstance(session, scoped_session) else session
+    try:
+        fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
+        if not fresh:
+            _skipped(consumer, event_id)
+        yield fresh
+        if commit:
+            current.commit()
+    except BaseException:
+        current.rollback()
+        raise
+
+
+#: Attempts at the insert when the database picks it as a deadlock victim.
+ATTEMPTS = 5
+
+
+def _deadlock_victim(exc: sa.exc.DBAPIError) -> bool:
+    """The database rolled this transaction back to break a deadlock or a
+    serialization conflict: running it again may succeed."""
+    orig = exc.orig
+    if orig is None:
+        return False
+    if getattr(orig, "pgcode", None) in ("40P01", "40001"):
+        return True
+    return dberrors._mysql_errno(orig) in (1213, 1020)  # deadlock; record changed (MariaDB)
+
+
+def _mark_retrying(
+    session: Session,
+    consumer: str,
+    event_id: str,
+    *,
+    ttl: dt.timedelta | float | None,
+    now: dt.datetime | None,
+) -> bool:
+    """:func:`mark_processed`, run again when the database picks it as a deadlock
+    victim (on MySQL/MariaDB, deliveries waiting on a first one that rolls back
+    deadlock each other), provided the transaction held nothing before it: then
+    the rollback loses nothing of the caller's."""
+    retry = not session.in_transaction()
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return mark_processed(session, consumer, event_id, ttl=ttl, now=now)
+        except sa.exc.DBAPIError as exc:
+            if not retry or attempt == ATTEMPTS or not _deadlock_victim(exc):
+                raise
+            session.rollback()
+            time.sleep(random.uniform(0, 0.01 * attempt))
+    raise AssertionError("unreachable")
+
+
+def _skipped(consumer: str, event_id: str) -> None:
+    sender = current_app._get_current_object() if has_app_context() else None  # type: ignore[attr-defined]
+    signals.event_skipped_duplicate.send(sender, consumer=consumer, event_id=event_id)
+
+
+F = t.TypeVar("F", bound=t.Callable[..., t.Any])
+
+SessionArg = t.Union[Session, "scoped_session[t.Any]", t.Callable[[], t.Any]]
+
+
+def consumer(
+    name: str,
+    *,
+    session: SessionArg,
+    event_id: t.Callable[..., str],
+    ttl: dt.timedelta | float | None = None,
+) -> t.Callable[[F], F]:
+    """Make a plain function (a broker callback, a Celery task) process each event
+    once for the consumer ``name``::
+
+        @inbox.consumer("billing", session=lambda: db.session, event_id=lambda msg: msg["id"])
+        def bill(msg): ...
+
+    ``event_id`` is called with the function's arguments and returns the id.
+    ``session`` is a session, or a callable returning one (called per delivery).
+    Each call inserts the id in the session's transaction, runs the function and
+    commits (the function's work, anything else pending in the session, and the
+    id together). A duplicate does not run the function and returns ``None``
+    (the signal ``event_skipped_duplicate`` tells it apart). An exception rolls
+    the session back and propagates: the redelivery runs the function again.
+    """
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            s = session if isinstance(session, (Session, scoped_session)) else session()
+            eid = event_id(*args, **kwargs)
+            with process(s, consumer=name, event_id=eid, ttl=ttl, commit=True) as fresh:
+                if not fresh:
+                    return None
+                return func(*args, **kwargs)
+
+        return t.cast(F, wrapper)
+
+    return decorate
+
+
+def purge_batch(conn: sa.Connection, now: dt.datetime, limit: int) -> int:
+    """Delete up to ``limit`` expired ids in one transaction; the number deleted.
+
+    As :meth:`.Store.purge_batch`: on PostgreSQL and MySQL/MariaDB the batch is
+    chosen ``FOR UPDATE SKIP LOCKED`` (cleaners skip each other's rows), and
+    the delete re-checks the expiry, so an id renewed meanwhile stays.
+    """
+    gone = _C.expires_at <= now
+    dialect = conn.dialect.name
+    batch = sa.select(_C.consumer, _C.event_id).where(gone).order_by(_C.expires_at).limit(limit)
+    if dialect == "postgresql" or dialect in _MYSQL:
+        batch = batch.with_for_update(skip_locked=True)
+    pair = sa.tuple_(_C.consumer, _C.event_id)
+    if dialect in ("postgresql", "sqlite"):
+        return int(conn.execute(sa.delete(_TABLE).where(pair.in_(batch), gone)).rowcount)
+    keys = [tuple(row) for row in conn.execute(batch)]
+    if not keys:
+        return 0
+    return int(conn.execute(sa.delete(_TABLE).where(pair.in_(keys), gone)).rowcount)
+
+
+def count_expired(conn: sa.Connection, now: dt.datetime) -> int:
+    """How many processed ids are past their window and await cleanup."""
+    stmt = sa.select(sa.func.count()).select_from(_TABLE).where(_C.expires_at <= now)
+    return int(conn.execute(stmt).scalar_one())
+
+
+def table_exists(conn: sa.Connection) -> bool:
+    """Whether the database has the inbox table (an app that upgraded without
+    migrating has not: cleanup leaves the inbox alone then)."""
+    return bool(sa.inspect(conn).has_table(INBOX_TABLE_NAME))
