@@ -56,10 +56,13 @@ def _scope_argument(ctx: click.Context, param: click.Parameter, value: str) -> s
 @idempotency_cli.command("create-tables")
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist."""
+    from .inbox import inbox_table
     from .models import outbox_table
 
     state = _state()
-    for table in (state.store.table, state.job_lock_table, outbox_table(state.db.metadata)):
+    metadata = state.db.metadata
+    own = (state.store.table, state.job_lock_table, outbox_table(metadata), inbox_table(metadata))
+    for table in own:
         table.create(state.db.engine, checkfirst=True)
         click.echo(f"{table.name}: present")
 

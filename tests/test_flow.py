@@ -611,7 +611,9 @@ def test_cli_create_tables(database_url: str) -> None:
     assert result.exit_code == 0, result.output
     tables = sa.inspect(engine).get_table_names()
     engine.dispose()
-    assert "idempotency_keys" in tables
+    for table in ("idempotency_keys", "idempotency_job_locks", "idempotency_outbox"):
+        assert table in tables
+    assert "idempotency_inbox" in tables
     assert "ledger" not in tables  # only the extension's own tables
 
 
