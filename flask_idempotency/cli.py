@@ -56,8 +56,7 @@ def _scope_argument(ctx: click.Context, param: click.Parameter, value: str) -> s
 @idempotency_cli.command("create-tables")
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist."""
-    from .inbox import inbox_table
-    from .models import outbox_table
+    from .models import inbox_table, outbox_table
 
     state = _state()
     metadata = state.db.metadata

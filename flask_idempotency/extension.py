@@ -16,9 +16,8 @@ from .cli import idempotency_cli
 from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
-from .inbox import inbox_table
 from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
-from .models import Record, job_lock_table, outbox_table, record_table
+from .models import Record, inbox_table, job_lock_table, outbox_table, record_table
 from .optimistic import WHY as OPTIMISTIC_WHY
 from .recovery import run_step
 from .responses import replay

@@ -30,40 +30,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
-from .models import _exact_text, _timestamp, as_utc
+from .models import INBOX_TABLE_NAME as INBOX_TABLE_NAME
+from .models import as_utc
+from .models import inbox_table as inbox_table
 from .state import EXTENSION_KEY
 from .store import text_param
-
-INBOX_TABLE_NAME = "idempotency_inbox"
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
 DEFAULT_TTL = dt.timedelta(days=7)
 
 _MYSQL = ("mysql", "mariadb")
-
-
-def inbox_table(metadata: sa.MetaData) -> sa.Table:
-    """The ``idempotency_inbox`` table on ``metadata``, defined once per metadata.
-
-    Consumer and event id compare byte for byte on every engine (VARBINARY on
-    MySQL/MariaDB, whose default collations fold case: ``"Evt-1"`` and
-    ``"evt-1"`` are two events).
-    """
-    existing = metadata.tables.get(INBOX_TABLE_NAME)
-    if existing is not None:
-        return existing
-    return sa.Table(
-        INBOX_TABLE_NAME,
-        metadata,
-        sa.Column("consumer", _exact_text(255, 1020), nullable=False),
-        sa.Column("event_id", _exact_text(255, 1020), nullable=False),
-        sa.Column("processed_at", _timestamp(), nullable=False),
-        sa.Column("expires_at", _timestamp(), nullable=False),
-        sa.PrimaryKeyConstraint("consumer", "event_id", name="idempotency_inbox_consumer_event"),
-        # Cleanup finds expired ids by this index.
-        sa.Index("idempotency_inbox_expires_at", "expires_at"),
-    )
 
 
 # The statements are built on a table of our own: the SQL is the same whatever

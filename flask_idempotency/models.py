@@ -154,6 +154,32 @@ def job_lock_table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+INBOX_TABLE_NAME = "idempotency_inbox"
+
+
+def inbox_table(metadata: sa.MetaData) -> sa.Table:
+    """The ``idempotency_inbox`` table on ``metadata``, defined once per metadata.
+
+    Consumer and event id compare byte for byte on every engine (VARBINARY on
+    MySQL/MariaDB, whose default collations fold case: ``"Evt-1"`` and
+    ``"evt-1"`` are two events).
+    """
+    existing = metadata.tables.get(INBOX_TABLE_NAME)
+    if existing is not None:
+        return existing
+    return sa.Table(
+        INBOX_TABLE_NAME,
+        metadata,
+        sa.Column("consumer", _exact_text(255, 1020), nullable=False),
+        sa.Column("event_id", _exact_text(255, 1020), nullable=False),
+        sa.Column("processed_at", _timestamp(), nullable=False),
+        sa.Column("expires_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("consumer", "event_id", name="idempotency_inbox_consumer_event"),
+        # Cleanup finds expired ids by this index.
+        sa.Index("idempotency_inbox_expires_at", "expires_at"),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One row of ``idempotency_keys``, as read."""

@@ -25,8 +25,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency.inbox import inbox_table
-from flask_idempotency.models import as_utc, job_lock_table, record_table
+from flask_idempotency.models import as_utc, inbox_table, job_lock_table, record_table
 from flask_idempotency.store import text_param
 from tests import testapp
 from tests.live import LiveServer

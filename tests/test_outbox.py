@@ -325,6 +325,19 @@ def test_concurrent_relays_publish_every_event_exactly_once(database_url: str) -
     assert pending == 0
 
 
+def relay_command(url: str, out: Path, *options: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and command of ``flask idempotency relay`` on the test
+    outbox app, publishing to the file ``out`` (one JSON line per publish)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OUTBOX_TEST_DB": url,
+        "OUTBOX_TEST_FILE": str(out),
+    }
+    app = "tests.outbox_app:from_env"
+    return env, [sys.executable, "-m", "flask", "--app", app, "idempotency", "relay", *options]
+
+
 def test_a_relay_killed_after_publishing_publishes_again(database_url: str, tmp_path: Path) -> None:
     """At least once: SIGKILL between the publish and the commit that marks it."""
     pg_url = database_url
@@ -335,22 +348,7 @@ def test_a_relay_killed_after_publishing_publishes_again(database_url: str, tmp_
         outbox_app.db.session.commit()
         outbox_app.db.engine.dispose()
     out = tmp_path / "published.jsonl"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OUTBOX_TEST_DB": pg_url,
-        "OUTBOX_TEST_FILE": str(out),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "flask",
-        "--app",
-        "tests.outbox_app:from_env",
-        "idempotency",
-        "relay",
-        "--once",
-    ]
+    env, cmd = relay_command(pg_url, out, "--once")
     killed = subprocess.run(
         cmd,
         env={**env, "OUTBOX_KILL_AFTER_PUBLISH": "1"},
@@ -437,23 +435,7 @@ def test_the_foreground_relay_wakes_on_notify_and_stops_on_sigterm(
     app = outbox_app.create_app(url)
     reset(url)
     out = tmp_path / "published.jsonl"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OUTBOX_TEST_DB": url,
-        "OUTBOX_TEST_FILE": str(out),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "flask",
-        "--app",
-        "tests.outbox_app:from_env",
-        "idempotency",
-        "relay",
-        "--poll",
-        poll,
-    ]
+    env, cmd = relay_command(url, out, "--poll", poll)
     relay = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert relay.stdout is not None
