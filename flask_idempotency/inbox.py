@@ -26,7 +26,6 @@ import typing as t
 
 import sqlalchemy as sa
 from flask import current_app, has_app_context
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
@@ -34,7 +33,7 @@ from .models import INBOX_TABLE_NAME as INBOX_TABLE_NAME
 from .models import as_utc
 from .models import inbox_table as inbox_table
 from .state import EXTENSION_KEY
-from .store import text_param
+from .store import conflict_tolerant_inserts, text_param
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
@@ -54,11 +53,7 @@ _VALUES = {
     "processed_at": sa.bindparam("processed_at"),
     "expires_at": sa.bindparam("expires_at"),
 }
-_INSERTS: dict[str, t.Any] = {
-    "postgresql": postgresql.insert(_TABLE).values(_VALUES).on_conflict_do_nothing(),
-    "sqlite": sqlite.insert(_TABLE).values(_VALUES).on_conflict_do_nothing(),
-    **{name: sa.insert(_TABLE).values(_VALUES).prefix_with("IGNORE") for name in _MYSQL},
-}
+_INSERTS = conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"])
 _READ = sa.select(_C.expires_at).where(*_THIS)
 _READ_LOCKING = _READ.with_for_update(read=True)
 # An id kept past its window counts as new: the delivery that takes it over does

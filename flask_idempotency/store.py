@@ -104,6 +104,24 @@ def text_param(name: str, value: t.Any = None) -> t.Any:
     return sa.bindparam(name, value, type_=sa.String())
 
 
+def conflict_tolerant_inserts(
+    table: sa.Table, values: dict[str, t.Any], key: list[str]
+) -> dict[str, t.Any]:
+    """An insert of ``values`` per dialect that inserts nothing when a row with the
+    same ``key`` columns exists: ``ON CONFLICT DO NOTHING`` on PostgreSQL and
+    SQLite, ``INSERT IGNORE`` on MySQL/MariaDB (for values that are ours and
+    bounded, so IGNORE can only skip the duplicate). Other engines have none."""
+    inserts: dict[str, t.Any] = {
+        "postgresql": postgresql.insert(table)
+        .values(values)
+        .on_conflict_do_nothing(index_elements=key),
+        "sqlite": sqlite.insert(table).values(values).on_conflict_do_nothing(index_elements=key),
+    }
+    for name in _MYSQL:
+        inserts[name] = sa.insert(table).values(values).prefix_with("IGNORE", dialect=name)
+    return inserts
+
+
 def new_fencing_token(previous: int | None = None) -> int:
     """A fresh fencing token: random, 63 bits, positive, never ``previous``.
 
@@ -190,18 +208,7 @@ class Store:
             c.status == IN_PROGRESS,
         )
         this_record = {"scope": text_param("scope"), "key": text_param("key")}
-        self._inserts: dict[str, t.Any] = {
-            "postgresql": postgresql.insert(table)
-            .values(this_record)
-            .on_conflict_do_nothing(index_elements=["scope", "key"]),
-            "sqlite": sqlite.insert(table)
-            .values(this_record)
-            .on_conflict_do_nothing(index_elements=["scope", "key"]),
-        }
-        for name in _MYSQL:
-            self._inserts[name] = (
-                sa.insert(table).values(this_record).prefix_with("IGNORE", dialect=name)
-            )
+        self._inserts = conflict_tolerant_inserts(table, this_record, ["scope", "key"])
         self._portable_insert = sa.insert(table).values(this_record)
         self._load = sa.select(table).where(*this_key)
         # What a request needs of an existing record: all but the stored request,
