@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
 from .models import INBOX_TABLE_NAME as INBOX_TABLE_NAME
-from .models import as_utc
+from .models import MYSQL_DIALECTS, as_utc
 from .models import inbox_table as inbox_table
 from .state import EXTENSION_KEY
 from .store import conflict_tolerant_inserts, text_param
@@ -39,7 +39,7 @@ from .store import conflict_tolerant_inserts, text_param
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
 DEFAULT_TTL = dt.timedelta(days=7)
 
-_MYSQL = ("mysql", "mariadb")
+_MYSQL = MYSQL_DIALECTS
 
 
 # The statements are built on a table of our own: the SQL is the same whatever

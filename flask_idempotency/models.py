@@ -33,7 +33,9 @@ COMPLETED = "completed"
 #   characters of any UTF-8.
 # * times keep microseconds (MySQL's DATETIME drops them without fsp=6);
 # * bodies and texts are not capped at 64 KiB (MySQL's BLOB and TEXT are).
-_MYSQL = ("mysql", "mariadb")
+#: The dialect names of MySQL and MariaDB.
+MYSQL_DIALECTS = ("mysql", "mariadb")
+_MYSQL = MYSQL_DIALECTS
 
 
 def _mysql_variant(base: sa.types.TypeEngine[t.Any], mysql_type: t.Any) -> t.Any:

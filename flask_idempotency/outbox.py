@@ -48,7 +48,7 @@ from flask import g
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from .models import _text, as_utc, outbox_table
+from .models import MYSQL_DIALECTS, _text, as_utc, outbox_table
 from .state import app_state
 
 #: Set when a transaction that emitted events commits in this process: an
@@ -102,7 +102,7 @@ def _insert(table: sa.Table, dialect: str, values: dict[str, t.Any]) -> t.Any:
             .values(**values)
             .on_conflict_do_nothing(index_elements=["event_id"])
         )
-    if dialect in ("mysql", "mariadb"):
+    if dialect in MYSQL_DIALECTS:
         stmt = mysql.insert(table).values(**values)
         return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
     return sa.insert(table).values(**values)

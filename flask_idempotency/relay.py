@@ -41,7 +41,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from . import signals
-from .models import as_utc, outbox_table
+from .models import MYSQL_DIALECTS, as_utc, outbox_table
 from .outbox import CHANNEL, WAKE, OutboxEvent
 from .state import app_state
 
@@ -114,7 +114,7 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
         engine = state.db.engine
         max_attempts = state.settings.outbox_max_attempts
         with engine.connect() as conn:
-            if engine.dialect.name in ("mysql", "mariadb"):
+            if engine.dialect.name in MYSQL_DIALECTS:
                 # InnoDB's REPEATABLE READ would take next-key (gap) locks over
                 # the range scanned, up to the index's end when fewer than a
                 # batch are pending: every emit (an insert at the end) would

@@ -35,11 +35,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from . import dberrors
-from .models import COMPLETED, IN_PROGRESS, Record, as_utc
+from .models import COMPLETED, IN_PROGRESS, MYSQL_DIALECTS, Record, as_utc
 
 Executor = Session | sa.Connection
 
-_MYSQL = ("mysql", "mariadb")
+_MYSQL = MYSQL_DIALECTS
 # Room for the rest of the INSERT besides the stored request body.
 _STATEMENT_MARGIN = 64 * 1024
 
