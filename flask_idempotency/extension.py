@@ -498,11 +498,18 @@ def _downstream_state(caller: str) -> RequestState:
     return state
 
 
-def current_derived_key(step: str) -> str:
-    """``idem.derived_key(step)`` of the current request, without the extension object."""
+def current_derived_key(step: str, *, handed_out: bool = True) -> str:
+    """``idem.derived_key(step)`` of the current request, without the extension object.
+
+    ``handed_out`` (the default): the key leaves the request, so a failed
+    attempt keeps the operation for its retry (see ``Flow._keep_operation``).
+    The outbox's event ids pass ``False``: they roll back with the view.
+    """
     state = _downstream_state("idem.derived_key()")
     assert state.key is not None
     assert state.scope is not None
+    if handed_out:
+        state.keys_handed_out = True
     return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 
 

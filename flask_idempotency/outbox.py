@@ -157,7 +157,7 @@ def emit(topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None)
     n = g.get(_COUNTER, 0)
     setattr(g, _COUNTER, n + 1)
     if state is not None and not state.optimistic and state.key is not None:
-        event_id = current_derived_key(f"event:{topic}:{n}")
+        event_id = current_derived_key(f"event:{topic}:{n}", handed_out=False)
     else:
         event_id = uuid.uuid4().hex
     return add_event(app_state().db.session, topic, payload, event_id=event_id, headers=headers)

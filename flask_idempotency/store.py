@@ -572,6 +572,33 @@ class Store:
         params = {"w_scope": scope, "w_key": key, "w_token": token}
         return self._changed_one(executor, self._release, params)
 
+    def keep_for_retry(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        recovery_points: t.Mapping[str, t.Any],
+        created_at: dt.datetime | None,
+    ) -> bool:
+        """End the lease of a record this holder (``token``) still owns, and keep it.
+
+        Its recovery points are written (an empty set included), so neither the
+        recovery job nor a release deletes it: the client's retry reclaims the
+        same operation. ``created_at`` restores the operation's start, which a
+        claim repeated after a rollback may have stamped anew.
+        """
+        values: dict[str, t.Any] = {
+            "locked_until": None,
+            "recovery_points": json.dumps(
+                dict(recovery_points), sort_keys=True, separators=(",", ":")
+            ),
+        }
+        if created_at is not None:
+            values["created_at"] = created_at
+        return self._set_held(executor, scope, key, token, values)
+
     def renew_lease(
         self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
     ) -> bool:

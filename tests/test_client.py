@@ -365,11 +365,6 @@ def test_a_retried_operation_sends_the_same_derived_key(app: Flask, downstream: 
     assert seen == [key, key]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a failed attempt releases (deletes) its record, so the retry is a new "
-    "operation and derives new keys; a downstream that acted on a timed-out call acts again",
-)
 def test_a_call_with_an_unknown_outcome_keeps_its_key_on_the_retry(
     app: Flask, downstream: Downstream
 ) -> None:

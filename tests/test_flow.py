@@ -627,14 +627,16 @@ def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
     request's transaction before the claim (SET LOCAL in a before_request hook)."""
     from flask_idempotency import KeyReusedError
 
-    options: dict[str, t.Any] = {}
+    url = pg_url
     expected = None
     if apps_own == "connection":
-        options = {"connect_args": {"options": "-c lock_timeout=4321ms"}}
+        # Added to the URL's own options (a configured server's carry the test
+        # schema's search_path), not in place of them.
+        parsed = sa.make_url(pg_url)
+        own = f"{parsed.query.get('options', '')} -c lock_timeout=4321ms".strip()
+        url = parsed.update_query_dict({"options": own}).render_as_string(hide_password=False)
         expected = "4321ms"
-    app = testapp.create_app(
-        pg_url, clock=clock, IDEMPOTENCY_WAIT=2, SQLALCHEMY_ENGINE_OPTIONS=options
-    )
+    app = testapp.create_app(url, clock=clock, IDEMPOTENCY_WAIT=2)
     if apps_own == "transaction":
         expected = "777ms"
 
