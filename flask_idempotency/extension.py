@@ -509,6 +509,15 @@ def current_derived_key(step: str, *, handed_out: bool = True) -> str:
     assert state.key is not None
     assert state.scope is not None
     if handed_out:
+        if not state.claim_committed and state.previous is None:
+            # An uncommitted claim dies with a crash or a rollback, and the
+            # retry would be a new operation with new keys: the downstream
+            # would act twice. The key may leave only once the record is durable.
+            raise RuntimeError(
+                "A derived key (idem.derived_key, forward_headers with a step, the "
+                "client's step=) needs a leased route: use @idem.idempotent(lease=...) "
+                "so the record is committed before the key leaves the request"
+            )
         state.keys_handed_out = True
     return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 

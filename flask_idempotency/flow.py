@@ -82,8 +82,6 @@ class RequestState:
     #: what derived keys are made from, so that a new operation on a key that
     #: expired never reuses the downstream keys of the one before.
     operation: str = ""
-    #: The operation's creation time, as a datetime (``operation`` is its text).
-    started_at: dt.datetime | None = None
     #: The view handed a derived key out (``idem.derived_key``, ``forward_headers``
     #: with a step, the client's ``step=``): a downstream may have acted under it,
     #: so a failed attempt keeps the operation for the retry instead of freeing it.
@@ -190,12 +188,13 @@ class Flow:
             return outcome
         if isinstance(outcome, Record):
             state.previous = outcome
+            # Derived keys in manual mode name the completed operation.
+            state.operation = outcome.created_at.isoformat()
             return self._run_manual(view, kwargs)
         outcome = self._restamp_if_waited(scope, key, outcome)
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
         state.operation = outcome.created_at.isoformat()
-        state.started_at = outcome.created_at
         app = resolve_app()
         logger.debug("claimed %r in scope %r (token %d)", key, scope, outcome.token)
         signals.key_claimed.send(app, scope=scope, key=key, fencing_token=outcome.token)
@@ -522,11 +521,11 @@ class Flow:
         session = self.session
         durable = state.guard.claim is Claim.DURABLE
         session.rollback()
-        if not durable and not state.keys_handed_out:
+        if not durable:
             return
         try:
             if state.keys_handed_out:
-                released = self._keep_operation(state, durable=durable)
+                released = self._keep_operation(state)
             else:
                 released = self.store.release(
                     session,
@@ -551,32 +550,26 @@ class Flow:
             with contextlib.suppress(Exception):
                 session.rollback()
 
-    def _keep_operation(self, state: RequestState, *, durable: bool) -> bool:
+    def _keep_operation(self, state: RequestState) -> bool:
         """Keep a failed attempt's operation, with its lease ended, for the retry.
 
-        The view sent a derived key downstream, and a call whose outcome it
-        does not know (a timeout) may have acted there. Deleting the record
-        would make the retry a new operation, with new derived keys, and the
-        downstream would act again. Kept, the retry reclaims the same operation
-        (same start, same derived keys) and the downstream dedupes it. The
-        record keeps its recovery points (an empty set counts), so the recovery
-        job leaves it for the client's retry; it goes when it expires.
-
-        A claim that rolled back with the view is taken again first, on the
-        same token; if another request took the key in between, nothing is kept.
+        The view sent a derived key downstream (only a committed claim may:
+        see ``current_derived_key``), and a call whose outcome it does not
+        know (a timeout) may have acted there. Deleting the record would make
+        the retry a new operation, with new derived keys, and the downstream
+        would act again. Kept, the retry reclaims the same operation (same
+        start, same derived keys) and the downstream dedupes it. The record
+        keeps its recovery points (an empty set counts) and drops its stored
+        request, so neither a release nor the recovery job takes it: it waits
+        for the client's retry, or its expiry.
         """
         assert state.scope is not None
         assert state.key is not None
         assert state.fencing_token is not None
-        assert state.guard is not None
-        session = self.session
-        if not durable and not state.guard.reclaim(session):
-            return False
         return self.store.keep_for_retry(
-            session,
+            self.session,
             state.scope,
             state.key,
             state.fencing_token,
             recovery_points=state.recovery_points,
-            created_at=state.started_at,
         )

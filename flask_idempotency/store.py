@@ -580,23 +580,25 @@ class Store:
         token: int,
         *,
         recovery_points: t.Mapping[str, t.Any],
-        created_at: dt.datetime | None,
     ) -> bool:
-        """End the lease of a record this holder (``token``) still owns, and keep it.
+        """End the lease of a record this holder (``token``) still owns, and keep
+        it for the client's retry.
 
-        Its recovery points are written (an empty set included), so neither the
-        recovery job nor a release deletes it: the client's retry reclaims the
-        same operation. ``created_at`` restores the operation's start, which a
-        claim repeated after a rollback may have stamped anew.
+        Its recovery points are written (an empty set included) and its stored
+        request dropped, so neither a release nor the recovery job (which
+        re-runs stored requests and deletes records without points) takes it:
+        the client's retry reclaims the same operation.
         """
         values: dict[str, t.Any] = {
             "locked_until": None,
             "recovery_points": json.dumps(
                 dict(recovery_points), sort_keys=True, separators=(",", ":")
             ),
+            "request_method": None,
+            "request_path": None,
+            "request_content_type": None,
+            "request_body": None,
         }
-        if created_at is not None:
-            values["created_at"] = created_at
         return self._set_held(executor, scope, key, token, values)
 
     def renew_lease(

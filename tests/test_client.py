@@ -310,7 +310,7 @@ def test_a_step_in_an_idempotent_view_sends_the_derived_key(
     http = fast()
 
     @app.post("/calls-downstream")
-    @testapp.idem.idempotent(required=True)
+    @testapp.idem.idempotent(required=True, lease=30)
     def calls_downstream() -> tuple[dict[str, t.Any], int]:
         state = testapp.idem._request_state()
         assert state is not None
@@ -422,7 +422,7 @@ def test_a_keyless_post_in_an_idempotent_view_is_refused(
 
 def test_forward_headers_pass_the_key_through_or_derive_it(app: Flask) -> None:
     @app.post("/forward")
-    @testapp.idem.idempotent()
+    @testapp.idem.idempotent(lease=30)
     def forward() -> dict[str, t.Any]:
         return {
             "through": testapp.idem.forward_headers(),

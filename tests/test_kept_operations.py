@@ -36,19 +36,20 @@ def _add_routes(app: Flask, sent: list[str], fail: list[bool]) -> None:
         return {"sent": sent[-1] if sent else None}, 201
 
     @app.post("/derives")
-    @idem.idempotent(required=True)
+    @idem.idempotent(required=True, lease=30)
     def derives() -> tuple[dict[str, t.Any], int]:
         sent.append(idem.derived_key("charge"))
         return outcome()
 
-    @app.post("/derives-leased")
-    @idem.idempotent(required=True, lease=30)
-    def derives_leased() -> tuple[dict[str, t.Any], int]:
+    @app.post("/derives-unleased")
+    @idem.idempotent(required=True)
+    def derives_unleased() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("kept")
         sent.append(idem.derived_key("charge"))
         return outcome()
 
     @app.post("/forwards-then-raises")
-    @idem.idempotent(required=True)
+    @idem.idempotent(required=True, lease=30)
     def forwards_then_raises() -> tuple[dict[str, t.Any], int]:
         testapp.write_ledger("kept")
         headers = idem.forward_headers(step="charge")
@@ -58,7 +59,7 @@ def _add_routes(app: Flask, sent: list[str], fail: list[bool]) -> None:
         return {"sent": sent[-1]}, 201
 
     @app.post("/derives-after-own-rollback")
-    @idem.idempotent(required=True)
+    @idem.idempotent(required=True, lease=30)
     def derives_after_own_rollback() -> tuple[dict[str, t.Any], int]:
         testapp.write_ledger("kept")
         testapp.db.session.rollback()  # the view manages its transaction itself
@@ -66,7 +67,7 @@ def _add_routes(app: Flask, sent: list[str], fail: list[bool]) -> None:
         return outcome()
 
     @app.post("/emits-only")
-    @idem.idempotent(required=True)
+    @idem.idempotent(required=True, lease=30)
     def emits_only() -> tuple[dict[str, t.Any], int]:
         idem.emit("order-created", {"n": 1})
         return outcome()
@@ -87,7 +88,12 @@ def _post(app: Flask, path: str, key: str, body: dict[str, t.Any] | None = None)
 
 
 @pytest.mark.parametrize(
-    "path", ["/derives", "/derives-leased", "/forwards-then-raises", "/derives-after-own-rollback"]
+    "path",
+    [
+        "/derives",
+        "/forwards-then-raises",
+        "/derives-after-own-rollback",
+    ],
 )
 def test_the_retry_of_a_failed_attempt_sends_the_same_derived_key(
     app: Flask, routes: tuple[list[str], list[bool]], path: str, clock: Clock
@@ -171,3 +177,65 @@ def test_a_new_operation_after_expiry_derives_new_keys(
     clock.advance(days=2)
     assert _post(app, "/derives", "k-expire").status_code == 201
     assert len(set(sent)) == 2
+
+
+def test_a_derived_key_needs_a_committed_claim(
+    app: Flask, routes: tuple[list[str], list[bool]]
+) -> None:
+    """Without a lease the claim is uncommitted while the view runs: a crash or a
+    rollback loses it, and the retry would be a new operation with new keys. So
+    the key is refused there, before it can leave, and nothing is written."""
+    sent, _fail = routes
+    with pytest.raises(RuntimeError, match="needs a leased route"):
+        app.testing = True  # the app's programming error reaches the test
+        _post(app, "/derives-unleased", "k-unleased")
+    assert sent == []
+    assert record_rows(app) == []
+    assert ledger_count(app, "kept") == 0
+
+
+def test_a_failed_recovery_run_leaves_the_kept_operation_to_the_client(
+    app: Flask, clock: Clock
+) -> None:
+    """On a ``recover=True`` route, the job re-runs an abandoned operation; if the
+    re-run hands a derived key out and fails, the job does not re-run it on each
+    tick: it waits for the client's retry, which sends the same key."""
+    sent: list[str] = []
+    fail = [True, True]
+
+    @app.post("/recoverable")
+    @idem.idempotent(required=True, lease=30, recover=True)
+    def recoverable() -> tuple[dict[str, t.Any], int]:
+        sent.append(idem.derived_key("charge"))
+        if fail.pop(0) if fail else False:
+            return {"error": "the payment service timed out"}, 504
+        return {"sent": sent[-1]}, 201
+
+    assert _post(app, "/recoverable", "k-rec").status_code == 504
+    [row] = record_rows(app)
+    assert row["request_method"] is None  # the job has nothing to re-run
+    for _ in range(3):
+        clock.advance(minutes=1)
+        with app.app_context():
+            jobs.recover_abandoned(app)
+    assert len(sent) == 1
+    assert len(record_rows(app)) == 1
+    assert _post(app, "/recoverable", "k-rec").status_code == 504
+    done = _post(app, "/recoverable", "k-rec")
+    assert done.status_code == 201
+    assert len(set(sent)) == 1
+
+
+def test_manual_mode_derives_the_completed_operations_keys(app: Flask) -> None:
+    sent: list[str] = []
+
+    @app.post("/manual")
+    @idem.idempotent(required=True, lease=30, manual=True)
+    def manual() -> tuple[dict[str, t.Any], int]:
+        sent.append(idem.derived_key("charge"))
+        return {"sent": sent[0]}, 201
+
+    _post(app, "/manual", "k-manual")
+    _post(app, "/manual", "k-manual")
+    assert len(sent) == 2
+    assert sent[0] == sent[1]
