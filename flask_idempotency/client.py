@@ -163,6 +163,12 @@ class IdempotentSession(requests.Session):
     jitter up to ``backoff_max``; at most ``total`` retries within ``deadline``
     seconds. When retries run out the last response is returned (or the last
     connection error raised). Pass ``retry=`` for a ``Retry`` of your own.
+
+    Every attempt sends the same body: a ``data=`` generator or unseekable
+    stream is read into memory before the first attempt (seekable files are
+    rewound). The keyless-POST check reads the Flask app context: a call made
+    from another thread (a pool the view hands work to) is not inside the view,
+    so pass ``step=`` or ``idempotency_key=`` there yourself.
     """
 
     def __init__(
@@ -218,6 +224,8 @@ class IdempotentSession(requests.Session):
                 f"the {self.idempotency_header} header and idempotency_key=/step= both "
                 "name a key: pass one"
             )
+        if "data" in kwargs:
+            kwargs["data"] = _replayable(kwargs["data"])
         return super().request(method, url, headers=headers, **kwargs)
 
     def _key_for(self, method: str, key: str | None, step: str | None) -> str | None:
@@ -237,6 +245,25 @@ class IdempotentSession(requests.Session):
                 "derived from the view's operation) or idempotency_key='...'"
             )
         return str(uuid.uuid4())
+
+
+def _replayable(data: t.Any) -> t.Any:
+    """``data`` as a body every retry can resend: a generator or an unseekable
+    stream is read into memory first (urllib3 cannot rewind them, and a retry
+    would send an empty body under the same key); anything else is unchanged."""
+    if data is None or isinstance(data, (bytes, bytearray, str, dict, list, tuple)):
+        return data
+    read = getattr(data, "read", None)
+    if read is not None:
+        seekable = getattr(data, "seekable", None)
+        if callable(seekable) and seekable():
+            return data
+        content = read()
+        return content.encode("utf-8") if isinstance(content, str) else content
+    if isinstance(data, t.Iterable):
+        chunks = [c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in data]
+        return b"".join(chunks)
+    return data
 
 
 def _in_keyed_idempotent_request() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import io
 import json
 import socket
 import threading
@@ -37,6 +38,7 @@ class Attempt:
     path: str
     key: str | None
     at: float
+    body: bytes = b""
 
 
 class Downstream:
@@ -60,8 +62,7 @@ class Downstream:
 
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
+                body = self.rfile.read(length) if length else b""
                 with outer.lock:
                     outer.attempts.append(
                         Attempt(
@@ -69,6 +70,7 @@ class Downstream:
                             self.path,
                             self.headers.get("Idempotency-Key"),
                             time.monotonic(),
+                            body,
                         )
                     )
                     action: Action = outer.script.pop(0) if outer.script else 200
@@ -136,6 +138,38 @@ def test_same_key_on_every_attempt_until_success(downstream: Downstream) -> None
     key = one_key(downstream, 5)
     assert str(uuid.UUID(key)) == key
     assert downstream.keys()[0] == quote_key(key)  # sent as an RFC 8941 string
+
+
+@pytest.mark.parametrize(
+    "make_body",
+    [
+        lambda: (chunk for chunk in [b'{"amount": ', "4200}"]),
+        lambda: _Unseekable(b'{"amount": 4200}'),
+    ],
+    ids=["generator", "unseekable stream"],
+)
+def test_every_attempt_sends_the_same_body(
+    downstream: Downstream, make_body: t.Callable[[], t.Any]
+) -> None:
+    """A body urllib3 cannot rewind is read once, before the first attempt: the
+    retry carries the same key and the same bytes, not an empty body."""
+    downstream.script = [503, 200]
+    answer = fast().post(downstream.url, data=make_body(), idempotency_key="body-1")
+    assert answer.status_code == 200
+    assert [a.body for a in downstream.attempts] == [b'{"amount": 4200}'] * 2
+    assert downstream.keys() == ['"body-1"'] * 2
+
+
+class _Unseekable(io.RawIOBase):
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data, self._data = (self._data, b"") if size < 0 else (self._data[:size], self._data[size:])
+        return data
 
 
 def test_each_call_gets_its_own_key(downstream: Downstream) -> None:

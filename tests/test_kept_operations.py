@@ -186,8 +186,8 @@ def test_a_derived_key_needs_a_committed_claim(
     rollback loses it, and the retry would be a new operation with new keys. So
     the key is refused there, before it can leave, and nothing is written."""
     sent, _fail = routes
+    app.testing = True  # the app's programming error reaches the test
     with pytest.raises(RuntimeError, match="needs a leased route"):
-        app.testing = True  # the app's programming error reaches the test
         _post(app, "/derives-unleased", "k-unleased")
     assert sent == []
     assert record_rows(app) == []
