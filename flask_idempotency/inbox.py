@@ -46,6 +46,9 @@ _MYSQL = MYSQL_DIALECTS
 # metadata the app's table lives on.
 _TABLE = inbox_table(sa.MetaData())
 _C = _TABLE.c
+#: The longest consumer name or event id the inbox keeps (characters).
+MAX_ID_LENGTH = 255
+
 _THIS = (_C.consumer == text_param("w_consumer"), _C.event_id == text_param("w_event_id"))
 _VALUES = {
     "consumer": text_param("consumer"),
@@ -109,6 +112,10 @@ def mark_processed(
     """
     if not consumer or not event_id:
         raise ValueError("consumer and event_id must be non-empty strings")
+    if len(consumer) > MAX_ID_LENGTH or len(event_id) > MAX_ID_LENGTH:
+        # The columns hold 255 characters; refused here, before the insert, so
+        # the caller sees why rather than a driver error that differs per engine.
+        raise ValueError(f"consumer and event_id must be at most {MAX_ID_LENGTH} characters")
     now = _resolve_now(now)
     expires = now + _resolve_ttl(ttl)
     params = {

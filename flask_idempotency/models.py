@@ -282,7 +282,8 @@ def outbox_table(metadata: sa.MetaData) -> sa.Table:
             primary_key=True,
             autoincrement=True,
         ),
-        sa.Column("event_id", _exact_text(64, 64), nullable=False),
+        # 64 characters; up to 4 bytes each in the MySQL/MariaDB byte column.
+        sa.Column("event_id", _exact_text(64, 256), nullable=False),
         sa.Column("topic", sa.String(255), nullable=False),
         sa.Column("payload", _long_text(), nullable=False),
         sa.Column("headers", _long_text(), nullable=True),

@@ -268,3 +268,19 @@ def test_many_events_delivered_twice_in_three_threads(database_url: str, app: Fl
     rows = work(app, "bulk")
     assert len(rows) == 2000
     assert {k for _, k in rows} == set(events)
+
+
+def test_ids_hold_255_characters_of_any_script_and_longer_ones_are_refused(app: Flask) -> None:
+    """255 characters are kept exactly on every engine (4-byte characters too, on
+    MySQL/MariaDB's byte columns); a longer id is a ``ValueError`` before the
+    insert, the same on every engine, and nothing is stored."""
+    longest = "€𝄞" * 127 + "x"  # 255 characters, 3- and 4-byte ones
+    for _ in range(2):
+        with app.app_context():
+            with inbox.process(db.session, consumer="c" * 255, event_id=longest) as fresh:
+                pass
+            db.session.commit()
+        assert fresh is (_ == 0)
+    with app.app_context(), pytest.raises(ValueError, match="at most 255"):
+        inbox.mark_processed(db.session, "billing", longest + "y")
+    assert inbox_ids(app) == {("c" * 255, longest)}

@@ -545,3 +545,18 @@ def test_outbox_purge_deletes_only_old_published_events(app: Flask, clock: Clock
     ]
     assert left == ["parked", "pending"]
     assert stored[0]["failed_at"] is not None
+
+
+def test_event_ids_hold_64_characters_of_any_script(app: Flask) -> None:
+    """The limit is 64 characters on every engine (MySQL/MariaDB store bytes: 4 per
+    character fit); a longer id is a ``ValueError`` and nothing is added."""
+    longest = "𝄞€" * 32
+    with app.app_context():
+        add_event(outbox_app.db.session, "t", {"a": 1}, event_id=longest)
+        outbox_app.db.session.commit()
+        with pytest.raises(ValueError, match="1 to 64"):
+            add_event(outbox_app.db.session, "t", {"a": 2}, event_id=longest + "x")
+        outbox_app.db.session.rollback()
+    [stored] = rows(app)
+    event_id = stored["event_id"]
+    assert (event_id.decode() if isinstance(event_id, bytes) else event_id) == longest
