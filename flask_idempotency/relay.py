@@ -208,52 +208,102 @@ def retry_parked(app: Flask) -> int:
             return int(result.rowcount)
 
 
-def purge_published(app: Flask, older_than: dt.timedelta, *, batch: int = 1000) -> int:
-    """Delete events published more than ``older_than`` ago, ``batch`` rows per
+def purge_published_batch(
+    conn: sa.Connection, table: sa.Table, cutoff: dt.datetime, limit: int
+) -> int:
+    """Delete up to ``limit`` events published before ``cutoff``, in ``conn``'s
     transaction; the number deleted. Pending and parked events are never deleted.
-    (Consumers that deduplicate on ``event_id`` do not need the rows.)"""
+
+    The batch is read without locks and deleted by primary key: published rows
+    are never locked by a relay, and a plain read takes no range locks on
+    MySQL/MariaDB that an emit (an insert at the end of the ids) would wait on.
+    Two cleaners at once may pick the same ids; the second deletes none of them.
+    """
+    ids = list(
+        conn.execute(
+            sa.select(table.c.id)
+            .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
+            .order_by(table.c.id)
+            .limit(limit)
+        ).scalars()
+    )
+    if not ids:
+        return 0
+    # Only the published rows, whatever happened since the read.
+    published = table.c.published_at.is_not(None)
+    return int(conn.execute(sa.delete(table).where(table.c.id.in_(ids), published)).rowcount)
+
+
+def count_purgeable(conn: sa.Connection, table: sa.Table, cutoff: dt.datetime) -> int:
+    """How many events were published before ``cutoff`` (what a purge would delete)."""
+    stmt = sa.select(sa.func.count()).where(
+        table.c.published_at.is_not(None), table.c.published_at < cutoff
+    )
+    return int(conn.execute(stmt).scalar_one())
+
+
+def purge_published(
+    app: Flask, older_than: dt.timedelta | None = None, *, batch: int = 1000
+) -> int:
+    """Delete events published more than ``older_than`` ago (default
+    ``IDEMPOTENCY_OUTBOX_RETENTION``), ``batch`` rows per transaction; the number
+    deleted. Pending and parked events are never deleted. (Consumers that
+    deduplicate on ``event_id`` do not need the rows.) The cleanup job does the
+    same (:func:`flask_idempotency.jobs.purge_expired`)."""
     with app.app_context():
         state = app_state(app)
         table = outbox_table(state.db.metadata)
+        if older_than is None:
+            older_than = state.settings.outbox_retention
         cutoff = state.clock() - older_than
         total = 0
         while True:
             with state.db.engine.begin() as conn:
-                ids = list(
-                    conn.execute(
-                        sa.select(table.c.id)
-                        .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
-                        .order_by(table.c.id)
-                        .limit(batch)
-                    ).scalars()
-                )
-                if ids:
-                    conn.execute(sa.delete(table).where(table.c.id.in_(ids)))
-            total += len(ids)
-            if len(ids) < batch:
+                deleted = purge_published_batch(conn, table, cutoff, batch)
+            total += deleted
+            if deleted < batch:
                 return total
 
 
 def outbox_stats(app: Flask) -> dict[str, t.Any]:
-    """Depth (pending), oldest pending age in seconds, and parked count."""
+    """The outbox for an operator: ``outbox_pending`` (unpublished, not parked),
+    ``outbox_retrying`` (of those, the ones that failed at least once: a broker
+    outage shows here), ``outbox_oldest_age_s`` (seconds since the oldest
+    pending event was written; ``None`` when none), ``outbox_parked`` (given up
+    on: ``flask idempotency outbox-retry``) and ``outbox_published`` (kept until
+    ``IDEMPOTENCY_OUTBOX_RETENTION`` has passed)."""
     with app.app_context():
         state = app_state(app)
         table = outbox_table(state.db.metadata)
-        pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
+        c = table.c
+        pending = sa.and_(c.published_at.is_(None), c.failed_at.is_(None))
+        parked_now = sa.and_(c.published_at.is_(None), c.failed_at.is_not(None))
+
+        def count(condition: sa.ColumnElement[bool]) -> t.Any:
+            # COUNT(CASE ...) rather than FILTER, which MySQL/MariaDB lack.
+            return sa.func.count(sa.case((condition, 1)))
+
         with state.db.engine.connect() as conn:
-            depth = conn.execute(sa.select(sa.func.count()).where(pending)).scalar_one()
-            oldest = conn.execute(
-                sa.select(sa.func.min(table.c.created_at)).where(pending)
-            ).scalar()
-            parked = conn.execute(
-                sa.select(sa.func.count()).where(
-                    table.c.failed_at.is_not(None), table.c.published_at.is_(None)
+            row = conn.execute(
+                sa.select(
+                    count(pending),
+                    count(sa.and_(pending, c.attempts > 0)),
+                    sa.func.min(sa.case((pending, c.created_at))),
+                    count(parked_now),
+                    count(c.published_at.is_not(None)),
                 )
-            ).scalar_one()
+            ).one()
+        depth, retrying, oldest, parked, published = row
         age = None
         if oldest is not None:
             age = (state.clock() - t.cast(dt.datetime, as_utc(oldest))).total_seconds()
-        return {"outbox_pending": depth, "outbox_oldest_age_s": age, "outbox_parked": parked}
+        return {
+            "outbox_pending": int(depth),
+            "outbox_retrying": int(retrying),
+            "outbox_oldest_age_s": age,
+            "outbox_parked": int(parked),
+            "outbox_published": int(published),
+        }
 
 
 class Listener:
