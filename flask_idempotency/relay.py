@@ -12,7 +12,8 @@
 3. mark the published rows (``published_at``), and the failed ones with
    ``attempts + 1``, ``last_error`` and an exponential backoff
    (``next_attempt_at``; parked, ``failed_at``, after
-   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``), and commit.
+   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``; never for :class:`BrokerUnavailable`,
+   which also ends the batch), and commit.
 
 Every run selects all pending rows: there is no high-water mark over ids, so
 an event whose transaction took its id early and committed late (after events
@@ -52,13 +53,25 @@ BACKOFF_BASE = dt.timedelta(seconds=1)
 BACKOFF_CAP = dt.timedelta(minutes=10)
 
 
+class BrokerUnavailable(Exception):
+    """Raised by a publisher when the broker cannot be reached (connection
+    refused, lost, timed out): the failure is not the event's.
+
+    The relay then stops the batch (the next events would only wait on the same
+    broker), backs the event off as for any failure, and never parks an event
+    for it: after an outage the events flow again without an operator.
+    """
+
+
 class Publisher(t.Protocol):
     """What the relay publishes through.
 
     ``publish(event)`` returns once the event is safely handed over (for a
     broker: confirmed), and raises on any failure; the relay then retries it
-    later. ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON)
-    and ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
+    later. Raise :class:`BrokerUnavailable` when the broker is unreachable
+    rather than the event refused. ``event`` has ``topic``, ``event_id``,
+    ``payload`` (decoded JSON) and ``headers`` (a dict); see
+    :class:`~flask_idempotency.outbox.OutboxEvent`.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
@@ -164,13 +177,21 @@ def _run_batch(
     else:
         query = query.with_for_update(skip_locked=True)
     events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
-    failures: list[tuple[OutboxEvent, str]] = []
+    # (event, error, whether the failure counts towards parking)
+    failures: list[tuple[OutboxEvent, str, bool]] = []
     for ev in events:
         try:
             publisher.publish(ev)
+        except BrokerUnavailable as exc:
+            logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], False))
+            # The rest of the batch stays as it is, due: the next run tries the
+            # next event (this one backs off), one attempt per run while the
+            # broker is away instead of one per event.
+            break
         except Exception as exc:
             logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
-            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000]))
+            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], True))
         else:
             published.append(ev)
     done_at = clock()
@@ -180,14 +201,14 @@ def _run_batch(
             .where(table.c.id.in_([ev.id for ev in published]))
             .values(published_at=done_at)
         )
-    for ev, error in failures:
+    for ev, error, counts in failures:
         attempts = ev.attempts + 1
         values: dict[str, t.Any] = {
             "attempts": attempts,
             "last_error": error,
             "next_attempt_at": done_at + backoff(attempts),
         }
-        if attempts >= max_attempts:
+        if counts and attempts >= max_attempts:
             values["failed_at"] = done_at
             parked.append((ev, error))
         conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
