@@ -212,8 +212,8 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
         assert sorted((m["event_id"], m["payload"]) for m in got) == sorted(written)
         assert len({m["event_id"] for m in got}) == 5
     finally:
+        proxy.close()  # first: a connection still hanging in it fails at once
         publisher.close()
-        proxy.close()
         delete_queue(broker, exchange, queue)
         with app.app_context():
             outbox_app.db.engine.dispose()
@@ -240,7 +240,9 @@ def test_a_hung_broker_times_out_instead_of_holding_the_relay(
         proxy.blackhole()
         post(app, key="second")
         returned: list[int] = []
-        run = threading.Thread(target=lambda: returned.append(relay_once(app, publisher)))
+        run = threading.Thread(
+            target=lambda: returned.append(relay_once(app, publisher)), daemon=True
+        )
         run.start()
         run.join(60)  # a bound for the test only: the publisher's timeout is 1 s
         assert returned == [0]  # it returned: the confirm timed out
@@ -254,8 +256,8 @@ def test_a_hung_broker_times_out_instead_of_holding_the_relay(
         # At least once: the timed-out publish may reach the broker too, late.
         assert collect(broker, exchange, queue, {text(r["event_id"]) for r in rows(app)})
     finally:
+        proxy.close()  # first: a connection still hanging in it fails at once
         publisher.close()
-        proxy.close()
         delete_queue(broker, exchange, queue)
         with app.app_context():
             outbox_app.db.engine.dispose()
