@@ -32,8 +32,8 @@ from sqlalchemy import orm
 from flask_idempotency import signals
 from flask_idempotency.models import outbox_table
 from flask_idempotency.outbox import add_event
-from flask_idempotency.publishers import KombuPublisher
-from flask_idempotency.relay import backoff, relay_once
+from flask_idempotency.publishers import CallablePublisher, KombuPublisher
+from flask_idempotency.relay import BrokerUnavailable, backoff, relay_once
 
 from . import inbox_worker, outbox_app
 from .conftest import Clock
@@ -217,6 +217,47 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
         delete_queue(broker, exchange, queue)
         with app.app_context():
             outbox_app.db.engine.dispose()
+
+
+def test_an_unreachable_broker_ends_the_batch_and_never_parks(
+    database_url: str, clock: Clock
+) -> None:
+    """On every engine: BrokerUnavailable from a publisher ends the batch (the
+    events after it are not tried, and keep no attempt), backs the event off,
+    and never parks it; any other failure still parks after MAX_ATTEMPTS."""
+    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2)
+    reset(database_url)
+    with app.app_context():
+        for eid in ("a", "b", "c"):
+            add_event(outbox_app.db.session, "t", {"id": eid}, event_id=eid)
+        outbox_app.db.session.commit()
+    down = {"on": True}
+    tried: list[str] = []
+
+    def publish(event: t.Any) -> None:
+        tried.append(event.event_id)
+        if event.event_id == "c":
+            raise ValueError("rejected")  # the event's own fault
+        if down["on"]:
+            raise BrokerUnavailable("connection refused")
+
+    publisher = CallablePublisher(publish)
+    for _ in range(4):  # twice MAX_ATTEMPTS for "a"
+        assert relay_once(app, publisher) == 0
+        clock.advance(seconds=backoff(30).total_seconds())
+    assert tried == ["a"] * 4
+    stored = rows(app)
+    assert [(r["attempts"], r["failed_at"] is None) for r in stored] == [
+        (4, True),
+        (0, True),
+        (0, True),
+    ]
+    assert stored[0]["last_error"] == "BrokerUnavailable: connection refused"
+    down["on"] = False
+    assert relay_once(app, publisher) == 2  # a and b; c refused
+    clock.advance(seconds=backoff(30).total_seconds())
+    assert relay_once(app, publisher) == 0
+    assert [r["failed_at"] is not None for r in rows(app)] == [False, False, True]
 
 
 def test_a_hung_broker_times_out_instead_of_holding_the_relay(
