@@ -300,15 +300,16 @@ def relay(once: bool, batch: int, poll: float) -> None:
     process commits an event; on PostgreSQL it also LISTENs on the
     ``idempotency_outbox`` channel.
     """
-    from .relay import Listener, relay_once
+    from .relay import Listener, relay_batch
 
     _state()
     app = resolve_app()
     if once:
         total = 0
-        while (n := relay_once(app, batch=batch)) > 0:
-            total += n
-            if n < batch:
+        while True:
+            run = relay_batch(app, batch=batch)
+            total += run.published
+            if not run.more:  # short, or the broker is away: the rest waits
                 break
         click.echo(f"outbox relay: published {total}")
         return
@@ -326,11 +327,11 @@ def relay(once: bool, batch: int, poll: float) -> None:
     try:
         while not stop.is_set():
             try:
-                n = relay_once(app, batch=batch)
+                more = relay_batch(app, batch=batch).more
             except Exception:
                 logging.getLogger("flask_idempotency").exception("outbox relay run failed")
-                n = 0
-            if n < batch and not stop.is_set():
+                more = False
+            if not more and not stop.is_set():
                 listener.wait(poll)
     finally:
         listener.close()

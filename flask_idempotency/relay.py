@@ -31,6 +31,7 @@ an event waiting out its backoff lets later events pass it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import importlib
 import logging
@@ -109,12 +110,36 @@ def app_publisher(app: Flask) -> Publisher | None:
     return t.cast("Publisher | None", cache["publisher"])
 
 
+@dataclasses.dataclass(frozen=True)
+class RelayRun:
+    """What one batch of the relay did (:func:`relay_batch`)."""
+
+    batch: int  #: the most rows the batch could take
+    taken: int  #: pending rows it took (locked, tried or not)
+    published: int  #: events published and marked
+    failed: int  #: publishes that raised (backed off, or parked)
+    broker_unavailable: bool  #: it ended early on :class:`BrokerUnavailable`
+
+    @property
+    def more(self) -> bool:
+        """Whether a next batch at once may find work: this one was full (a
+        failed publish does not make it short) and the broker answered."""
+        return self.taken >= self.batch and not self.broker_unavailable
+
+
 def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> int:
     """Publish one batch of pending events; the number published.
 
     ``publisher`` defaults to the app's ``IDEMPOTENCY_PUBLISHER``. See the
-    module for the locking and the at-least-once guarantee.
+    module for the locking and the at-least-once guarantee. To drain the
+    outbox, loop on :func:`relay_batch` while :attr:`RelayRun.more`: fewer
+    published than ``batch`` does not mean nothing is left (a failed publish).
     """
+    return relay_batch(app, publisher, batch=batch).published
+
+
+def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> RelayRun:
+    """:func:`relay_once`, telling what the batch did."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
     with app.app_context():
@@ -135,7 +160,7 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
                 # selected rows only.
                 conn = conn.execution_options(isolation_level="READ COMMITTED")
             with conn.begin():
-                published, parked = _run_batch(
+                taken, published, parked, failed, unavailable = _run_batch(
                     conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
                 )
         for ev in published:
@@ -143,7 +168,7 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
         for ev, error in parked:
             logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
             signals.event_parked.send(app, event=ev, error=error)
-        return len(published)
+        return RelayRun(batch, taken, len(published), failed, unavailable)
 
 
 def _run_batch(
@@ -154,8 +179,9 @@ def _run_batch(
     batch: int,
     max_attempts: int,
     dialect: str,
-) -> tuple[list[OutboxEvent], list[tuple[OutboxEvent, str]]]:
-    """Select, publish and mark one batch, in ``conn``'s open transaction."""
+) -> tuple[int, list[OutboxEvent], list[tuple[OutboxEvent, str]], int, bool]:
+    """Select, publish and mark one batch, in ``conn``'s open transaction: rows
+    taken, published, parked, failures, and whether the broker was unreachable."""
     published: list[OutboxEvent] = []
     parked: list[tuple[OutboxEvent, str]] = []
     now = clock()
@@ -212,7 +238,8 @@ def _run_batch(
             values["failed_at"] = done_at
             parked.append((ev, error))
         conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
-    return published, parked
+    unavailable = bool(failures) and not failures[-1][2]
+    return len(events), published, parked, len(failures), unavailable
 
 
 def retry_parked(app: Flask) -> int:

@@ -260,6 +260,44 @@ def test_an_unreachable_broker_ends_the_batch_and_never_parks(
     assert [r["failed_at"] is not None for r in rows(app)] == [False, False, True]
 
 
+def test_relay_once_drains_past_a_failing_event(database_url: str, clock: Clock) -> None:
+    """``flask idempotency relay --once`` publishes everything pending, though a
+    failed publish makes a batch publish fewer than it took (it used to stop
+    there, leaving the rest for another run); it stops early only when the
+    broker is unreachable."""
+    refused = {"e0"}
+    published: list[str] = []
+
+    def publish(event: t.Any) -> None:
+        if event.event_id in refused:
+            raise ValueError("rejected")
+        if event.event_id == "unreachable":
+            raise BrokerUnavailable("connection refused")
+        published.append(event.event_id)
+
+    app = outbox_app.create_app(
+        database_url, clock=clock, IDEMPOTENCY_PUBLISHER=CallablePublisher(publish)
+    )
+    reset(database_url)
+    with app.app_context():
+        for i in range(7):
+            add_event(outbox_app.db.session, "t", {"n": i}, event_id=f"e{i}")
+        outbox_app.db.session.commit()
+    runner = app.test_cli_runner()
+    result = runner.invoke(args=["idempotency", "relay", "--once", "--batch", "2"])
+    assert "published 6" in result.output, result.output
+    assert published == [f"e{i}" for i in range(1, 7)]
+    with app.app_context():
+        for name in ("unreachable", "later"):
+            add_event(outbox_app.db.session, "t", {}, event_id=name)
+        outbox_app.db.session.commit()
+    result = runner.invoke(args=["idempotency", "relay", "--once", "--batch", "1"])
+    assert "published 0" in result.output  # the broker is away: the rest waits
+    assert published[-1] == "e6"
+    with app.app_context():
+        outbox_app.db.engine.dispose()
+
+
 def test_a_hung_broker_times_out_instead_of_holding_the_relay(
     pg_url: str, clock: Clock, names: tuple[str, str]
 ) -> None:
