@@ -142,7 +142,10 @@ def delete_queue(broker: Broker, exchange: str, queue: str) -> None:
     import kombu
 
     with kombu.Connection(broker.url) as conn:
-        queue_of(exchange, queue)(conn.channel()).delete()
+        bound = queue_of(exchange, queue)(conn.channel())
+        bound.delete()
+        if broker.name == "rabbitmq":  # leave nothing behind on a shared server
+            bound.exchange.delete()
 
 
 def text(value: t.Any) -> str:
