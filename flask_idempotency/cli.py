@@ -11,6 +11,7 @@ import threading
 import typing as t
 
 import click
+import sqlalchemy as sa
 from flask.cli import AppGroup
 
 from .errors import InvalidKeyError
@@ -88,14 +89,22 @@ def purge(batch_size: int | None, dry_run: bool) -> None:
 
 @idempotency_cli.command("stats")
 def stats() -> None:
-    """Records by status, oldest in progress, expired awaiting cleanup, table size."""
+    """Records by status, oldest in progress, expired awaiting cleanup, table size;
+    the outbox (pending, retrying, oldest pending age, parked, published) and the
+    inbox (processed ids, per consumer), each when its table exists."""
+    from . import inbox
+    from .models import OUTBOX_TABLE_NAME
+    from .relay import outbox_stats
+
     state = _state()
     with state.db.engine.connect() as conn:
         numbers = state.store.stats(conn, state.clock())
+        has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
+        if inbox.table_exists(conn):
+            numbers.update(inbox.stats(conn, state.clock()))
     numbers["oldest_in_progress"] = _iso(numbers["oldest_in_progress"])
-    from .relay import outbox_stats
-
-    numbers.update(outbox_stats(resolve_app()))
+    if has_outbox:
+        numbers.update(outbox_stats(resolve_app()))
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 
@@ -291,15 +300,16 @@ def relay(once: bool, batch: int, poll: float) -> None:
     process commits an event; on PostgreSQL it also LISTENs on the
     ``idempotency_outbox`` channel.
     """
-    from .relay import Listener, relay_once
+    from .relay import Listener, relay_batch
 
     _state()
     app = resolve_app()
     if once:
         total = 0
-        while (n := relay_once(app, batch=batch)) > 0:
-            total += n
-            if n < batch:
+        while True:
+            run = relay_batch(app, batch=batch)
+            total += run.published
+            if not run.more:  # short, or the broker is away: the rest waits
                 break
         click.echo(f"outbox relay: published {total}")
         return
@@ -317,11 +327,11 @@ def relay(once: bool, batch: int, poll: float) -> None:
     try:
         while not stop.is_set():
             try:
-                n = relay_once(app, batch=batch)
+                more = relay_batch(app, batch=batch).more
             except Exception:
                 logging.getLogger("flask_idempotency").exception("outbox relay run failed")
-                n = 0
-            if n < batch and not stop.is_set():
+                more = False
+            if not more and not stop.is_set():
                 listener.wait(poll)
     finally:
         listener.close()
@@ -343,14 +353,15 @@ def outbox_retry() -> None:
 @click.option(
     "--older-than",
     type=click.FloatRange(min=0),
-    default=168.0,
-    show_default=True,
-    help="Hours since the event was published.",
+    default=None,
+    help="Hours since the event was published (default IDEMPOTENCY_OUTBOX_RETENTION).",
 )
-def outbox_purge(older_than: float) -> None:
-    """Delete outbox events published more than --older-than hours ago."""
+def outbox_purge(older_than: float | None) -> None:
+    """Delete outbox events published more than --older-than hours ago (the
+    cleanup job does it too, after IDEMPOTENCY_OUTBOX_RETENTION)."""
     from .relay import purge_published
 
     _state()
-    deleted = purge_published(resolve_app(), dt.timedelta(hours=older_than))
+    age = None if older_than is None else dt.timedelta(hours=older_than)
+    deleted = purge_published(resolve_app(), age)
     click.echo(f"deleted {deleted} published event(s)")

@@ -67,6 +67,10 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     failed publishes of one event before the relay parks it (``failed_at``)
 ``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
     interval of the outbox relay job (scheduled only when a publisher is configured)
+``IDEMPOTENCY_OUTBOX_RETENTION`` (default: 7 days)
+    how long a published outbox event is kept before cleanup
+    (:func:`flask_idempotency.jobs.purge_expired`) deletes it; pending and parked events
+    are never deleted; must be positive
 ``IDEMPOTENCY_INBOX_TTL`` (default: 7 days)
     how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
     redelivery after that is processed again; must be positive
@@ -110,6 +114,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PUBLISHER": None,
     "OUTBOX_MAX_ATTEMPTS": 10,
     "RELAY_EVERY": timedelta(seconds=1),
+    "OUTBOX_RETENTION": timedelta(days=7),
     "INBOX_TTL": timedelta(days=7),
 }
 
@@ -262,6 +267,7 @@ class Settings:
     ready_timeout: timedelta = timedelta(seconds=2)
     outbox_max_attempts: int = 10
     relay_every: timedelta = timedelta(seconds=1)
+    outbox_retention: timedelta = timedelta(days=7)
     inbox_ttl: timedelta = timedelta(days=7)
 
     def __post_init__(self) -> None:
@@ -310,6 +316,9 @@ class Settings:
             ),
             relay_every=positive_duration(
                 values.get("RELAY_EVERY", timedelta(seconds=1)), "IDEMPOTENCY_RELAY_EVERY"
+            ),
+            outbox_retention=positive_duration(
+                values.get("OUTBOX_RETENTION", timedelta(days=7)), "IDEMPOTENCY_OUTBOX_RETENTION"
             ),
             inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )

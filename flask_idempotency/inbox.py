@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
 from .models import INBOX_TABLE_NAME as INBOX_TABLE_NAME
-from .models import MYSQL_DIALECTS, as_utc
+from .models import MYSQL_DIALECTS, _text, as_utc
 from .models import inbox_table as inbox_table
 from .state import EXTENSION_KEY
 from .store import conflict_tolerant_inserts, text_param
@@ -320,3 +320,20 @@ def table_exists(conn: sa.Connection) -> bool:
     """Whether the database has the inbox table (an app that upgraded without
     migrating has not: cleanup leaves the inbox alone then)."""
     return bool(sa.inspect(conn).has_table(INBOX_TABLE_NAME))
+
+
+def stats(conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
+    """The inbox for an operator: ``inbox_processed`` (ids kept, expired or not),
+    ``inbox_by_consumer`` (the same per consumer name) and ``inbox_expired``
+    (past their window, awaiting cleanup)."""
+    by_consumer = {
+        t.cast(str, _text(name)): int(n)
+        for name, n in conn.execute(
+            sa.select(_C.consumer, sa.func.count()).group_by(_C.consumer).order_by(_C.consumer)
+        )
+    }
+    return {
+        "inbox_processed": sum(by_consumer.values()),
+        "inbox_by_consumer": by_consumer,
+        "inbox_expired": count_expired(conn, now),
+    }

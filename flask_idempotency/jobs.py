@@ -8,13 +8,15 @@ record's fencing token, the same ones requests use.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import typing as t
 
+import sqlalchemy as sa
 from flask import Flask
 
-from . import inbox
-from .models import Record
+from . import inbox, relay
+from .models import OUTBOX_TABLE_NAME, Record, outbox_table
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import REPLAYED_HEADER
 from .state import app_state, resolve_app
@@ -37,11 +39,20 @@ class PurgeReport:
     batches: int = 0  #: transactions used
     inbox_deleted: int = 0  #: expired inbox ids deleted (or, with ``dry_run``, that would be)
     inbox_batches: int = 0  #: transactions used for the inbox
+    #: published outbox events past ``IDEMPOTENCY_OUTBOX_RETENTION`` deleted
+    #: (or, with ``dry_run``, that would be)
+    outbox_deleted: int = 0
+    outbox_batches: int = 0  #: transactions used for the outbox
 
     def __str__(self) -> str:
         text = f"deleted {self.deleted} expired record(s) in {self.batches} batch(es)"
         if self.inbox_deleted:
             text += f"; {self.inbox_deleted} expired inbox id(s) in {self.inbox_batches} batch(es)"
+        if self.outbox_deleted:
+            text += (
+                f"; {self.outbox_deleted} published outbox event(s) in "
+                f"{self.outbox_batches} batch(es)"
+            )
         return text
 
 
@@ -60,7 +71,10 @@ def purge_expired(
     lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
     ``IDEMPOTENCY_PURGE_BATCH``. Expired ids of the inbox
     (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
-    records, when its table exists.
+    records, and then outbox events published more than
+    ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
+    (:func:`flask_idempotency.relay.purge_published_batch`; pending and parked
+    events stay), each when its table exists.
     """
     app = resolve_app(app)
     report = PurgeReport()
@@ -70,11 +84,19 @@ def purge_expired(
         engine = state.db.engine
         with engine.connect() as conn:
             has_inbox = inbox.table_exists(conn)
+            has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
+        outbox = outbox_table(state.db.metadata)
+
+        def outbox_cutoff() -> dt.datetime:
+            return state.clock() - state.settings.outbox_retention
+
         if dry_run:
             with engine.connect() as conn:
                 report.deleted = state.store.count_expired(conn, state.clock())
                 if has_inbox:
                     report.inbox_deleted = inbox.count_expired(conn, state.clock())
+                if has_outbox:
+                    report.outbox_deleted = relay.count_purgeable(conn, outbox, outbox_cutoff())
             return report
         going = True
         while True:
@@ -92,9 +114,19 @@ def purge_expired(
                 deleted = inbox.purge_batch(conn, state.clock(), size)
             report.inbox_batches += 1
             report.inbox_deleted += deleted
+            if deleted < size:
+                break
+            if not keep_going():
+                going = False
+                break
+        while has_outbox and going:
+            with engine.begin() as conn:
+                deleted = relay.purge_published_batch(conn, outbox, outbox_cutoff(), size)
+            report.outbox_batches += 1
+            report.outbox_deleted += deleted
             if deleted < size or not keep_going():
                 break
-    if report.deleted or report.inbox_deleted:
+    if report.deleted or report.inbox_deleted or report.outbox_deleted:
         logger.info("cleanup: %s", report)
     return report
 

@@ -12,7 +12,8 @@
 3. mark the published rows (``published_at``), and the failed ones with
    ``attempts + 1``, ``last_error`` and an exponential backoff
    (``next_attempt_at``; parked, ``failed_at``, after
-   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``), and commit.
+   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``; never for :class:`BrokerUnavailable`,
+   which also ends the batch), and commit.
 
 Every run selects all pending rows: there is no high-water mark over ids, so
 an event whose transaction took its id early and committed late (after events
@@ -30,6 +31,7 @@ an event waiting out its backoff lets later events pass it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import importlib
 import logging
@@ -52,13 +54,25 @@ BACKOFF_BASE = dt.timedelta(seconds=1)
 BACKOFF_CAP = dt.timedelta(minutes=10)
 
 
+class BrokerUnavailable(Exception):
+    """Raised by a publisher when the broker cannot be reached (connection
+    refused, lost, timed out): the failure is not the event's.
+
+    The relay then stops the batch (the next events would only wait on the same
+    broker), backs the event off as for any failure, and never parks an event
+    for it: after an outage the events flow again without an operator.
+    """
+
+
 class Publisher(t.Protocol):
     """What the relay publishes through.
 
     ``publish(event)`` returns once the event is safely handed over (for a
     broker: confirmed), and raises on any failure; the relay then retries it
-    later. ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON)
-    and ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
+    later. Raise :class:`BrokerUnavailable` when the broker is unreachable
+    rather than the event refused. ``event`` has ``topic``, ``event_id``,
+    ``payload`` (decoded JSON) and ``headers`` (a dict); see
+    :class:`~flask_idempotency.outbox.OutboxEvent`.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
@@ -96,12 +110,36 @@ def app_publisher(app: Flask) -> Publisher | None:
     return t.cast("Publisher | None", cache["publisher"])
 
 
+@dataclasses.dataclass(frozen=True)
+class RelayRun:
+    """What one batch of the relay did (:func:`relay_batch`)."""
+
+    batch: int  #: the most rows the batch could take
+    taken: int  #: pending rows it took (locked, tried or not)
+    published: int  #: events published and marked
+    failed: int  #: publishes that raised (backed off, or parked)
+    broker_unavailable: bool  #: it ended early on :class:`BrokerUnavailable`
+
+    @property
+    def more(self) -> bool:
+        """Whether a next batch at once may find work: this one was full (a
+        failed publish does not make it short) and the broker answered."""
+        return self.taken >= self.batch and not self.broker_unavailable
+
+
 def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> int:
     """Publish one batch of pending events; the number published.
 
     ``publisher`` defaults to the app's ``IDEMPOTENCY_PUBLISHER``. See the
-    module for the locking and the at-least-once guarantee.
+    module for the locking and the at-least-once guarantee. To drain the
+    outbox, loop on :func:`relay_batch` while :attr:`RelayRun.more`: fewer
+    published than ``batch`` does not mean nothing is left (a failed publish).
     """
+    return relay_batch(app, publisher, batch=batch).published
+
+
+def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> RelayRun:
+    """:func:`relay_once`, telling what the batch did."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
     with app.app_context():
@@ -122,7 +160,7 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
                 # selected rows only.
                 conn = conn.execution_options(isolation_level="READ COMMITTED")
             with conn.begin():
-                published, parked = _run_batch(
+                taken, published, parked, failed, unavailable = _run_batch(
                     conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
                 )
         for ev in published:
@@ -130,7 +168,7 @@ def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 1
         for ev, error in parked:
             logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
             signals.event_parked.send(app, event=ev, error=error)
-        return len(published)
+        return RelayRun(batch, taken, len(published), failed, unavailable)
 
 
 def _run_batch(
@@ -141,8 +179,9 @@ def _run_batch(
     batch: int,
     max_attempts: int,
     dialect: str,
-) -> tuple[list[OutboxEvent], list[tuple[OutboxEvent, str]]]:
-    """Select, publish and mark one batch, in ``conn``'s open transaction."""
+) -> tuple[int, list[OutboxEvent], list[tuple[OutboxEvent, str]], int, bool]:
+    """Select, publish and mark one batch, in ``conn``'s open transaction: rows
+    taken, published, parked, failures, and whether the broker was unreachable."""
     published: list[OutboxEvent] = []
     parked: list[tuple[OutboxEvent, str]] = []
     now = clock()
@@ -164,13 +203,21 @@ def _run_batch(
     else:
         query = query.with_for_update(skip_locked=True)
     events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
-    failures: list[tuple[OutboxEvent, str]] = []
+    # (event, error, whether the failure counts towards parking)
+    failures: list[tuple[OutboxEvent, str, bool]] = []
     for ev in events:
         try:
             publisher.publish(ev)
+        except BrokerUnavailable as exc:
+            logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], False))
+            # The rest of the batch stays as it is, due: the next run tries the
+            # next event (this one backs off), one attempt per run while the
+            # broker is away instead of one per event.
+            break
         except Exception as exc:
             logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
-            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000]))
+            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], True))
         else:
             published.append(ev)
     done_at = clock()
@@ -180,18 +227,19 @@ def _run_batch(
             .where(table.c.id.in_([ev.id for ev in published]))
             .values(published_at=done_at)
         )
-    for ev, error in failures:
+    for ev, error, counts in failures:
         attempts = ev.attempts + 1
         values: dict[str, t.Any] = {
             "attempts": attempts,
             "last_error": error,
             "next_attempt_at": done_at + backoff(attempts),
         }
-        if attempts >= max_attempts:
+        if counts and attempts >= max_attempts:
             values["failed_at"] = done_at
             parked.append((ev, error))
         conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
-    return published, parked
+    unavailable = bool(failures) and not failures[-1][2]
+    return len(events), published, parked, len(failures), unavailable
 
 
 def retry_parked(app: Flask) -> int:
@@ -208,52 +256,102 @@ def retry_parked(app: Flask) -> int:
             return int(result.rowcount)
 
 
-def purge_published(app: Flask, older_than: dt.timedelta, *, batch: int = 1000) -> int:
-    """Delete events published more than ``older_than`` ago, ``batch`` rows per
+def purge_published_batch(
+    conn: sa.Connection, table: sa.Table, cutoff: dt.datetime, limit: int
+) -> int:
+    """Delete up to ``limit`` events published before ``cutoff``, in ``conn``'s
     transaction; the number deleted. Pending and parked events are never deleted.
-    (Consumers that deduplicate on ``event_id`` do not need the rows.)"""
+
+    The batch is read without locks and deleted by primary key: published rows
+    are never locked by a relay, and a plain read takes no range locks on
+    MySQL/MariaDB that an emit (an insert at the end of the ids) would wait on.
+    Two cleaners at once may pick the same ids; the second deletes none of them.
+    """
+    ids = list(
+        conn.execute(
+            sa.select(table.c.id)
+            .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
+            .order_by(table.c.id)
+            .limit(limit)
+        ).scalars()
+    )
+    if not ids:
+        return 0
+    # Only the published rows, whatever happened since the read.
+    published = table.c.published_at.is_not(None)
+    return int(conn.execute(sa.delete(table).where(table.c.id.in_(ids), published)).rowcount)
+
+
+def count_purgeable(conn: sa.Connection, table: sa.Table, cutoff: dt.datetime) -> int:
+    """How many events were published before ``cutoff`` (what a purge would delete)."""
+    stmt = sa.select(sa.func.count()).where(
+        table.c.published_at.is_not(None), table.c.published_at < cutoff
+    )
+    return int(conn.execute(stmt).scalar_one())
+
+
+def purge_published(
+    app: Flask, older_than: dt.timedelta | None = None, *, batch: int = 1000
+) -> int:
+    """Delete events published more than ``older_than`` ago (default
+    ``IDEMPOTENCY_OUTBOX_RETENTION``), ``batch`` rows per transaction; the number
+    deleted. Pending and parked events are never deleted. (Consumers that
+    deduplicate on ``event_id`` do not need the rows.) The cleanup job does the
+    same (:func:`flask_idempotency.jobs.purge_expired`)."""
     with app.app_context():
         state = app_state(app)
         table = outbox_table(state.db.metadata)
+        if older_than is None:
+            older_than = state.settings.outbox_retention
         cutoff = state.clock() - older_than
         total = 0
         while True:
             with state.db.engine.begin() as conn:
-                ids = list(
-                    conn.execute(
-                        sa.select(table.c.id)
-                        .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
-                        .order_by(table.c.id)
-                        .limit(batch)
-                    ).scalars()
-                )
-                if ids:
-                    conn.execute(sa.delete(table).where(table.c.id.in_(ids)))
-            total += len(ids)
-            if len(ids) < batch:
+                deleted = purge_published_batch(conn, table, cutoff, batch)
+            total += deleted
+            if deleted < batch:
                 return total
 
 
 def outbox_stats(app: Flask) -> dict[str, t.Any]:
-    """Depth (pending), oldest pending age in seconds, and parked count."""
+    """The outbox for an operator: ``outbox_pending`` (unpublished, not parked),
+    ``outbox_retrying`` (of those, the ones that failed at least once: a broker
+    outage shows here), ``outbox_oldest_age_s`` (seconds since the oldest
+    pending event was written; ``None`` when none), ``outbox_parked`` (given up
+    on: ``flask idempotency outbox-retry``) and ``outbox_published`` (kept until
+    ``IDEMPOTENCY_OUTBOX_RETENTION`` has passed)."""
     with app.app_context():
         state = app_state(app)
         table = outbox_table(state.db.metadata)
-        pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
+        c = table.c
+        pending = sa.and_(c.published_at.is_(None), c.failed_at.is_(None))
+        parked_now = sa.and_(c.published_at.is_(None), c.failed_at.is_not(None))
+
+        def count(condition: sa.ColumnElement[bool]) -> t.Any:
+            # COUNT(CASE ...) rather than FILTER, which MySQL/MariaDB lack.
+            return sa.func.count(sa.case((condition, 1)))
+
         with state.db.engine.connect() as conn:
-            depth = conn.execute(sa.select(sa.func.count()).where(pending)).scalar_one()
-            oldest = conn.execute(
-                sa.select(sa.func.min(table.c.created_at)).where(pending)
-            ).scalar()
-            parked = conn.execute(
-                sa.select(sa.func.count()).where(
-                    table.c.failed_at.is_not(None), table.c.published_at.is_(None)
+            row = conn.execute(
+                sa.select(
+                    count(pending),
+                    count(sa.and_(pending, c.attempts > 0)),
+                    sa.func.min(sa.case((pending, c.created_at))),
+                    count(parked_now),
+                    count(c.published_at.is_not(None)),
                 )
-            ).scalar_one()
+            ).one()
+        depth, retrying, oldest, parked, published = row
         age = None
         if oldest is not None:
             age = (state.clock() - t.cast(dt.datetime, as_utc(oldest))).total_seconds()
-        return {"outbox_pending": depth, "outbox_oldest_age_s": age, "outbox_parked": parked}
+        return {
+            "outbox_pending": int(depth),
+            "outbox_retrying": int(retrying),
+            "outbox_oldest_age_s": age,
+            "outbox_parked": int(parked),
+            "outbox_published": int(published),
+        }
 
 
 class Listener:

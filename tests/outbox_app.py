@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import os
 import signal
+import time
 import typing as t
 
 from flask import Flask, jsonify, request
@@ -76,3 +77,77 @@ def from_env() -> Flask:
         os.environ["OUTBOX_TEST_DB"],
         IDEMPOTENCY_PUBLISHER=FilePublisher(os.environ["OUTBOX_TEST_FILE"]),
     )
+
+
+class KillingPublisher:
+    """Publishes through ``inner``; with OUTBOX_KILL_AFTER_PUBLISH set, the
+    process kills itself (SIGKILL) right after the first publish returned (the
+    broker has the event), before the relay marks anything."""
+
+    def __init__(self, inner: t.Any) -> None:
+        self.inner = inner
+
+    def publish(self, event: OutboxEvent) -> None:
+        self.inner.publish(event)
+        if os.environ.get("OUTBOX_KILL_AFTER_PUBLISH"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def broker_from_env() -> Flask:
+    """The relay's app publishing to a real broker (kombu): OUTBOX_BROKER_URL,
+    OUTBOX_EXCHANGE, and OUTBOX_QUEUE declared and bound on connect."""
+    from flask_idempotency.publishers import KombuPublisher
+
+    publisher = KombuPublisher(
+        os.environ["OUTBOX_BROKER_URL"],
+        exchange=os.environ["OUTBOX_EXCHANGE"],
+        queues=[os.environ["OUTBOX_QUEUE"]],
+    )
+    return create_app(
+        os.environ["OUTBOX_TEST_DB"], IDEMPOTENCY_PUBLISHER=KillingPublisher(publisher)
+    )
+
+
+class IntervalPublisher:
+    """A fast "broker" in files of this process's own, under ``directory``:
+    each publish appends the message (event id, payload) to ``relay-<pid>.jsonl``
+    (the queue a consumer reads), then the publish's start and end on the
+    machine's monotonic clock (comparable across processes) to
+    ``intervals-<pid>.jsonl``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: t.Any = None
+
+    def publish(self, event: OutboxEvent) -> None:
+        start = time.monotonic_ns()
+        if self._files is None:
+            pid = os.getpid()
+            self._files = tuple(
+                open(os.path.join(self.directory, f"{name}-{pid}.jsonl"), "a")  # noqa: SIM115
+                for name in ("relay", "intervals")
+            )
+        queue, intervals = self._files
+        queue.write(json.dumps({"event_id": event.event_id, "payload": event.payload}) + "\n")
+        queue.flush()
+        end = time.monotonic_ns()
+        intervals.write(json.dumps([event.event_id, start, end, os.getpid()]) + "\n")
+        intervals.flush()
+
+
+def intervals_from_env() -> Flask:
+    """The relay's app publishing through :class:`IntervalPublisher`. It starts
+    when the test says so (the file ``go``), after saying it is ready, so that
+    relays started as several processes really run at once."""
+    directory = os.environ["OUTBOX_TEST_DIR"]
+    app = create_app(
+        os.environ["OUTBOX_TEST_DB"],
+        IDEMPOTENCY_PUBLISHER=IntervalPublisher(directory),
+        SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 2},
+    )
+    with open(os.path.join(directory, f"ready-{os.getpid()}"), "w"):
+        pass
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(directory, "go")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return app
