@@ -266,7 +266,11 @@ def scheduler() -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     jobs.start()
-    click.echo(f"idempotency scheduler running as {jobs.holder}; SIGTERM or Ctrl-C stops it")
+    wakes = ""
+    if jobs.waker is not None:
+        how = "LISTEN idempotency_outbox" if jobs.waker.listening else "in-process commits"
+        wakes = f" (relay wakes on {how})"
+    click.echo(f"idempotency scheduler running as {jobs.holder}{wakes}; SIGTERM or Ctrl-C stops it")
     try:
         while not stop.wait(1.0):
             pass
@@ -289,11 +293,11 @@ def relay(once: bool, batch: int, poll: float) -> None:
     Several relays may run at once (they take disjoint rows); delivery is at
     least once. Between batches it waits up to --poll seconds, less when this
     process commits an event; on PostgreSQL it also LISTENs on the
-    ``idempotency_outbox`` channel.
+    ``idempotency_outbox`` channel. IDEMPOTENCY_RELAY_WAKE = False: polling only.
     """
     from .relay import Listener, relay_once
 
-    _state()
+    wake = _state().settings.relay_wake
     app = resolve_app()
     if once:
         total = 0
@@ -304,7 +308,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
         click.echo(f"outbox relay: published {total}")
         return
     stop = threading.Event()
-    listener = Listener(app)
+    listener = Listener(app, wake=wake)
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
@@ -312,6 +316,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     how = "LISTEN idempotency_outbox and polling" if listener.listening else "polling"
+    how += "" if wake else " only (IDEMPOTENCY_RELAY_WAKE is off)"
     click.echo(f"outbox relay running ({how}); SIGTERM or Ctrl-C stops it")
     sys.stdout.flush()
     try:

@@ -66,7 +66,12 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` (default: 10)
     failed publishes of one event before the relay parks it (``failed_at``)
 ``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
-    interval of the outbox relay job (scheduled only when a publisher is configured)
+    interval of the outbox relay job (scheduled only when a publisher is configured):
+    the poll, the fallback when no wake-up comes
+``IDEMPOTENCY_RELAY_WAKE`` (default: ``True``)
+    wake the relay (the scheduler's job and ``flask idempotency relay``) right after a
+    commit that carried events: in-process, and on PostgreSQL through
+    ``LISTEN idempotency_outbox`` on a connection of its own; ``False``: polling alone
 ``IDEMPOTENCY_INBOX_TTL`` (default: 7 days)
     how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
     redelivery after that is processed again; must be positive
@@ -110,6 +115,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PUBLISHER": None,
     "OUTBOX_MAX_ATTEMPTS": 10,
     "RELAY_EVERY": timedelta(seconds=1),
+    "RELAY_WAKE": True,
     "INBOX_TTL": timedelta(days=7),
 }
 
@@ -262,6 +268,7 @@ class Settings:
     ready_timeout: timedelta = timedelta(seconds=2)
     outbox_max_attempts: int = 10
     relay_every: timedelta = timedelta(seconds=1)
+    relay_wake: bool = True
     inbox_ttl: timedelta = timedelta(days=7)
 
     def __post_init__(self) -> None:
@@ -311,6 +318,7 @@ class Settings:
             relay_every=positive_duration(
                 values.get("RELAY_EVERY", timedelta(seconds=1)), "IDEMPOTENCY_RELAY_EVERY"
             ),
+            relay_wake=bool(values.get("RELAY_WAKE", True)),
             inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )
 
