@@ -10,6 +10,7 @@ another process. (:data:`SOON` is generous: these are not timing assertions.)
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -172,19 +173,24 @@ class GatedPublisher:
                 self.busy -= 1
 
 
-def test_a_commit_during_a_run_is_published_by_that_run_going_round_again(
+def test_a_commit_during_a_poll_run_is_published_by_that_run_going_round_again(
     pg_url: str,
 ) -> None:
-    """One relay run at a time per scheduler: an event committed while a run
-    is publishing (after it read the outbox) is not left to the next poll, and
-    no two publishes ever overlap. (PostgreSQL: on SQLite the emit would wait
-    for the relay's write lock.)"""
+    """One relay run at a time per scheduler: a wake-up while the poll's run is
+    publishing (it read the outbox before the commit) makes that run go round
+    again rather than start a second run, and the event is not left to the
+    next poll; no two publishes ever overlap. (PostgreSQL: on SQLite the emit
+    would wait for the relay's write lock.)"""
     publisher = GatedPublisher()
     app = make_app(pg_url, publisher)
+    with app.app_context():  # before the scheduler listens: no wake-up
+        add_event(outbox_app.db.session, "t", {}, event_id="first")
+        outbox_app.db.session.commit()
     jobs = JobScheduler(app)
     jobs.start()
+    poll = threading.Thread(target=jobs.relay_now, args=(dt.timedelta(seconds=POLL),))
     try:
-        assert post(app, key="first").status_code == 201
+        poll.start()  # what the poll's tick runs
         assert publisher.entered.wait(SOON)
         assert post(app, key="second").status_code == 201  # while "first" is held
         time.sleep(0.3)  # its wake-up arrives during the run
@@ -194,6 +200,7 @@ def test_a_commit_during_a_run_is_published_by_that_run_going_round_again(
         assert [e.event_id for e in publisher.events] == [r["event_id"] for r in rows(app)]
     finally:
         publisher.gate.set()
+        poll.join(SOON)
         jobs.shutdown()
         dispose(app)
 
