@@ -145,8 +145,8 @@ class JobScheduler:
         ``True`` if it ran here; ``False`` if it was skipped (another process's
         run holds the job lock, or, with ``every``, a run started less than
         ``every`` ago); ``None`` if a run of this scheduler is in progress, in
-        which case that run goes round once more before it ends (without
-        ``every``: a poll tick, with it, does not ask for that).
+        which case that run goes round once more before it ends (when called
+        without ``every``, as by a wake-up; a poll tick does not ask for that).
         """
         with self._relay_lock:
             if self._relay_running:
@@ -198,8 +198,11 @@ class RelayWaker:
     It waits on a :class:`~flask_idempotency.relay.Listener` and calls
     :meth:`JobScheduler.relay_now` when woken. A wake-up whose run was skipped
     because another process's relay run holds the job lock is tried again
-    every :attr:`RETRY` seconds until it runs: that run may have read the
-    outbox before the commit. A LISTEN connection that breaks (a database
+    every :attr:`RETRY` seconds until it runs, when this waker does not
+    LISTEN: that run may have read the outbox before the commit, and nothing
+    else tells it. (When it LISTENs, so does a waker in the holder's process,
+    which makes its run go round again: every scheduler retrying would turn
+    each commit into one run per process.) A LISTEN connection that breaks (a database
     restart) is opened again every :attr:`RELISTEN` seconds until it works;
     meanwhile the in-process wake-ups and the poll go on.
     """
@@ -245,7 +248,8 @@ class RelayWaker:
                     try:
                         # None: a run here goes round again; True: ran;
                         # False: skipped, another process's run holds the lock.
-                        pending = self.jobs.relay_now() is False
+                        skipped = self.jobs.relay_now() is False
+                        pending = skipped and not self.listener.listening
                     except Exception:
                         logger.exception("outbox relay run after a wake-up failed")
                         pending = False

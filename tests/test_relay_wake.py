@@ -298,3 +298,28 @@ def test_a_scheduler_process_wakes_on_notify_and_sigterm_stops_its_listener(
         if process.stdout is not None:
             process.stdout.close()
         dispose(app)
+
+
+def test_a_wake_up_skipped_behind_another_process_run_is_tried_again(tmp_path: Path) -> None:
+    """SQLite (no LISTEN): while another process's relay run holds the job lock,
+    a wake-up here is skipped; it is tried again until it runs, not left to the
+    poll (that run may have read the outbox before this commit)."""
+    publisher = ListPublisher()
+    app = make_app(f"sqlite:///{tmp_path / 'held.sqlite3'}", publisher)
+    jobs = JobScheduler(app)
+    with app.app_context():
+        engine, now = outbox_app.db.engine, jobs.state.clock()
+        assert jobs.locks.acquire(engine, "relay", "elsewhere:1", dt.timedelta(minutes=1), now)
+    jobs.start()
+    try:
+        with relay_runs(app) as runs:
+            assert post(app, key="k1").status_code == 201
+            time.sleep(0.6)
+            assert publisher.events == []  # skipped: the lock is held elsewhere
+            with app.app_context():
+                jobs.locks.release(engine, "relay", "elsewhere:1", jobs.state.clock())
+            assert wait_until(lambda: publisher.events), "left to the poll"
+            assert runs == [jobs.holder]
+    finally:
+        jobs.shutdown()
+        dispose(app)
