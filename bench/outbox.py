@@ -18,9 +18,10 @@ schema of its own, or ``--database-url``):
   (SQLite) transports, and no broker at all (an in-memory list: the
   database's share).
 
-Variants run interleaved in rounds; the figures are the medians over rounds of
-each round's p50/p99 (or events/s). Writes a section of ``BENCHMARKS.md``
-between :data:`START` and :data:`END` (kept by ``python -m bench.run``).
+Variants run interleaved in rounds, in a shuffled order each round; the
+figures are the medians over rounds of each round's p50/p99 (or events/s).
+Writes a section of ``BENCHMARKS.md`` between :data:`START` and :data:`END`
+(kept by ``python -m bench.run``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import datetime as dt
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
@@ -408,27 +410,34 @@ def run(args: argparse.Namespace, url: str, folder: Path) -> Results:
     fs = filesystem_broker(folder / "fs", exchange)
     latency_broker = rabbit or fs
     results = Results({v.name: [] for v in LATENCY}, {}, latency_broker.name, notes)
+    rng = random.Random(args.seed)
     for round_no in range(1, args.rounds + 1):
-        for variant in LATENCY:
+        for variant in rng.sample(LATENCY, len(LATENCY)):
             ms = latency_round(url, latency_broker, variant, args.events, args.gap)
             results.latency[variant.name].append(ms)
             _say(
                 f"round {round_no}/{args.rounds} latency {variant.name:15} "
                 f"p50 {_percentile(ms, 0.5):8.1f} ms  p99 {_percentile(ms, 0.99):8.1f} ms"
             )
-    brokers: list[tuple[str, Broker | None]] = []
-    if rabbit is not None:
-        brokers.append((rabbit.name, rabbit))
-    brokers.append((fs.name, fs))
-    sqla = Broker(
-        "kombu SQLAlchemy (SQLite)", f"sqla+sqlite:///{folder / 'kombu.sqlite3'}", exchange, {}
-    )
-    brokers.append((sqla.name, sqla))
-    brokers.append(("none (in-memory list)", None))
-    for name, _ in brokers:
+
+    def brokers(round_no: int) -> list[tuple[str, Broker | None]]:
+        """Fresh folders and files each round: a transport's leftovers would slow the next."""
+        here = folder / f"round-{round_no}"
+        chosen: list[tuple[str, Broker | None]] = []
+        if rabbit is not None:
+            chosen.append((rabbit.name, rabbit))
+        chosen.append(("kombu filesystem", filesystem_broker(here / "fs", exchange)))
+        sqla_url = f"sqla+sqlite:///{here / 'kombu.sqlite3'}"
+        chosen.append(("kombu SQLAlchemy (SQLite)", Broker("sqla", sqla_url, exchange, {})))
+        chosen.append(("none (in-memory list)", None))
+        return chosen
+
+    for name, _ in brokers(0):  # the table's order
         results.throughput[name] = []
     for round_no in range(1, args.rounds + 1):
-        for name, broker in brokers:
+        order = brokers(round_no)
+        rng.shuffle(order)
+        for name, broker in order:
             if broker is None:
                 rate = throughput_round(url, name, ListPublisher(), args.backlog)
             else:
@@ -493,10 +502,11 @@ def section(results: Results, facts: dict[str, str], args: argparse.Namespace) -
         parts += [f"* {note}" for note in results.notes] + [""]
     parts += [
         "Latency is measured from the writer's clock right after its commit returned to the",
-        "consumer's clock on arrival (same machine). Polling alone waits half the poll interval on",
-        "average; a wake-up costs one relay run (a job-lock update, a select, the publish, the",
-        "marking). Throughput is bound by the broker's confirm round trip per event on RabbitMQ",
-        "(the relay publishes one event at a time and waits for its confirm) and by the",
+        "consumer's clock on arrival (same machine). Polling alone waits about half the poll",
+        "interval, plus the publishing of the events ahead in its batch; a wake-up costs one relay",
+        "run (a job-lock update for the scheduler's job, a select, the publish, the marking).",
+        "Throughput is bound by the broker's confirm round trip per event on RabbitMQ (the relay",
+        "publishes one event at a time and waits for its confirm) and by the",
         "transport's writes on the embedded ones; `none` is the database's share.",
         END,
     ]
@@ -550,6 +560,7 @@ def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--events", type=int, help="trickle events per variant (default 300)")
     parser.add_argument("--gap", type=float, default=0.02, help="seconds between commits")
     parser.add_argument("--backlog", type=int, help="backlog per broker (default 10,000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the variant order")
     parser.add_argument("--no-rabbitmq", action="store_true", help="leave RabbitMQ out")
     parser.add_argument("--database-url", help="a PostgreSQL URL (default: as the tests)")
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
