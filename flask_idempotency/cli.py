@@ -275,7 +275,11 @@ def scheduler() -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     jobs.start()
-    click.echo(f"idempotency scheduler running as {jobs.holder}; SIGTERM or Ctrl-C stops it")
+    wakes = ""
+    if jobs.waker is not None:
+        how = "LISTEN idempotency_outbox" if jobs.waker.listening else "in-process commits"
+        wakes = f" (relay wakes on {how})"
+    click.echo(f"idempotency scheduler running as {jobs.holder}{wakes}; SIGTERM or Ctrl-C stops it")
     try:
         while not stop.wait(1.0):
             pass
@@ -298,11 +302,11 @@ def relay(once: bool, batch: int, poll: float) -> None:
     Several relays may run at once (they take disjoint rows); delivery is at
     least once. Between batches it waits up to --poll seconds, less when this
     process commits an event; on PostgreSQL it also LISTENs on the
-    ``idempotency_outbox`` channel.
+    ``idempotency_outbox`` channel. IDEMPOTENCY_RELAY_WAKE = False: polling only.
     """
     from .relay import Listener, relay_batch
 
-    _state()
+    wake = _state().settings.relay_wake
     app = resolve_app()
     if once:
         total = 0
@@ -314,7 +318,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
         click.echo(f"outbox relay: published {total}")
         return
     stop = threading.Event()
-    listener = Listener(app)
+    listener = Listener(app, wake=wake)
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
@@ -322,6 +326,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     how = "LISTEN idempotency_outbox and polling" if listener.listening else "polling"
+    how += "" if wake else " only (IDEMPOTENCY_RELAY_WAKE is off)"
     click.echo(f"outbox relay running ({how}); SIGTERM or Ctrl-C stops it")
     sys.stdout.flush()
     try:
@@ -332,7 +337,18 @@ def relay(once: bool, batch: int, poll: float) -> None:
                 logging.getLogger("flask_idempotency").exception("outbox relay run failed")
                 more = False
             if not more and not stop.is_set():
-                listener.wait(poll)
+                try:
+                    listener.wait(poll)
+                except Exception:
+                    # The LISTEN connection broke (a restart, a failover, an idle
+                    # killer): listen again on a new one, polling meanwhile.
+                    logging.getLogger("flask_idempotency").warning(
+                        "outbox relay: the LISTEN connection failed; listening again",
+                        exc_info=True,
+                    )
+                    listener.close()
+                    stop.wait(poll)
+                    listener = Listener(app, wake=wake)
     finally:
         listener.close()
         for sig, handler in previous.items():

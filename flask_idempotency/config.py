@@ -66,7 +66,12 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` (default: 10)
     failed publishes of one event before the relay parks it (``failed_at``)
 ``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
-    interval of the outbox relay job (scheduled only when a publisher is configured)
+    interval of the outbox relay job (scheduled only when a publisher is configured):
+    the poll, the fallback when no wake-up comes
+``IDEMPOTENCY_RELAY_WAKE`` (default: ``True``)
+    wake the relay (the scheduler's job and ``flask idempotency relay``) right after a
+    commit that carried events: in-process, and on PostgreSQL through
+    ``LISTEN idempotency_outbox`` on a connection of its own; ``False``: polling alone
 ``IDEMPOTENCY_OUTBOX_RETENTION`` (default: 7 days)
     how long a published outbox event is kept before cleanup
     (:func:`flask_idempotency.jobs.purge_expired`) deletes it; pending and parked events
@@ -115,6 +120,7 @@ DEFAULTS: dict[str, t.Any] = {
     "OUTBOX_MAX_ATTEMPTS": 10,
     "RELAY_EVERY": timedelta(seconds=1),
     "OUTBOX_RETENTION": timedelta(days=7),
+    "RELAY_WAKE": True,
     "INBOX_TTL": timedelta(days=7),
 }
 
@@ -268,6 +274,7 @@ class Settings:
     outbox_max_attempts: int = 10
     relay_every: timedelta = timedelta(seconds=1)
     outbox_retention: timedelta = timedelta(days=7)
+    relay_wake: bool = True
     inbox_ttl: timedelta = timedelta(days=7)
 
     def __post_init__(self) -> None:
@@ -320,6 +327,7 @@ class Settings:
             outbox_retention=positive_duration(
                 values.get("OUTBOX_RETENTION", timedelta(days=7)), "IDEMPOTENCY_OUTBOX_RETENTION"
             ),
+            relay_wake=bool(values.get("RELAY_WAKE", True)),
             inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )
 

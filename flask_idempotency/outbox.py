@@ -26,7 +26,9 @@ because the event commits only with the winning record: a duplicate's whole
 transaction, event included, rolls back when it meets the winner's record.
 
 Wake-ups: a commit that carried events sets :data:`WAKE` in this process (an
-``after_commit`` hook on the app's sessions), and on PostgreSQL the first emit
+``after_commit`` hook on the app's sessions) and calls every callback given to
+:func:`on_commit` (a relay's :class:`~flask_idempotency.relay.Listener` and so
+the scheduler's relay job wake up), and on PostgreSQL the first emit
 of a transaction also runs ``pg_notify('idempotency_outbox', '')``, which
 PostgreSQL delivers at the commit (and drops on rollback), so a relay that
 LISTENs wakes at once instead of waiting for its next poll. Both only shorten
@@ -61,6 +63,7 @@ CHANNEL = "idempotency_outbox"
 _INFO_FLAG = "idempotency_outbox_emitted"
 _COUNTER = "_idempotency_outbox_emits"
 _watched: set[t.Any] = set()
+_wakers: set[t.Callable[[], None]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +166,22 @@ def emit(topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None)
     return add_event(app_state().db.session, topic, payload, event_id=event_id, headers=headers)
 
 
+def on_commit(callback: t.Callable[[], None]) -> None:
+    """Call ``callback()`` (in the committing thread, so it must be quick and
+    must not raise) after each commit in this process that carried events."""
+    _wakers.add(callback)
+
+
+def remove_on_commit(callback: t.Callable[[], None]) -> None:
+    """Stop calling ``callback``; a callback not registered is ignored."""
+    _wakers.discard(callback)
+
+
 def _after_commit(session: t.Any) -> None:
     if session.info.pop(_INFO_FLAG, False):
         WAKE.set()
+        for wake in list(_wakers):
+            wake()
 
 
 def _after_rollback(session: t.Any) -> None:

@@ -44,7 +44,7 @@ from flask import Flask
 
 from . import signals
 from .models import MYSQL_DIALECTS, as_utc, outbox_table
-from .outbox import CHANNEL, WAKE, OutboxEvent
+from .outbox import CHANNEL, OutboxEvent, on_commit, remove_on_commit
 from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -355,21 +355,25 @@ def outbox_stats(app: Flask) -> dict[str, t.Any]:
 
 
 class Listener:
-    """How a foreground relay waits between runs: at most ``timeout``, less when
-    there is work.
+    """How a relay waits between runs: at most ``timeout``, less when there is work.
 
     On PostgreSQL with psycopg2 it LISTENs on ``idempotency_outbox`` on a
-    connection of its own (autocommit, detached from the pool) and waits in
-    ``select()`` for a notification; elsewhere it waits on the in-process
-    :data:`~flask_idempotency.outbox.WAKE`. :meth:`interrupt` (safe in a signal
-    handler) ends a wait at once.
+    connection of its own (autocommit, detached from the pool), so commits in
+    any process wake it; a commit that carried events in this process wakes it
+    too (:func:`~flask_idempotency.outbox.on_commit`), on every engine. With
+    ``wake=False`` it does neither and only waits out the timeout (polling
+    alone). :meth:`interrupt` (safe in a signal handler) ends a wait at once.
     """
 
-    def __init__(self, app: Flask) -> None:
+    def __init__(self, app: Flask, *, wake: bool = True) -> None:
         self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._raw: t.Any = None
         self._conn: t.Any = None
+        if not wake:
+            return
+        on_commit(self.interrupt)
         with app.app_context():
             engine = app_state(app).db.engine
         if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg2":
@@ -386,29 +390,43 @@ class Listener:
 
     @property
     def listening(self) -> bool:
+        """Whether it LISTENs on PostgreSQL (commits in other processes wake it)."""
         return self._conn is not None
 
-    def wait(self, timeout: float) -> None:
-        if self._conn is None:
-            readable, _, _ = select.select([self._read], [], [], 0)
-            if not readable:
-                WAKE.wait(timeout)
-        else:
-            readable, _, _ = select.select([self._conn, self._read], [], [], timeout)
-            if self._conn in readable:
-                self._conn.poll()
-                self._conn.notifies.clear()
-        WAKE.clear()
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (``None``: until woken); ``True`` when
+        woken by a notification, a commit here or :meth:`interrupt`.
+
+        Raises when the LISTEN connection fails (the caller may make a new
+        Listener)."""
+        waitables: list[t.Any] = [self._read]
+        if self._conn is not None:
+            waitables.append(self._conn)
+        readable, _, _ = select.select(waitables, [], [], timeout)
+        if self._read in readable:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._read, 4096):
+                    pass
+        if self._conn is not None and self._conn in readable:
+            self._conn.poll()
+            self._conn.notifies.clear()
+        return bool(readable)
 
     def interrupt(self) -> None:
-        WAKE.set()
-        with contextlib.suppress(BlockingIOError):
+        """End the current or next :meth:`wait` now."""
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._write, b"x")
 
     def close(self) -> None:
+        """Stop listening (the LISTEN connection is closed) and free the pipe."""
+        remove_on_commit(self.interrupt)
         if self._raw is not None:
             with contextlib.suppress(Exception):
                 self._raw.close()
         self._raw = self._conn = None
-        os.close(self._read)
-        os.close(self._write)
+        if self._read >= 0:
+            # -1 first: a late interrupt() then writes nowhere, not into a
+            # file that reuses the number.
+            read, write, self._read, self._write = self._read, self._write, -1, -1
+            os.close(read)
+            os.close(write)

@@ -13,6 +13,17 @@ run holds the lock until ``IDEMPOTENCY_JOB_LOCK`` expires. Runs either inside th
 never at import, never in the Werkzeug reloader's watcher process, and once per
 gunicorn worker after the fork) or as one dedicated process
 (``flask idempotency scheduler``).
+
+The relay job (:func:`_relay_job`) also runs as soon as events commit, not
+only every ``IDEMPOTENCY_RELAY_EVERY``: a thread of the scheduler
+(:class:`RelayWaker`) waits on a :class:`~flask_idempotency.relay.Listener`,
+which a commit in this process that carried events wakes at once and, on
+PostgreSQL, a commit in any process through ``LISTEN idempotency_outbox`` (one
+more connection per scheduler). ``IDEMPOTENCY_RELAY_WAKE = False`` turns the
+wake-ups off; the interval is always there as the fallback, so a lost wake-up
+only delays an event to the next poll. One relay run at a time per scheduler:
+a wake-up during a run makes that run go round once more instead of starting
+a second one (the run may have read the outbox before the commit).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from flask import Flask
 from . import signals
 from .jobs import KeepGoing, purge_expired, recover_abandoned
 from .locks import JobLocks, new_holder_id
+from .relay import Listener
 from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -38,10 +50,11 @@ JobFunc = t.Callable[[Flask, KeepGoing], object]
 
 
 def _relay_job(app: Flask, keep_going: KeepGoing) -> None:
-    from .relay import relay_once
+    from .relay import relay_batch
 
-    # Drain: whole batches until one comes back short or the lock is lost.
-    while relay_once(app) >= 100 and keep_going():
+    # Drain: batches until one says there is no more (short, or the broker is
+    # away) or the lock is lost; a failing event does not end the drain.
+    while relay_batch(app).more and keep_going():
         pass
 
 
@@ -66,8 +79,21 @@ class JobScheduler:
             lambda app, keep: recover_abandoned(app, keep_going=keep),
             settings.recover_every,
         )
-        if app.config.get("IDEMPOTENCY_PUBLISHER") is not None:
-            self.add_job("relay", _relay_job, settings.relay_every)
+        self._relay_lock = threading.Lock()
+        self._relay_running = False
+        self._relay_again = False
+        self.waker: RelayWaker | None = None
+        self.relays = app.config.get("IDEMPOTENCY_PUBLISHER") is not None
+        if self.relays:
+            # The poll; its tick goes through relay_now like a wake-up's.
+            every = settings.relay_every
+            self._scheduler.add_job(
+                self._relay_tick,
+                "interval",
+                args=("relay", _relay_job, every),
+                id="relay",
+                seconds=every.total_seconds(),
+            )
 
     def add_job(self, name: str, func: JobFunc, every: dt.timedelta) -> None:
         """Schedule ``func(app, keep_going)`` every ``every``, one runner at a time,
@@ -111,17 +137,138 @@ class JobScheduler:
                 state.db.session.remove()
         return True
 
+    def _relay_tick(self, name: str, func: JobFunc, every: dt.timedelta) -> None:
+        self.relay_now(every)
+
+    def relay_now(self, every: dt.timedelta | None = None) -> bool | None:
+        """Run the relay job now, in this thread; what a wake-up calls.
+
+        ``True`` if it ran here; ``False`` if it was skipped (another process's
+        run holds the job lock, or, with ``every``, a run started less than
+        ``every`` ago); ``None`` if a run of this scheduler is in progress, in
+        which case that run goes round once more before it ends (when called
+        without ``every``, as by a wake-up; a poll tick does not ask for that).
+        """
+        with self._relay_lock:
+            if self._relay_running:
+                # A wake-up (no every) is news the run may have missed; a
+                # poll tick is not.
+                self._relay_again = self._relay_again or every is None
+                return None
+            self._relay_running, self._relay_again = True, False
+        try:
+            ran = self.run_job("relay", _relay_job, every)
+            while True:
+                with self._relay_lock:
+                    if not self._relay_again:
+                        self._relay_running = False
+                        return ran
+                    self._relay_again = False
+                # Woken during the run: events may have committed after its
+                # last read of the outbox.
+                ran = self.run_job("relay", _relay_job) or ran
+        except BaseException:
+            with self._relay_lock:
+                self._relay_running = False
+            raise
+
     def start(self) -> None:
+        """Start the jobs (and, for the relay, the wake-up thread)."""
+        if self.relays and self.state.settings.relay_wake:
+            self.waker = RelayWaker(self)
+            self.waker.start()
         self._scheduler.start()
         logger.info("idempotency jobs scheduled in process %d", os.getpid())
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop the jobs and the wake-up thread (its LISTEN connection closes)."""
+        if self.waker is not None:
+            self.waker.stop(wait=wait)
+            self.waker = None
         if self._scheduler.running:
             self._scheduler.shutdown(wait=wait)
 
     @property
     def running(self) -> bool:
         return bool(self._scheduler.running)
+
+
+class RelayWaker:
+    """The thread that runs a scheduler's relay job when events commit.
+
+    It waits on a :class:`~flask_idempotency.relay.Listener` and calls
+    :meth:`JobScheduler.relay_now` when woken. A wake-up whose run was skipped
+    because another process's relay run holds the job lock is tried again
+    every :attr:`RETRY` seconds until it runs, when this waker does not
+    LISTEN: that run may have read the outbox before the commit, and nothing
+    else tells it. (When it LISTENs, so does a waker in the holder's process,
+    which makes its run go round again: every scheduler retrying would turn
+    each commit into one run per process.) A LISTEN connection that breaks (a database
+    restart) is opened again every :attr:`RELISTEN` seconds until it works;
+    meanwhile the in-process wake-ups and the poll go on.
+    """
+
+    RETRY = 0.25
+    RELISTEN = 5.0
+
+    def __init__(self, jobs: JobScheduler) -> None:
+        self.jobs = jobs
+        self._stop = threading.Event()
+        self.listener = Listener(jobs.app)
+        self._wants_listen = self.listener.listening
+        self._thread = threading.Thread(
+            target=self._run, name="idempotency-relay-wake", daemon=True
+        )
+
+    @property
+    def listening(self) -> bool:
+        """Whether it LISTENs on PostgreSQL (commits in other processes wake it)."""
+        return self.listener.listening
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending = False
+        try:
+            while not self._stop.is_set():
+                relisten = self._wants_listen and not self.listener.listening
+                timeout = self.RETRY if pending else self.RELISTEN if relisten else None
+                try:
+                    woken = self.listener.wait(timeout)
+                except Exception:
+                    logger.warning("outbox relay wake-ups: LISTEN connection lost", exc_info=True)
+                    self._replace_listener()
+                    pending = True  # a notification may have been lost with it
+                    continue
+                if self._stop.is_set():
+                    break
+                if relisten and not woken:
+                    self._replace_listener()
+                if woken or pending:
+                    try:
+                        # None: a run here goes round again; True: ran;
+                        # False: skipped, another process's run holds the lock.
+                        skipped = self.jobs.relay_now() is False
+                        pending = skipped and not self.listener.listening
+                    except Exception:
+                        logger.exception("outbox relay run after a wake-up failed")
+                        pending = False
+        finally:
+            self.listener.close()
+
+    def _replace_listener(self) -> None:
+        self.listener.close()
+        self.listener = Listener(self.jobs.app)  # without LISTEN if it fails again
+
+    def stop(self, wait: bool = True) -> None:
+        """End the thread, which closes its listener (and LISTEN connection)."""
+        self._stop.set()
+        self.listener.interrupt()
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self.listener.close()  # never started
+        elif wait and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class InProcessScheduler:

@@ -73,9 +73,11 @@ class FilePublisher:
 
 
 def from_env() -> Flask:
+    """Extra config (JSON) from ``OUTBOX_TEST_CONFIG``, e.g. ``IDEMPOTENCY_RELAY_EVERY``."""
     return create_app(
         os.environ["OUTBOX_TEST_DB"],
         IDEMPOTENCY_PUBLISHER=FilePublisher(os.environ["OUTBOX_TEST_FILE"]),
+        **json.loads(os.environ.get("OUTBOX_TEST_CONFIG", "{}")),
     )
 
 

@@ -52,3 +52,36 @@ def test_harness_runs_every_variant(tmp_path: Path) -> None:
         assert requests > 0, rows[name]
     assert "no-key / plain" in text
     assert "ext-replay / floor-replay" in text
+
+
+@pytest.mark.slow
+def test_outbox_bench_runs_every_relay_and_broker(pg_url: str, tmp_path: Path) -> None:
+    """``python -m bench.outbox`` in a tiny mode: every latency variant and every
+    embedded broker has a figure, and the section lands in the output file."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\nkept\n")
+    command = [
+        sys.executable,
+        "-m",
+        "bench.outbox",
+        "--quick",
+        "--events",
+        "5",
+        "--backlog",
+        "50",
+        "--no-rabbitmq",
+        "--database-url",
+        pg_url,
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nkept\n")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    for name in ("cli-listen", "cli-poll", "scheduler-wake", "scheduler-poll"):
+        assert float(rows[name].split("|")[2].replace(",", "")) > 0, rows[name]
+    for broker in ("kombu filesystem", "kombu SQLAlchemy (SQLite)", "none (in-memory list)"):
+        assert float(rows[broker].split("|")[2].replace(",", "")) > 0, rows[broker]
+    assert "RabbitMQ figures are missing" in text

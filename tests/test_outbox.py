@@ -27,7 +27,7 @@ from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from flask_idempotency.relay import backoff, relay_once, retry_parked
 
 from . import outbox_app
-from .conftest import Clock
+from .conftest import Clock, run_sql
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -459,6 +459,61 @@ def test_the_foreground_relay_wakes_on_notify_and_stops_on_sigterm(
             relay.wait()
         if relay.stdout is not None:
             relay.stdout.close()
+
+
+def test_the_foreground_relay_survives_losing_its_listen_connection(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A restart, a failover or an idle-connection killer ends the LISTEN
+    connection: the relay keeps running, listens again on a new one, and
+    publishes what is committed afterwards (it used to exit with the error)."""
+    name = f"relay-{uuid.uuid4().hex[:10]}"
+    url = (
+        sa.make_url(pg_url)
+        .update_query_dict({"application_name": name})
+        .render_as_string(hide_password=False)
+    )
+    app = outbox_app.create_app(pg_url)
+    reset(pg_url)
+    out = tmp_path / "published.jsonl"
+    env, cmd = relay_command(url, out, "--poll", "1")
+    relay = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE application_name = :name AND query LIKE 'LISTEN%'"
+    )
+    try:
+        assert relay.stdout is not None
+        assert "LISTEN" in relay.stdout.readline()
+        [old] = wait_for_rows(pg_url, listening, name=name)
+        run_sql(pg_url, "SELECT pg_terminate_backend(:pid)", pid=old[0])
+        [_listening_again] = wait_for_rows(
+            pg_url, listening + " AND pid <> :old", name=name, old=old[0]
+        )
+        assert relay.poll() is None
+        with app.app_context():
+            add_event(outbox_app.db.session, "t", {}, event_id="after-the-blip")
+            outbox_app.db.session.commit()
+            outbox_app.db.engine.dispose()
+        started = time.monotonic()
+        while not (out.exists() and out.read_text()) and time.monotonic() - started < 15:
+            time.sleep(0.05)
+        assert json.loads(out.read_text())["event_id"] == "after-the-blip"
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(10) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+        if relay.stdout is not None:
+            relay.stdout.close()
+
+
+def wait_for_rows(url: str, sql: str, **params: t.Any) -> list[t.Any]:
+    """The rows of ``sql`` once there are any (within 15 s)."""
+    deadline = time.monotonic() + 15
+    while not (found := run_sql(url, sql, **params)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def test_the_scheduler_runs_the_relay_job_with_the_configured_publisher(tmp_path: Path) -> None:
