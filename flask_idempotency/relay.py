@@ -24,8 +24,11 @@ and before its commit leaves the row unpublished (the marking never committed,
 and the row lock went with the connection), so the next run publishes it
 again. No order of "publish" and "mark" avoids that without a transaction
 spanning the broker and the database; consumers deduplicate on ``event_id``.
-Order: events are published in id order within and across runs, except that
-an event waiting out its backoff lets later events pass it.
+Order: one relay publishes in id order within and across runs, except that
+an event waiting out its backoff lets later events pass it. Several relays at
+once take disjoint batches and publish them side by side, so a later event can
+reach the broker first: a consumer that needs one entity's events in order
+checks a version or sequence of its own, or the app runs a single relay.
 """
 
 from __future__ import annotations
@@ -159,16 +162,22 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
                 # wait for this batch to be published. READ COMMITTED locks the
                 # selected rows only.
                 conn = conn.execution_options(isolation_level="READ COMMITTED")
-            with conn.begin():
-                taken, published, parked, failed, unavailable = _run_batch(
-                    conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
-                )
+            taken, published, parked, failed, unavailable = _run_batch(
+                conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
+            )
         for ev in published:
             signals.event_published.send(app, event=ev)
         for ev, error in parked:
             logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
             signals.event_parked.send(app, event=ev, error=error)
         return RelayRun(batch, taken, len(published), failed, unavailable)
+
+
+#: How long a SQLite relay holds the rows it publishes outside a transaction:
+#: another relay takes them only after this, so a relay that dies mid-batch
+#: delays that batch by as much (a batch that takes longer to publish may be
+#: published by two relays at once; at least once still holds).
+SQLITE_PUBLISH_LEASE = dt.timedelta(minutes=5)
 
 
 def _run_batch(
@@ -180,10 +189,16 @@ def _run_batch(
     max_attempts: int,
     dialect: str,
 ) -> tuple[int, list[OutboxEvent], list[tuple[OutboxEvent, str]], int, bool]:
-    """Select, publish and mark one batch, in ``conn``'s open transaction: rows
-    taken, published, parked, failures, and whether the broker was unreachable."""
-    published: list[OutboxEvent] = []
-    parked: list[tuple[OutboxEvent, str]] = []
+    """Select, publish and mark one batch: rows taken, published, parked,
+    failures, and whether the broker was unreachable.
+
+    PostgreSQL and MySQL/MariaDB hold the batch's rows locked (``SKIP LOCKED``)
+    in one transaction while publishing: emits insert other rows and never
+    wait. SQLite has one lock for the whole database, so holding it while a
+    broker answers would stop every writer: there the batch is taken in a short
+    transaction (its rows leased for :data:`SQLITE_PUBLISH_LEASE`), published
+    outside any transaction, and marked in a second one.
+    """
     now = clock()
     query = (
         sa.select(table)
@@ -196,15 +211,49 @@ def _run_batch(
         .limit(batch)
     )
     if dialect == "sqlite":
-        # Take SQLite's write lock now (a write starts the write transaction
-        # even when it matches nothing): a second relay waits here instead of
-        # reading the same rows.
-        conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
+        with conn.begin():
+            # Take SQLite's write lock now (a write starts the write transaction
+            # even when it matches nothing): a second relay waits here instead
+            # of reading the same rows.
+            conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
+            events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
+            if events:
+                conn.execute(
+                    sa.update(table)
+                    .where(table.c.id.in_([ev.id for ev in events]))
+                    .values(next_attempt_at=now + SQLITE_PUBLISH_LEASE)
+                )
+        published, failures = _publish(events, publisher)
+        with conn.begin():
+            parked = _mark(conn, table, clock(), published, failures, max_attempts)
+            tried = {ev.id for ev in published} | {ev.id for ev, _, _ in failures}
+            untried = [ev.id for ev in events if ev.id not in tried]
+            if untried:  # left after an unreachable broker: due again, not leased
+                conn.execute(
+                    sa.update(table).where(table.c.id.in_(untried)).values(next_attempt_at=None)
+                )
     else:
-        query = query.with_for_update(skip_locked=True)
-    events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
-    # (event, error, whether the failure counts towards parking)
-    failures: list[tuple[OutboxEvent, str, bool]] = []
+        with conn.begin():
+            events = [
+                OutboxEvent.from_row(row)
+                for row in conn.execute(query.with_for_update(skip_locked=True))
+            ]
+            published, failures = _publish(events, publisher)
+            parked = _mark(conn, table, clock(), published, failures, max_attempts)
+    unavailable = bool(failures) and not failures[-1][2]
+    return len(events), published, parked, len(failures), unavailable
+
+
+#: (event, error, whether the failure counts towards parking)
+_Failure = tuple[OutboxEvent, str, bool]
+
+
+def _publish(
+    events: list[OutboxEvent], publisher: Publisher
+) -> tuple[list[OutboxEvent], list[_Failure]]:
+    """Publish ``events`` in order: those published, and the failures."""
+    published: list[OutboxEvent] = []
+    failures: list[_Failure] = []
     for ev in events:
         try:
             publisher.publish(ev)
@@ -220,7 +269,19 @@ def _run_batch(
             failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], True))
         else:
             published.append(ev)
-    done_at = clock()
+    return published, failures
+
+
+def _mark(
+    conn: sa.Connection,
+    table: sa.Table,
+    done_at: dt.datetime,
+    published: list[OutboxEvent],
+    failures: list[_Failure],
+    max_attempts: int,
+) -> list[tuple[OutboxEvent, str]]:
+    """Mark the published events, back off (or park) the failed ones; the parked."""
+    parked: list[tuple[OutboxEvent, str]] = []
     if published:
         conn.execute(
             sa.update(table)
@@ -238,8 +299,7 @@ def _run_batch(
             values["failed_at"] = done_at
             parked.append((ev, error))
         conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
-    unavailable = bool(failures) and not failures[-1][2]
-    return len(events), published, parked, len(failures), unavailable
+    return parked
 
 
 def retry_parked(app: Flask) -> int:
