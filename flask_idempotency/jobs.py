@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from . import inbox, relay
-from .models import OUTBOX_TABLE_NAME, Record, outbox_table
+from .models import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, outbox_table
 from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import REPLAYED_HEADER
 from .state import app_state, resolve_app
@@ -138,7 +138,7 @@ class RecoveryReport:
     completed: int = 0  #: driven to completion from the stored request
     released: int = 0  #: deleted, so the client's next retry runs again
     skipped: int = 0  #: finished or reclaimed by someone else meanwhile
-    kept: int = 0  #: re-run failed; kept with its recovery points for the retry to resume
+    kept: int = 0  #: left for the client's retry (finished steps, or derived keys handed out)
 
     def __str__(self) -> str:
         return (
@@ -226,7 +226,13 @@ def recover_abandoned(
                 )
             if released:
                 report.released += 1
-            elif current is not None and current.recovery_points:
+            elif (
+                current is not None
+                and current.status == IN_PROGRESS
+                and not current.lease_live(state.clock())
+            ):
+                # Left for the client's retry: finished steps, or derived keys
+                # handed out (a kept operation, see Flow._keep_operation).
                 report.kept += 1
             else:
                 report.skipped += 1

@@ -214,11 +214,13 @@ def test_a_failed_recovery_run_leaves_the_kept_operation_to_the_client(
     assert _post(app, "/recoverable", "k-rec").status_code == 504
     [row] = record_rows(app)
     assert row["request_method"] is None  # the job has nothing to re-run
+    reports = []
     for _ in range(3):
         clock.advance(minutes=1)
         with app.app_context():
-            jobs.recover_abandoned(app)
+            reports.append(jobs.recover_abandoned(app))
     assert len(sent) == 1
+    assert [(r.completed, r.released) for r in reports] == [(0, 0)] * 3
     assert len(record_rows(app)) == 1
     assert _post(app, "/recoverable", "k-rec").status_code == 504
     done = _post(app, "/recoverable", "k-rec")
