@@ -1,7 +1,14 @@
-"""``python -m example_app``: serve the payments service on 127.0.0.1:5000.
+"""``python -m example_app``: the example's services and its demo.
 
-``python -m example_app demo`` instead starts it on a free port, sends a charge,
-retries it, reuses its key with another amount, and prints what happened.
+* ``payments`` (the default, also ``serve``): the payments service on 127.0.0.1:5000.
+* ``orders``: the order service on 127.0.0.1:5001; it charges at
+  ``EXAMPLE_PAYMENTS_URL`` and relays its events itself (an in-process scheduler,
+  woken at each commit).
+* ``shipping``: the shipping consumer, until Ctrl-C.
+* ``demo``: the whole chain in one process, on SQLite files in a temporary folder
+  and kombu's filesystem transport (or ``EXAMPLE_BROKER_URL``): a client whose
+  first response is lost retries with its key; the order, the charge, the event
+  and the shipment each happen once. Exits 0 when every count is right.
 """
 
 from __future__ import annotations
@@ -9,74 +16,194 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import tempfile
 import threading
+import time
 import typing as t
-import urllib.error
-import urllib.request
 import uuid
 
+import sqlalchemy as sa
 from werkzeug.serving import make_server
 
-from . import create_app
+from flask_idempotency.client import IdempotentSession
+from flask_idempotency.relay import relay_batch
+
+from . import create_app, orders, shipping
+from .app import db as payments_db
+
+WSGIApp = t.Callable[[dict[str, t.Any], t.Callable[..., t.Any]], t.Iterable[bytes]]
+
+#: The client's read timeout in the demo, and how long the lost response is held.
+CLIENT_TIMEOUT = 2.0
 
 
-def _post(base: str, body: dict[str, t.Any], key: str) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
-        base + "/payments",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json", "Idempotency-Key": key},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+class LoseFirstResponse:
+    """Demo only: the first ``POST /orders`` runs to the end (the order, the
+    charge and the event commit) but its response is held past the client's
+    timeout, as when a proxy or the network loses it."""
+
+    def __init__(self, app: WSGIApp) -> None:
+        self.app = app
+        self.lost = threading.Event()
+
+    def __call__(self, environ: dict[str, t.Any], start_response: t.Callable[..., t.Any]) -> t.Any:
+        if environ["REQUEST_METHOD"] != "POST" or self.lost.is_set():
+            return self.app(environ, start_response)
+        self.lost.set()
+        sent: list[t.Any] = []
+        body = b"".join(self.app(environ, lambda *args: sent.append(args)))  # commits
+        print("  (order service: order committed; its response is lost on the way)")
+        time.sleep(CLIENT_TIMEOUT + 0.5)  # the client gave up and retried meanwhile
+        start_response(*sent[0])
+        return [body]
+
+
+def _serve(app: WSGIApp) -> tuple[t.Any, str]:
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+def _count(app: t.Any, db: t.Any, sql: str) -> int:
+    with app.app_context(), db.engine.connect() as conn:
+        return int(conn.execute(sa.text(sql)).scalar_one())
+
+
+def _show(title: str, response: t.Any) -> None:
+    replayed = response.headers.get("Idempotent-Replayed", "false")
+    body = json.dumps(response.json()) if response.content else ""
+    print(f"{title:44} -> {response.status_code} replayed={replayed} {body}")
 
 
 def demo() -> int:
-    """Run the retry story against a live server and check the ledger."""
-    app = create_app()
+    """The order -> payment -> events -> shipping chain, with a lost response."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # keep the story readable
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_port}"
+    folder = tempfile.mkdtemp(prefix="example-chain-")
+    broker_folder = os.path.join(folder, "broker")
+    payments_app = create_app({"SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/payments.sqlite3"})
+    orders_app = orders.create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/orders.sqlite3",
+            "EXAMPLE_BROKER_FOLDER": broker_folder,
+        }
+    )
+    shipping_app = shipping.create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/shipping.sqlite3",
+            "EXAMPLE_BROKER_FOLDER": broker_folder,
+        }
+    )
+    print(f"broker: {orders_app.config['EXAMPLE_BROKER_URL']}   databases: {folder}")
+    payments_server, payments_url = _serve(payments_app)
+    orders_app.config["PAYMENTS_URL"] = payments_url
+    orders_server, orders_url = _serve(LoseFirstResponse(orders_app.wsgi_app))
+    # The caller's client: one key for the order, kept across its retries.
+    http = IdempotentSession(total=3, backoff_factor=0.2, deadline=30)
     key = str(uuid.uuid4())
-    charge = {"customer_id": "cus_demo", "amount": 1250, "currency": "EUR"}
+    order = {"customer_id": "cus_demo", "amount": 1250, "currency": "EUR"}
     try:
-        with urllib.request.urlopen(base + "/ledger") as response:
-            before = json.load(response)["count"]
-        steps = [
-            ("first attempt", charge),
-            ("retry (client timed out)", {**charge, "client_sent_at": "2026-01-01T00:00:05Z"}),
-            ("same key, different amount", {**charge, "amount": 9999}),
-        ]
-        for title, body in steps:
-            status, headers, payload = _post(base, body, key)
-            replayed = headers.get("Idempotent-Replayed", "false")
-            print(f"{title:28} -> {status} replayed={replayed} {payload.decode().strip()}")
-        with urllib.request.urlopen(base + "/ledger") as response:
-            after = json.load(response)["count"]
-        print(f"ledger rows added for key {key}: {after - before}")
-        return 0 if after - before == 1 else 1
+        first = http.post(
+            orders_url + "/orders",
+            json=order,
+            headers={"X-Tenant": "acme"},
+            idempotency_key=key,
+            timeout=CLIENT_TIMEOUT,
+        )
+        _show("acme: order, response lost, client retried", first)
+        _show(
+            "acme: same key, another amount",
+            http.post(
+                orders_url + "/orders",
+                json={**order, "amount": 9999},
+                headers={"X-Tenant": "acme"},
+                idempotency_key=key,
+            ),
+        )
+        _show(
+            "globex: the same key (another tenant)",
+            http.post(
+                orders_url + "/orders",
+                json=order,
+                headers={"X-Tenant": "globex"},
+                idempotency_key=key,
+            ),
+        )
+        published = relay_batch(orders_app).published
+        shipped = shipping.consume(shipping_app, idle=0.5)
+        print(f"relay published {published}; shipping shipped {shipped.shipped}")
+        # The relay dies after publishing and before marking: it publishes again.
+        with orders_app.app_context():
+            orders.db.session.execute(
+                sa.text(
+                    "UPDATE idempotency_outbox SET published_at = NULL, next_attempt_at = NULL"
+                    " WHERE event_id = :e"
+                ),
+                {"e": first.json()["event_id"]},
+            )
+            orders.db.session.commit()
+        again = relay_batch(orders_app).published
+        redelivered = shipping.consume(shipping_app, idle=0.5)
+        print(
+            f"relay crashed before marking: published {again} again; "
+            f"shipping skipped {redelivered.skipped} duplicate(s)"
+        )
     finally:
-        server.shutdown()
+        orders_server.shutdown()
+        payments_server.shutdown()
+    counts = {
+        "orders": _count(orders_app, orders.db, "SELECT count(*) FROM orders"),
+        "charges": _count(payments_app, payments_db, "SELECT count(*) FROM ledger"),
+        "events": _count(orders_app, orders.db, "SELECT count(*) FROM idempotency_outbox"),
+        "shipments": _count(shipping_app, shipping.db, "SELECT count(*) FROM shipments"),
+    }
+    print("per tenant, once each: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    right = set(counts.values()) == {2} and redelivered.skipped == 1 and first.status_code == 201
+    print("OK" if right else "WRONG: each count should be 2 (acme and globex)")
+    return 0 if right else 1
+
+
+def shipping_forever() -> int:
+    app = shipping.create_app()
+    print(f"shipping consumer on {app.config['EXAMPLE_BROKER_URL']} (Ctrl-C stops)")
+    try:
+        while True:
+            done = shipping.consume(app, idle=1.0)
+            if done.shipped or done.skipped:
+                print(f"shipped {done.shipped}, skipped {done.skipped} duplicate(s)")
+    except KeyboardInterrupt:
+        return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m example_app", description=__doc__)
-    parser.add_argument("command", nargs="?", choices=["serve", "demo"], default="serve")
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=["serve", "payments", "orders", "shipping", "demo"],
+        default="serve",
+    )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument("--port", type=int, default=None)
     args = parser.parse_args()
     if args.command == "demo":
         return demo()
-    app = create_app()
-    print(
-        f"payments service on http://{args.host}:{args.port}  (database: "
-        f"{app.config['SQLALCHEMY_DATABASE_URI']})"
-    )
-    app.run(host=args.host, port=args.port, threaded=True)
+    if args.command == "shipping":
+        return shipping_forever()
+    if args.command == "orders":
+        app = orders.create_app({"IDEMPOTENCY_SCHEDULER": True})
+        port = args.port or 5001
+        print(
+            f"order service on http://{args.host}:{port}  (payments: {app.config['PAYMENTS_URL']})"
+        )
+    else:
+        app = create_app()
+        port = args.port or 5000
+        print(
+            f"payments service on http://{args.host}:{port}  (database: "
+            f"{app.config['SQLALCHEMY_DATABASE_URI']})"
+        )
+    app.run(host=args.host, port=port, threaded=True)
     return 0
 
 

@@ -228,6 +228,51 @@ class IdempotentSession(requests.Session):
             kwargs["data"] = _replayable(kwargs["data"])
         return super().request(method, url, headers=headers, **kwargs)
 
+    # post/put/patch restated only so that type checkers know idempotency_key=
+    # and step=; each is requests' own, by way of request().
+    def post(
+        self,
+        url: str | bytes,
+        data: t.Any = None,
+        json: t.Any = None,
+        *,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+        **kwargs: t.Any,
+    ) -> requests.Response:
+        """POST with the key as :meth:`request` chooses it."""
+        return self.request(
+            "POST", url, data=data, json=json, idempotency_key=idempotency_key, step=step, **kwargs
+        )
+
+    def put(
+        self,
+        url: str | bytes,
+        data: t.Any = None,
+        *,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+        **kwargs: t.Any,
+    ) -> requests.Response:
+        """PUT with the key as :meth:`request` chooses it."""
+        return self.request(
+            "PUT", url, data=data, idempotency_key=idempotency_key, step=step, **kwargs
+        )
+
+    def patch(
+        self,
+        url: str | bytes,
+        data: t.Any = None,
+        *,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+        **kwargs: t.Any,
+    ) -> requests.Response:
+        """PATCH with the key as :meth:`request` chooses it."""
+        return self.request(
+            "PATCH", url, data=data, idempotency_key=idempotency_key, step=step, **kwargs
+        )
+
     def _key_for(self, method: str, key: str | None, step: str | None) -> str | None:
         if key is not None:
             if step is not None:

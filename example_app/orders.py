@@ -1,0 +1,222 @@
+"""The order service: ``POST /orders`` places an order once per key.
+
+One request is a chain of side effects in three systems, each made safe by the
+client's one ``Idempotency-Key`` (K):
+
+* the order row, deduplicated here on (tenant, K);
+* the charge at the payments service (``app.py``), sent with
+  ``idem.derived_key("charge")``: the same key on every retry and resume of this
+  operation, so the payments service charges once;
+* the ``order-created`` event, written to the outbox in the order's transaction
+  with an id derived from K, relayed to the broker afterwards; the shipping
+  service (``shipping.py``) processes each event id once.
+
+The route is leased (``lease=True``): the claim commits before the view calls
+the payments service, so a crash after the charge leaves a record the client's
+retry resumes, with the same derived key, instead of a fresh operation.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import typing as t
+
+from flask import Blueprint, Flask, abort, current_app, request, url_for
+from flask_sqlalchemy import SQLAlchemy
+from marshmallow import Schema, fields, validate
+from sqlalchemy import orm
+from werkzeug.exceptions import HTTPException
+
+from flask_idempotency import Idempotency
+from flask_idempotency.client import IdempotentSession
+
+from . import broker
+from .app import AMOUNT_MAX, CUSTOMER_ID_LENGTH, WholeNumber, engine_options, storable_text
+
+db = SQLAlchemy()
+idem = Idempotency()
+
+DEFAULT_DATABASE_URL = "sqlite:///orders.sqlite3"
+DEFAULT_PAYMENTS_URL = "http://127.0.0.1:5000"
+TENANT_LENGTH = 64
+
+
+class Order(db.Model):  # type: ignore[name-defined,misc]
+    """One row per order: written once per (tenant, key)."""
+
+    __tablename__ = "orders"
+
+    id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
+    tenant: orm.Mapped[str] = orm.mapped_column(db.String(TENANT_LENGTH))
+    customer_id: orm.Mapped[str] = orm.mapped_column(db.String(CUSTOMER_ID_LENGTH))
+    amount: orm.Mapped[int] = orm.mapped_column(db.Integer)
+    currency: orm.Mapped[str] = orm.mapped_column(db.String(3))
+    charge_id: orm.Mapped[int] = orm.mapped_column(db.Integer)
+    created_at: orm.Mapped[dt.datetime] = orm.mapped_column(
+        default=lambda: dt.datetime.now(dt.timezone.utc)
+    )
+
+    def as_dict(self) -> dict[str, t.Any]:
+        return {
+            "order_id": self.id,
+            "tenant": self.tenant,
+            "customer_id": self.customer_id,
+            "amount": self.amount,
+            "currency": self.currency,
+            "charge_id": self.charge_id,
+        }
+
+
+class OrderSchema(Schema):
+    """An order. ``client_sent_at`` changes on every retry: not fingerprinted."""
+
+    customer_id = fields.String(
+        required=True,
+        validate=[validate.Length(min=1, max=CUSTOMER_ID_LENGTH), storable_text],
+    )
+    amount = WholeNumber(
+        required=True, strict=False, validate=validate.Range(min=1, max=AMOUNT_MAX)
+    )
+    currency = fields.String(required=True, validate=validate.OneOf(["EUR", "USD", "GBP"]))
+    client_sent_at = fields.AwareDateTime(load_default=None)
+
+
+class PaymentFailed(Exception):
+    """The payments service refused the charge or could not be reached in time."""
+
+    def __init__(self, status: int | None, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def tenant() -> str:
+    """The calling tenant. A stand-in for authentication: a real service takes
+    it from the verified credential, never from a header anyone can set."""
+    name = request.headers.get("X-Tenant", "")
+    if not name or len(name) > TENANT_LENGTH or not name.isprintable():
+        abort(401, description="Send your tenant in X-Tenant (1 to 64 printable characters).")
+    return name
+
+
+def charge(order: dict[str, t.Any]) -> dict[str, t.Any]:
+    """Charge the order at the payments service and return its charge.
+
+    ``step="charge"`` sends ``idem.derived_key("charge")`` as the key, on the
+    first attempt, on every retry the session makes, and on the attempt that
+    resumes this operation after a crash: the payments service charges once.
+    """
+    http: IdempotentSession = current_app.extensions["example_orders_http"]
+    body = {k: order[k] for k in ("customer_id", "amount", "currency")}
+    try:
+        response = http.post(
+            current_app.config["PAYMENTS_URL"] + "/payments",
+            json={**body, "description": f"order of {tenant()}"},
+            step="charge",
+            timeout=(3, 5),
+        )
+    except OSError as exc:  # requests' ConnectionError and Timeout are OSErrors
+        raise PaymentFailed(None, f"payments service unreachable: {exc}") from exc
+    if response.status_code not in (200, 201):
+        raise PaymentFailed(response.status_code, response.text[:500])
+    return t.cast(dict[str, t.Any], response.json())
+
+
+def problem(status: int, title: str, detail: str) -> tuple[dict[str, t.Any], int, dict[str, str]]:
+    """An RFC 9457 problem response."""
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    return body, status, {"Content-Type": "application/problem+json"}
+
+
+def http_problem(exc: HTTPException) -> tuple[dict[str, t.Any], int, dict[str, str]]:
+    return problem(exc.code or 500, exc.name, exc.description or exc.name)
+
+
+bp = Blueprint("orders", __name__)
+
+
+@bp.post("/orders")
+@idem.idempotent(
+    schema=OrderSchema(),
+    exclude=["client_sent_at"],
+    lease=True,  # IDEMPOTENCY_LEASE: commit the claim before calling downstream
+    required=True,
+    scope=lambda: f"tenant:{tenant()}",
+)
+def create_order() -> t.Any:
+    order = idem.payload
+    try:
+        # A recovery point: a retry that resumes after a crash past this line
+        # gets the saved charge without calling the payments service again.
+        payment = idem.step("charge", lambda: charge(order))
+    except PaymentFailed as exc:
+        # 502 is not stored: the record stays the operation's, and the retry
+        # resumes it with the same derived key. A refusal (4xx) is the answer.
+        status = 502 if exc.status is None or exc.status >= 500 else 422
+        return problem(status, "The payment failed", exc.detail)
+    row = Order(
+        tenant=tenant(),
+        customer_id=order["customer_id"],
+        amount=order["amount"],
+        currency=order["currency"],
+        charge_id=payment["charge_id"],
+    )
+    db.session.add(row)
+    db.session.flush()
+    # In the order's transaction: the event exists if and only if the order does.
+    event_id = idem.emit(broker.ORDER_CREATED, row.as_dict())
+    location = url_for("orders.get_order", order_id=row.id)
+    return {**row.as_dict(), "event_id": event_id}, 201, {"Location": location}
+
+
+@bp.get("/orders/<int:order_id>")
+def get_order(order_id: int) -> dict[str, t.Any]:
+    row = db.session.get(Order, order_id)
+    if row is None:
+        abort(404)
+    return row.as_dict()
+
+
+@bp.get("/orders")
+def list_orders() -> dict[str, t.Any]:
+    rows = [o.as_dict() for o in db.session.execute(db.select(Order).order_by(Order.id)).scalars()]
+    return {"count": len(rows), "orders": rows}
+
+
+def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
+    """Build the order service. ``config`` overrides; otherwise the database is
+    ``EXAMPLE_ORDERS_DATABASE_URL`` (default SQLite in the instance folder), the
+    payments service ``EXAMPLE_PAYMENTS_URL`` (default ``http://127.0.0.1:5000``)
+    and the broker ``EXAMPLE_BROKER_URL`` (see ``broker.py``)."""
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
+        "EXAMPLE_ORDERS_DATABASE_URL", DEFAULT_DATABASE_URL
+    )
+    app.config["PAYMENTS_URL"] = os.environ.get("EXAMPLE_PAYMENTS_URL", DEFAULT_PAYMENTS_URL)
+    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
+    # Longer than the charge can take (connect 3 s + read 5 s per attempt, within
+    # the session's 12 s budget), so a live request never loses its lease.
+    app.config["IDEMPOTENCY_LEASE"] = dt.timedelta(seconds=30)
+    if config:
+        app.config.update(config)
+    broker.configure(app)
+    app.config.setdefault("IDEMPOTENCY_PUBLISHER", broker.publisher(app))
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+        **engine_options(app.config["SQLALCHEMY_DATABASE_URI"]),
+        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
+    }
+    # One session per app, shared by its requests' threads: requests' Session is
+    # safe for concurrent requests that do not change its settings.
+    app.extensions["example_orders_http"] = IdempotentSession(
+        total=3, backoff_factor=0.2, backoff_max=2, deadline=12
+    )
+    db.init_app(app)
+    idem.init_app(app, db)
+    app.register_blueprint(bp)
+    app.register_error_handler(401, http_problem)
+    app.register_error_handler(404, http_problem)
+    app.add_url_rule("/readyz", view_func=idem.readiness_view)
+    with app.app_context():
+        db.create_all()
+    return app
