@@ -106,8 +106,12 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
     within seconds with 503, which a client can retry elsewhere. See the
     README's "When the database is down".
     """
-    backend = sa.engine.make_url(database_url).get_backend_name()
+    url = sa.engine.make_url(database_url)
+    backend = url.get_backend_name()
     if backend == "postgresql":  # psycopg2 (libpq) parameters
+        # connect_args' options replace the URL's: keep those (a search_path, say).
+        given = url.query.get("options", "")
+        options = given if isinstance(given, str) else " ".join(given)
         return {
             "pool_pre_ping": True,  # replace connections that died while pooled
             "pool_timeout": 5,  # wait at most 5 s for a pooled connection
@@ -120,7 +124,7 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
                 "tcp_user_timeout": 10_000,  # ms: sent data unacknowledged -> dead
                 # Above IDEMPOTENCY_WAIT (10 s), so a duplicate waiting for the
                 # first request still gets its 409 or replay, not a cancel.
-                "options": "-c statement_timeout=15000",
+                "options": f"{options} -c statement_timeout=15000".strip(),
             },
         }
     if backend in ("mysql", "mariadb"):  # PyMySQL parameters
