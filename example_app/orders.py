@@ -151,9 +151,12 @@ def create_order() -> t.Any:
         # gets the saved charge without calling the payments service again.
         payment = idem.step("charge", lambda: charge(order))
     except PaymentFailed as exc:
-        # 502 is not stored: the record stays the operation's, and the retry
-        # resumes it with the same derived key. A refusal (4xx) is the answer.
-        status = 502 if exc.status is None or exc.status >= 500 else 422
+        # A refusal (422, 400) is the answer, stored and replayed. Anything else
+        # (unreachable, 5xx, still 409 or 429 after the session's retries) may
+        # yet have charged: 502 is not stored, the record stays this operation's,
+        # and the client's retry resumes it with the same derived key.
+        refused = exc.status is not None and exc.status in (400, 422)
+        status = 422 if refused else 502
         return problem(status, "The payment failed", exc.detail)
     row = Order(
         tenant=tenant(),

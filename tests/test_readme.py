@@ -42,6 +42,15 @@ def blocks(language: str | None = None) -> list[tuple[int, str, str]]:
     return found
 
 
+EXCERPT = re.compile(r"\A# (example_app/\w+\.py)\n")
+
+
+def excerpt_of(code: str) -> str | None:
+    """The example file a block quotes (its first line names it), or ``None``."""
+    match = EXCERPT.match(code)
+    return match.group(1) if match else None
+
+
 def block_with(language: str, needle: str) -> str:
     matches = [code for _, lang, code in blocks(language) if needle in code]
     assert len(matches) == 1, f"expected one {language} block with {needle!r}"
@@ -82,6 +91,8 @@ def test_python_blocks_run_in_order(
     namespace: dict[str, t.Any] = {"__name__": "shop"}
     try:
         for line, _, code in blocks("python"):
+            if excerpt_of(code):
+                continue  # quotes the example app; checked below, not run here
             exec(compile(code, f"README.md:{line}", "exec"), namespace)
     finally:
         if "app" in namespace:
@@ -90,6 +101,31 @@ def test_python_blocks_run_in_order(
     # The Quickstart's default database landed where the README says.
     if fresh_database.startswith("sqlite"):
         assert (tmp_path / "instance" / "shop.db").exists()
+
+
+def test_excerpts_of_the_example_are_its_code() -> None:
+    """The chain's code in the README is the example's, character for character,
+    so what the README shows is what the demo and tests/test_chain_live.py run."""
+    quoted = [(line, code) for line, _, code in blocks("python") if excerpt_of(code)]
+    assert len(quoted) >= 5
+    for line, code in quoted:
+        path = excerpt_of(code)
+        assert path is not None
+        body = code.split("\n", 1)[1]
+        assert body.strip(), f"README.md:{line} quotes nothing"
+        assert body in (ROOT / path).read_text() or _dedented_in(body, ROOT / path), (
+            f"README.md:{line} is not {path}'s code"
+        )
+
+
+def _dedented_in(body: str, path: Path) -> bool:
+    """``body`` appears in ``path`` at some indentation (a nested function)."""
+    source = path.read_text()
+    for indent in ("    ", "        "):
+        indented = "\n".join(indent + ln if ln else ln for ln in body.split("\n"))
+        if indented in source:
+            return True
+    return False
 
 
 def test_json_blocks_parse() -> None:
