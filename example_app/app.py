@@ -78,10 +78,10 @@ class WholeNumber(fields.Integer):
         return super()._deserialize(value, attr, data, **kwargs)
 
 
-class PaymentSchema(Schema):
-    """A charge request. ``client_sent_at`` changes on every retry, so it is
-    excluded from the fingerprint. Every field that reaches the ledger is held
-    to what its column can store."""
+class AmountSchema(Schema):
+    """Who pays how much: the fields an order and a charge share. ``client_sent_at``
+    changes on every retry, so the routes exclude it from the fingerprint. Every
+    field that reaches a table is held to what its column can store."""
 
     customer_id = fields.String(
         required=True,
@@ -91,11 +91,16 @@ class PaymentSchema(Schema):
         required=True, strict=False, validate=validate.Range(min=1, max=AMOUNT_MAX)
     )
     currency = fields.String(required=True, validate=validate.OneOf(["EUR", "USD", "GBP"]))
+    client_sent_at = fields.AwareDateTime(load_default=None)
+
+
+class PaymentSchema(AmountSchema):
+    """A charge request."""
+
     description = fields.String(
         load_default=None,
         validate=[validate.Length(max=DESCRIPTION_LENGTH), storable_text],
     )
-    client_sent_at = fields.AwareDateTime(load_default=None)
 
 
 def engine_options(database_url: str) -> dict[str, t.Any]:

@@ -24,7 +24,6 @@ import typing as t
 
 from flask import Blueprint, Flask, abort, current_app, request, url_for
 from flask_sqlalchemy import SQLAlchemy
-from marshmallow import Schema, fields, validate
 from sqlalchemy import orm
 from werkzeug.exceptions import HTTPException
 
@@ -32,7 +31,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency.client import IdempotentSession
 
 from . import broker
-from .app import AMOUNT_MAX, CUSTOMER_ID_LENGTH, WholeNumber, engine_options, storable_text
+from .app import CUSTOMER_ID_LENGTH, AmountSchema, engine_options
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -68,18 +67,8 @@ class Order(db.Model):  # type: ignore[name-defined,misc]
         }
 
 
-class OrderSchema(Schema):
-    """An order. ``client_sent_at`` changes on every retry: not fingerprinted."""
-
-    customer_id = fields.String(
-        required=True,
-        validate=[validate.Length(min=1, max=CUSTOMER_ID_LENGTH), storable_text],
-    )
-    amount = WholeNumber(
-        required=True, strict=False, validate=validate.Range(min=1, max=AMOUNT_MAX)
-    )
-    currency = fields.String(required=True, validate=validate.OneOf(["EUR", "USD", "GBP"]))
-    client_sent_at = fields.AwareDateTime(load_default=None)
+class OrderSchema(AmountSchema):
+    """An order: who pays how much (``client_sent_at`` is not fingerprinted)."""
 
 
 class PaymentFailed(Exception):

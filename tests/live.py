@@ -31,6 +31,32 @@ class Reply:
         return json.loads(self.body)
 
 
+def start_ready(module: str, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """``python -m module *args`` as a child process, once it printed ``READY <port>``
+    (killed if it has not within 30 s)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = ""
+    timer = threading.Timer(30, proc.kill)
+    timer.start()
+    try:
+        line = proc.stdout.readline()
+    finally:
+        timer.cancel()
+    if not line.startswith("READY "):
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        raise RuntimeError(f"{module} {args[0]} did not start (got {line!r})")
+    return proc, int(line.split()[1])
+
+
 class LiveServer:
     """``python -m tests.live_server`` as a child process that can be killed."""
 
@@ -44,33 +70,9 @@ class LiveServer:
         self.port = 0
 
     def start(self) -> LiveServer:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.live_server",
-                self.which,
-                self.database_url,
-                json.dumps(self.config),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
+        self.proc, self.port = start_ready(
+            "tests.live_server", self.which, self.database_url, json.dumps(self.config)
         )
-        assert self.proc.stdout is not None
-        line = ""
-        timer = threading.Timer(30, self.proc.kill)
-        timer.start()
-        try:
-            line = self.proc.stdout.readline()
-        finally:
-            timer.cancel()
-        if not line.startswith("READY "):
-            self.stop()
-            raise RuntimeError(f"live server did not start (got {line!r})")
-        self.port = int(line.split()[1])
         return self
 
     def alive(self) -> bool:

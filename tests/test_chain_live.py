@@ -25,7 +25,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import typing as t
 import uuid
@@ -39,7 +38,7 @@ from example_app import broker as example_broker
 from example_app import orders, shipping
 from flask_idempotency.client import IdempotentSession
 from flask_idempotency.relay import relay_batch
-from tests.live import ROOT
+from tests.live import start_ready
 
 AMQP_ENV = "IDEMPOTENCY_TEST_AMQP_URL"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -68,33 +67,17 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Service:
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "tests.chain_server"),
-                *(self.name, str(self.port), json.dumps(self.config)),
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            text=True,
+        self.proc, self.port = start_ready(
+            "tests.chain_server", self.name, str(self.port), json.dumps(self.config)
         )
-        assert self.proc.stdout is not None
-        timer = threading.Timer(30, self.proc.kill)
-        timer.start()
-        try:
-            line = self.proc.stdout.readline()
-        finally:
-            timer.cancel()
-        if not line.startswith("READY "):
-            raise RuntimeError(f"{self.name} did not start (got {line!r})")
-        self.port = int(line.split()[1])
         return self
 
     def supervise(self) -> None:
         def watch() -> None:
             while not self._stop.wait(0.05):
                 if self.proc is not None and self.proc.poll() is not None:
-                    self.proc.stdout.close() if self.proc.stdout else None
+                    if self.proc.stdout is not None:
+                        self.proc.stdout.close()
                     self.restarts += 1
                     self.start()
 
