@@ -21,11 +21,21 @@ included. What it adds, in :class:`IdempotentRetry`:
   after it, and a wait (backoff or ``Retry-After``) that would end after it is
   not begun; the last response (or error) is the answer. ``Retry`` counts
   attempts, not time, so :meth:`IdempotentRetry.increment` checks the budget
-  and :meth:`IdempotentRetry.sleep` sleeps exactly the wait it checked.
+  and :meth:`IdempotentRetry.sleep` sleeps exactly the wait it checked;
+* a backoff before the first retry too (urllib3 retries the first failure at
+  once), and an unreadable ``Retry-After`` (``1.5``, ``soon``) treated as
+  absent instead of raising.
+
+And in :class:`IdempotentSession`: urllib3 retries only failures before the
+response's headers; a response cut off in its body (the connection lost, a
+read timeout) is sent again by the session, within the same ``total`` and
+deadline, since the server may have acted on it.
 """
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 import typing as t
 import uuid
@@ -33,7 +43,7 @@ import uuid
 try:
     import requests
     from requests.adapters import HTTPAdapter
-    from urllib3.exceptions import MaxRetryError, ResponseError
+    from urllib3.exceptions import InvalidHeader, MaxRetryError, ResponseError
     from urllib3.util.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -83,6 +93,26 @@ class IdempotentRetry(Retry):
         kw.setdefault("started", self.started)
         return super().new(**kw)
 
+    def get_backoff_time(self) -> float:
+        """``backoff_factor * 2 ** (n - 1)`` before the n-th consecutive retry,
+        plus up to ``backoff_jitter``, at most ``backoff_max``. urllib3 does not
+        wait before the first retry; an idempotent retry does, so that a
+        downstream in trouble is not hit again at once."""
+        consecutive = 0
+        for attempt in reversed(self.history):
+            if attempt.redirect_location is not None:
+                break
+            consecutive += 1
+        return _backoff(self, consecutive)
+
+    def get_retry_after(self, response: t.Any) -> float | None:
+        """``Retry-After`` in seconds; ``None`` when absent or unreadable (a value
+        like ``1.5`` or ``soon``: the backoff applies instead of an error)."""
+        try:
+            return super().get_retry_after(response)
+        except InvalidHeader:
+            return None
+
     def _wait_before_next(self, response: t.Any) -> float:
         if self.respect_retry_after_header and response is not None:
             retry_after = self.get_retry_after(response)
@@ -127,10 +157,16 @@ class _BudgetAdapter(HTTPAdapter):
 
     _retry: Retry
 
+    def __init__(self, *, budget: threading.local, **kwargs: t.Any) -> None:
+        self._budget = budget
+        super().__init__(**kwargs)
+
     @property
     def max_retries(self) -> Retry:
         if isinstance(self._retry, IdempotentRetry):
-            return self._retry.new(started=time.monotonic())
+            # One deadline for every send of one session call (see _BodyLost).
+            started = getattr(self._budget, "started", None) or time.monotonic()
+            return self._retry.new(started=started)
         return self._retry
 
     @max_retries.setter
@@ -157,12 +193,15 @@ class IdempotentSession(requests.Session):
     Keys the session makes are sent as RFC 8941 strings (``"..."``), the form
     the IETF draft specifies and Flask-Idempotency reads.
 
-    Retried: connection errors, read errors and timeouts, 429, 502, 503, 504,
-    and 409 with ``Retry-After``; never another 4xx. ``Retry-After`` is
-    honoured (up to ``retry_after_max``), otherwise exponential backoff with
-    jitter up to ``backoff_max``; at most ``total`` retries within ``deadline``
-    seconds. When retries run out the last response is returned (or the last
-    connection error raised). Pass ``retry=`` for a ``Retry`` of your own.
+    Retried: connection errors, read errors and timeouts (also while the body
+    is read, unless ``stream=True``: then the caller reads it, after the call),
+    429, 502, 503, 504, and 409 with ``Retry-After``; never another 4xx.
+    ``Retry-After`` is honoured (up to ``retry_after_max``; an unreadable value
+    counts as absent), otherwise exponential backoff with jitter up to
+    ``backoff_max``, from the first retry on (``backoff_factor``, twice that,
+    ...); at most ``total`` retries within ``deadline`` seconds. When retries
+    run out the last response is returned (or the last connection error
+    raised). Pass ``retry=`` for a ``Retry`` of your own.
 
     Every attempt sends the same body: a ``data=`` generator or unseekable
     stream is read into memory before the first attempt (seekable files are
@@ -198,7 +237,9 @@ class IdempotentSession(requests.Session):
                 raise_on_status=False,
                 deadline=deadline,
             )
-        adapter = _BudgetAdapter(max_retries=retry)
+        self._retry_policy = retry
+        self._budget = threading.local()
+        adapter = _BudgetAdapter(max_retries=retry, budget=self._budget)
         self.mount("http://", adapter)
         self.mount("https://", adapter)
 
@@ -226,7 +267,50 @@ class IdempotentSession(requests.Session):
             )
         if "data" in kwargs:
             kwargs["data"] = _replayable(kwargs["data"])
-        return super().request(method, url, headers=headers, **kwargs)
+        started = self._budget.started = time.monotonic()
+        lost = 0
+        try:
+            while True:
+                try:
+                    return super().request(method, url, headers=headers, **kwargs)
+                except _BodyLost as exc:
+                    lost += 1
+                    wait = self._wait_after_body_loss(name.upper(), lost, started)
+                    if wait is None:
+                        raise exc.error from None
+                    time.sleep(wait)
+        finally:
+            self._budget.started = None
+
+    def send(self, request: requests.PreparedRequest, **kwargs: t.Any) -> requests.Response:
+        """requests' ``send``, reading the body here (unless ``stream=True``) so
+        that a response cut off after its headers is sent again, as urllib3
+        retries only failures before the headers. The server may have acted:
+        the same request, key included, goes again."""
+        if kwargs.get("stream"):
+            return super().send(request, **kwargs)
+        response = super().send(request, **{**kwargs, "stream": True})
+        try:
+            response.content  # noqa: B018 - reads and keeps the body
+        except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
+            response.close()
+            raise _BodyLost(exc) from exc
+        return response
+
+    def _wait_after_body_loss(self, method: str, lost: int, started: float) -> float | None:
+        """The wait before resending after the ``lost``-th cut-off body, or
+        ``None`` to give up: within ``total`` and the deadline, as for other
+        retries."""
+        retry = self._retry_policy
+        if retry.allowed_methods is not None and method not in retry.allowed_methods:
+            return None
+        if retry.total is not None and retry.total is not False and lost > int(retry.total):
+            return None
+        wait = _backoff(retry, lost)
+        deadline = getattr(retry, "deadline", None)
+        if deadline is not None and time.monotonic() + wait > started + deadline:
+            return None
+        return wait
 
     # post/put/patch restated only so that type checkers know idempotency_key=
     # and step=; each is requests' own, by way of request().
@@ -290,6 +374,25 @@ class IdempotentSession(requests.Session):
                 "derived from the view's operation) or idempotency_key='...'"
             )
         return str(uuid.uuid4())
+
+
+class _BodyLost(Exception):
+    """A response whose body could not be read (``error``): the attempt failed
+    after the headers, and may be sent again."""
+
+    def __init__(self, error: requests.RequestException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _backoff(retry: Retry, consecutive: int) -> float:
+    """The wait before the ``consecutive``-th retry in a row (0: none)."""
+    if consecutive < 1 or retry.backoff_factor <= 0:
+        return 0.0
+    value = retry.backoff_factor * 2 ** (consecutive - 1)
+    if retry.backoff_jitter:
+        value += random.random() * retry.backoff_jitter
+    return float(max(0.0, min(retry.backoff_max, value)))
 
 
 def _replayable(data: t.Any) -> t.Any:

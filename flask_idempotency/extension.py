@@ -158,6 +158,7 @@ class Idempotency:
         outbox.listen(db.session.session_factory)
         app.extensions[EXTENSION_KEY] = state
         self._states.add(state)
+        app.teardown_request(_end_request)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:
             # Started by the first request a process serves: never at import, not
@@ -496,6 +497,15 @@ def _downstream_state(caller: str) -> RequestState:
             f"{header} header to keep those calls idempotent."
         )
     return state
+
+
+def _end_request(exc: BaseException | None) -> None:
+    """The request's idempotency state ends with it, also where the app context
+    outlives the request (a test, a script or a CLI command sending several
+    requests in one context shares ``g`` between them): the next request's event
+    ids count from 0 again, and code after the request is outside any view."""
+    g.pop("_idempotency", None)
+    outbox.end_request()
 
 
 def current_derived_key(step: str, *, handed_out: bool = True) -> str:

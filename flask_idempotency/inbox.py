@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import logging
 import random
+import threading
 import time
 import typing as t
 
@@ -40,6 +42,8 @@ from .store import conflict_tolerant_inserts, text_param
 DEFAULT_TTL = dt.timedelta(days=7)
 
 _MYSQL = MYSQL_DIALECTS
+logger = logging.getLogger("flask_idempotency")
+_DEFAULT_TTL_TOLD = threading.Event()
 
 
 # The statements are built on a table of our own: the SQL is the same whatever
@@ -82,7 +86,20 @@ def _app_state() -> t.Any:
 def _resolve_ttl(ttl: dt.timedelta | float | None) -> dt.timedelta:
     if ttl is None:
         state = _app_state()
-        return state.settings.inbox_ttl if state is not None else DEFAULT_TTL
+        if state is not None:
+            return t.cast(dt.timedelta, state.settings.inbox_ttl)
+        if not _DEFAULT_TTL_TOLD.is_set():
+            # A consumer thread of its own (a broker callback) has no app context,
+            # so the app's setting cannot be read: say so once rather than keep
+            # ids for a window nobody chose.
+            _DEFAULT_TTL_TOLD.set()
+            logger.warning(
+                "inbox: outside an app context, IDEMPOTENCY_INBOX_TTL cannot be read; "
+                "processed ids are kept for the default %s. Pass ttl=, or deliver "
+                "inside app.app_context().",
+                DEFAULT_TTL,
+            )
+        return DEFAULT_TTL
     value = ttl if isinstance(ttl, dt.timedelta) else dt.timedelta(seconds=ttl)
     if value <= dt.timedelta(0):
         raise ValueError(f"the inbox ttl must be positive, got {value}")

@@ -166,6 +166,11 @@ def emit(topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None)
     return add_event(app_state().db.session, topic, payload, event_id=event_id, headers=headers)
 
 
+def end_request() -> None:
+    """Forget the request's emit count (called when the request ends)."""
+    g.pop(_COUNTER, None)
+
+
 def on_commit(callback: t.Callable[[], None]) -> None:
     """Call ``callback()`` (in the committing thread, so it must be quick and
     must not raise) after each commit in this process that carried events."""

@@ -3,7 +3,9 @@
 The server records every attempt (method, path, Idempotency-Key as received,
 time) and answers from a script: a status with headers, ``"drop"`` (close the
 connection without an answer) or ``("sleep", seconds)`` (answer 200 late, for
-read timeouts); once the script is used up it answers 200.
+read timeouts), ``"cut"`` (201 headers and part of the body, then close) or
+``("stall", seconds)`` (the same, going quiet before closing); once the script
+is used up it answers 200.
 """
 
 from __future__ import annotations
@@ -75,6 +77,20 @@ class Downstream:
                     )
                     action: Action = outer.script.pop(0) if outer.script else 200
                 if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action == "cut" or (isinstance(action, tuple) and action[0] == "stall"):
+                    # The headers (201: the server acted), then part of the body,
+                    # then the connection closes ("cut") or goes quiet ("stall").
+                    self.send_response(201)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "100")
+                    self.end_headers()
+                    self.wfile.write(b'{"partial": ')
+                    self.wfile.flush()
+                    if action != "cut":
+                        time.sleep(t.cast(float, action[1]))
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
@@ -254,6 +270,69 @@ def test_retries_a_read_timeout(downstream: Downstream) -> None:
     response = fast().post(downstream.url + "/charges", json={}, timeout=0.5)
     assert response.status_code == 201
     one_key(downstream, 2)
+
+
+def test_a_body_cut_off_after_the_headers_is_sent_again(downstream: Downstream) -> None:
+    """urllib3 retries only failures before the headers; a response cut off in
+    its body (the server acted) is sent again too, with the same key."""
+    downstream.script = ["cut", "cut"]
+    response = fast().post(downstream.url + "/charges", json={"amount": 1})
+    assert response.status_code == 200
+    assert response.json() == {"attempt": 3}
+    one_key(downstream, 3)
+    assert {a.body for a in downstream.attempts} == {b'{"amount": 1}'}
+
+
+def test_a_read_timeout_inside_the_body_is_sent_again(downstream: Downstream) -> None:
+    downstream.script = [("stall", 1.5)]
+    response = fast().post(downstream.url + "/charges", json={}, timeout=0.5)
+    assert response.status_code == 200
+    one_key(downstream, 2)
+
+
+def test_a_body_cut_off_every_time_ends_at_total(downstream: Downstream) -> None:
+    downstream.script = ["cut"] * 10
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        fast(total=2).post(downstream.url + "/charges", json={})
+    one_key(downstream, 3)
+
+
+def test_a_body_cut_off_is_not_resent_past_the_deadline(downstream: Downstream) -> None:
+    downstream.script = ["cut"] * 10
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        fast(total=10, backoff_factor=1.0, deadline=0.5).post(downstream.url + "/charges", json={})
+    one_key(downstream, 1)
+
+
+def test_a_streamed_response_is_the_caller_to_read(downstream: Downstream) -> None:
+    """With ``stream=True`` the caller reads the body, after the call returned:
+    nothing can be sent again then, and the error is the caller's."""
+    downstream.script = ["cut"]
+    response = fast().post(downstream.url + "/charges", json={}, stream=True)
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        response.content  # noqa: B018
+    one_key(downstream, 1)
+
+
+@pytest.mark.parametrize("value", ["soon", "1.5", "-3"])
+def test_an_unreadable_retry_after_falls_back_to_the_backoff(
+    downstream: Downstream, value: str
+) -> None:
+    downstream.script = [(503, {"Retry-After": value}), (429, {"Retry-After": value}), 201]
+    response = fast().post(downstream.url + "/charges", json={})
+    assert response.status_code == 201
+    one_key(downstream, 3)
+
+
+def test_the_first_retry_waits_for_the_backoff_too(downstream: Downstream) -> None:
+    """urllib3 retries the first failure at once; the session backs off from
+    the first retry: backoff_factor, then twice that, and so on."""
+    downstream.script = [503, 503, 201]
+    http = IdempotentSession(backoff_factor=0.4, backoff_jitter=0.0)
+    assert http.post(downstream.url + "/charges", json={}).status_code == 201
+    first, second, third = (a.at for a in downstream.attempts)
+    assert second - first >= 0.4
+    assert third - second >= 0.8
 
 
 def test_retries_a_refused_connection_until_the_server_is_up() -> None:
@@ -449,6 +528,32 @@ def test_a_keyless_post_in_an_idempotent_view_is_refused(
     assert errors
     assert "step=" in errors[0]
     assert downstream.attempts == []
+
+
+def test_after_a_request_in_a_shared_app_context_a_call_is_outside_the_view(
+    app: Flask, downstream: Downstream
+) -> None:
+    """A test or a script that sends requests inside one app context shares
+    ``g`` between them: the request's state must end with the request, or a
+    keyless POST made afterwards would be refused and ``step=`` would send the
+    finished operation's key."""
+
+    @app.post("/done-request")
+    @testapp.idem.idempotent(required=True)
+    def done_request() -> tuple[dict[str, t.Any], int]:
+        return {}, 201
+
+    with app.app_context():
+        response = app.test_client().post(
+            "/done-request", json={}, headers={"Idempotency-Key": "up-3"}
+        )
+        assert response.status_code == 201
+        assert fast().post(downstream.url + "/charges", json={}).status_code == 200
+        with pytest.raises(RuntimeError):
+            fast().post(downstream.url + "/charges", json={}, step="charge")
+    [key] = downstream.keys()
+    assert key is not None
+    assert uuid.UUID(parse_key(key))
 
 
 # -- idem.forward_headers ---------------------------------------------------------------

@@ -15,6 +15,7 @@ from flask import Flask
 
 from flask_idempotency import inbox, signals
 from flask_idempotency.jobs import purge_expired
+from flask_idempotency.models import as_utc
 from tests import testapp
 from tests.conftest import Clock
 
@@ -233,6 +234,34 @@ def test_inbox_ttl_setting_and_argument(make_app: t.Callable[..., Flask], clock:
             assert fresh
     with pytest.raises(ValueError, match="IDEMPOTENCY_INBOX_TTL"):
         make_app(IDEMPOTENCY_INBOX_TTL=0)
+
+
+def test_outside_an_app_context_the_default_ttl_applies_and_is_logged(
+    make_app: t.Callable[..., Flask], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer thread without an app context cannot read IDEMPOTENCY_INBOX_TTL:
+    the id is kept for the documented default, and a warning says so, once."""
+    app = make_app(IDEMPOTENCY_INBOX_TTL=60)
+    with app.app_context():
+        engine = db.engine
+    inbox._DEFAULT_TTL_TOLD.clear()
+    before = dt.datetime.now(dt.timezone.utc)
+    with caplog.at_level("WARNING", logger="flask_idempotency"):
+        for event_id in ("plain-1", "plain-2"):
+            with (
+                sa.orm.Session(engine) as session,
+                inbox.process(session, consumer="plain", event_id=event_id, commit=True),
+            ):
+                pass
+    told = [r for r in caplog.records if "IDEMPOTENCY_INBOX_TTL" in r.getMessage()]
+    assert len(told) == 1
+    with app.app_context():
+        table = db.metadata.tables[inbox.INBOX_TABLE_NAME]
+        expiries = db.session.execute(sa.select(table.c.expires_at)).scalars().all()
+    assert len(expiries) == 2
+    for expires in expiries:
+        kept = as_utc(expires) - before
+        assert abs(kept - dt.timedelta(days=7)) < dt.timedelta(minutes=1)
 
 
 def test_many_events_delivered_twice_in_three_threads(database_url: str, app: Flask) -> None:

@@ -21,7 +21,8 @@ from flask import Flask
 from sqlalchemy import orm
 
 from flask_idempotency import signals
-from flask_idempotency.models import as_utc, outbox_table
+from flask_idempotency.keys import derive_scoped_key
+from flask_idempotency.models import as_utc, outbox_table, record_table
 from flask_idempotency.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from flask_idempotency.relay import backoff, relay_once, retry_parked
@@ -128,6 +129,32 @@ def test_emit_is_conflict_tolerant_on_event_id(app: Flask) -> None:
     stored = rows(app)
     assert len(stored) == 1
     assert json.loads(stored[0]["payload"]) == {"a": 1}
+
+
+def test_requests_sharing_an_app_context_each_count_their_emits_from_zero(
+    app: Flask, clock: Clock
+) -> None:
+    """The n-th emit of a request is ``event:<topic>:<n>`` counted within that
+    request, also when a test or a script sends several requests in one app
+    context (they share ``g``)."""
+    with app.app_context():
+        events = {key: post(app, key=key, twice=True).get_json()["events"] for key in ("a", "b")}
+    with app.app_context(), outbox_app.db.engine.connect() as conn:
+        records = record_table(outbox_app.db.metadata)
+        scopes = {
+            text(k): text(s) for k, s in conn.execute(sa.select(records.c.key, records.c.scope))
+        }
+    for key, ids in events.items():
+        scope = scopes[key]
+        assert ids == [
+            derive_scoped_key(scope, key, f"event:order.created:{n}", operation=clock().isoformat())
+            for n in (0, 1)
+        ]
+
+
+def text(value: str | bytes) -> str:
+    """A text column's value: MySQL/MariaDB keep keys and scopes as bytes."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def test_a_request_without_a_key_emits_with_a_random_id(app: Flask) -> None:
