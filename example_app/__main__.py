@@ -29,7 +29,7 @@ from werkzeug.serving import make_server
 from flask_idempotency.client import IdempotentSession
 from flask_idempotency.relay import relay_batch
 
-from . import create_app, orders, shipping
+from . import broker, create_app, orders, shipping
 from .app import db as payments_db
 
 WSGIApp = t.Callable[[dict[str, t.Any], t.Callable[..., t.Any]], t.Iterable[bytes]]
@@ -77,29 +77,46 @@ def _show(title: str, response: t.Any) -> None:
 
 
 def demo() -> int:
-    """The order -> payment -> events -> shipping chain, with a lost response."""
+    """The order -> payment -> events -> shipping chain, with a lost response.
+
+    Everything lives in a temporary folder removed at the end; on a broker of
+    ``EXAMPLE_BROKER_URL`` the demo uses an exchange and a queue of its own and
+    deletes them, so it never takes another consumer's events."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # keep the story readable
-    folder = tempfile.mkdtemp(prefix="example-chain-")
-    broker_folder = os.path.join(folder, "broker")
-    payments_app = create_app({"SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/payments.sqlite3"})
-    orders_app = orders.create_app(
-        {
-            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/orders.sqlite3",
-            "EXAMPLE_BROKER_FOLDER": broker_folder,
+    with tempfile.TemporaryDirectory(prefix="example-chain-") as folder:
+        tag = uuid.uuid4().hex[:8]
+        shared = {
+            "EXAMPLE_BROKER_FOLDER": os.path.join(folder, "broker"),
+            "EXAMPLE_EXCHANGE": f"orders-demo-{tag}",
+            "EXAMPLE_SHIPPING_QUEUE": f"shipping-demo-{tag}",
         }
-    )
-    shipping_app = shipping.create_app(
-        {
-            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/shipping.sqlite3",
-            "EXAMPLE_BROKER_FOLDER": broker_folder,
-        }
-    )
-    print(f"broker: {orders_app.config['EXAMPLE_BROKER_URL']}   databases: {folder}")
+        payments_app = create_app({"SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/payments.db"})
+        orders_app = orders.create_app(
+            {"SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/orders.db", **shared}
+        )
+        shipping_app = shipping.create_app(
+            {"SQLALCHEMY_DATABASE_URI": f"sqlite:///{folder}/shipping.db", **shared}
+        )
+        print(f"broker: {orders_app.config['EXAMPLE_BROKER_URL']}")
+        try:
+            return _run_demo(payments_app, orders_app, shipping_app)
+        finally:
+            broker.delete_queue(shipping_app)
+            for app, db in ((payments_app, payments_db), (orders_app, orders.db)):
+                with app.app_context():
+                    db.engine.dispose()
+            with shipping_app.app_context():
+                shipping.db.engine.dispose()
+
+
+def _run_demo(payments_app: t.Any, orders_app: t.Any, shipping_app: t.Any) -> int:
     payments_server, payments_url = _serve(payments_app)
     orders_app.config["PAYMENTS_URL"] = payments_url
     orders_server, orders_url = _serve(LoseFirstResponse(orders_app.wsgi_app))
-    # The caller's client: one key for the order, kept across its retries.
-    http = IdempotentSession(total=3, backoff_factor=0.2, deadline=30)
+    # The caller's client: one key for the order, kept across its retries. Its
+    # deadline outlasts the order service's lease (30 s), so a 409 with
+    # Retry-After (an attempt still running, or one that died) is waited out.
+    http = IdempotentSession(total=10, backoff_factor=0.2, backoff_max=5, deadline=90)
     key = str(uuid.uuid4())
     order = {"customer_id": "cus_demo", "amount": 1250, "currency": "EUR"}
     try:
@@ -111,24 +128,17 @@ def demo() -> int:
             timeout=CLIENT_TIMEOUT,
         )
         _show("acme: order, response lost, client retried", first)
-        _show(
-            "acme: same key, another amount",
-            http.post(
-                orders_url + "/orders",
-                json={**order, "amount": 9999},
-                headers={"X-Tenant": "acme"},
-                idempotency_key=key,
-            ),
+        reused = http.post(
+            orders_url + "/orders",
+            json={**order, "amount": 9999},
+            headers={"X-Tenant": "acme"},
+            idempotency_key=key,
         )
-        _show(
-            "globex: the same key (another tenant)",
-            http.post(
-                orders_url + "/orders",
-                json=order,
-                headers={"X-Tenant": "globex"},
-                idempotency_key=key,
-            ),
+        _show("acme: same key, another amount", reused)
+        other = http.post(
+            orders_url + "/orders", json=order, headers={"X-Tenant": "globex"}, idempotency_key=key
         )
+        _show("globex: the same key (another tenant)", other)
         published = relay_batch(orders_app).published
         shipped = shipping.consume(shipping_app, idle=0.5)
         print(f"relay published {published}; shipping shipped {shipped.shipped}")
@@ -151,6 +161,7 @@ def demo() -> int:
     finally:
         orders_server.shutdown()
         payments_server.shutdown()
+        orders_app.config["IDEMPOTENCY_PUBLISHER"].close()
     counts = {
         "orders": _count(orders_app, orders.db, "SELECT count(*) FROM orders"),
         "charges": _count(payments_app, payments_db, "SELECT count(*) FROM ledger"),
@@ -158,8 +169,14 @@ def demo() -> int:
         "shipments": _count(shipping_app, shipping.db, "SELECT count(*) FROM shipments"),
     }
     print("per tenant, once each: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    right = set(counts.values()) == {2} and redelivered.skipped == 1 and first.status_code == 201
-    print("OK" if right else "WRONG: each count should be 2 (acme and globex)")
+    statuses = (first.status_code, first.headers.get("Idempotent-Replayed"), reused.status_code)
+    right = (
+        set(counts.values()) == {2}
+        and statuses == (201, "true", 422)
+        and other.status_code == 201
+        and (shipped.shipped, redelivered.skipped, redelivered.shipped) == (2, 1, 0)
+    )
+    print("OK" if right else "WRONG: see above")
     return 0 if right else 1
 
 

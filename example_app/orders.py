@@ -19,6 +19,7 @@ retry resumes, with the same derived key, instead of a fresh operation.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import typing as t
 
@@ -27,7 +28,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 from werkzeug.exceptions import HTTPException
 
-from flask_idempotency import Idempotency
+from flask_idempotency import Idempotency, ProblemError
 from flask_idempotency.client import IdempotentSession
 
 from . import broker
@@ -35,6 +36,7 @@ from .app import CUSTOMER_ID_LENGTH, AmountSchema, engine_options
 
 db = SQLAlchemy()
 idem = Idempotency()
+logger = logging.getLogger(__name__)
 
 DEFAULT_DATABASE_URL = "sqlite:///orders.sqlite3"
 DEFAULT_PAYMENTS_URL = "http://127.0.0.1:5000"
@@ -106,10 +108,22 @@ def charge(order: dict[str, t.Any]) -> dict[str, t.Any]:
             timeout=(3, 5),
         )
     except OSError as exc:  # requests' ConnectionError and Timeout are OSErrors
-        raise PaymentFailed(None, f"payments service unreachable: {exc}") from exc
+        logger.warning("payments service unreachable: %s", exc)
+        raise PaymentFailed(None, "The payments service could not be reached.") from exc
     if response.status_code not in (200, 201):
-        raise PaymentFailed(response.status_code, response.text[:500])
+        logger.warning("payments service answered %s: %s", response.status_code, response.text)
+        raise PaymentFailed(response.status_code, _reason(response))
     return t.cast(dict[str, t.Any], response.json())
+
+
+def _reason(response: t.Any) -> str:
+    """What the client may read of a payments answer: its problem's title and
+    detail when it sent one, not its raw body."""
+    try:
+        problem = response.json()
+        return f"{problem['title']}: {problem['detail']}"
+    except (ValueError, KeyError, TypeError):
+        return f"The payments service answered {response.status_code}."
 
 
 def problem(status: int, title: str, detail: str) -> tuple[dict[str, t.Any], int, dict[str, str]]:
@@ -118,7 +132,11 @@ def problem(status: int, title: str, detail: str) -> tuple[dict[str, t.Any], int
     return body, status, {"Content-Type": "application/problem+json"}
 
 
-def http_problem(exc: HTTPException) -> tuple[dict[str, t.Any], int, dict[str, str]]:
+def http_problem(exc: HTTPException) -> t.Any:
+    """Werkzeug's HTTP errors (404, 405, 413, the 401 of :func:`tenant`) as
+    problem+json; the extension's errors are problem+json already."""
+    if isinstance(exc, ProblemError):
+        return exc.get_response()
     return problem(exc.code or 500, exc.name, exc.description or exc.name)
 
 
@@ -206,8 +224,9 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     db.init_app(app)
     idem.init_app(app, db)
     app.register_blueprint(bp)
-    app.register_error_handler(401, http_problem)
-    app.register_error_handler(404, http_problem)
+    # Every HTTP error as problem+json (404, 405, 401 from tenant(), 413...); the
+    # extension's own errors are problem+json already.
+    app.register_error_handler(HTTPException, http_problem)
     app.add_url_rule("/readyz", view_func=idem.readiness_view)
     with app.app_context():
         db.create_all()

@@ -82,7 +82,7 @@ def consume(app: Flask, *, idle: float = 1.0, limit: int | None = None) -> Consu
 
     with (
         broker.connection(app) as conn,
-        conn.Consumer(broker.shipping_queue(), callbacks=[on_message], accept=["json"]),
+        conn.Consumer(broker.shipping_queue(app), callbacks=[on_message], accept=["json"]),
     ):
         while limit is None or taken < limit:
             try:

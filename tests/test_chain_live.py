@@ -67,6 +67,11 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Service:
+        """Start the service (again, on the same port, after it died)."""
+        if self.proc is not None:
+            self.proc.wait(10)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         self.proc, self.port = start_ready(
             "tests.chain_server", self.name, str(self.port), json.dumps(self.config)
         )
@@ -76,8 +81,6 @@ class Service:
         def watch() -> None:
             while not self._stop.wait(0.05):
                 if self.proc is not None and self.proc.poll() is not None:
-                    if self.proc.stdout is not None:
-                        self.proc.stdout.close()
                     self.restarts += 1
                     self.start()
 
@@ -101,35 +104,43 @@ class Broker:
     name: str
     url: str
     folder: str
+    tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:10])
 
     def config(self) -> dict[str, str]:
-        return {"EXAMPLE_BROKER_URL": self.url, "EXAMPLE_BROKER_FOLDER": self.folder}
+        """The services' broker settings: an exchange and a queue of this test's
+        own, so runs sharing a RabbitMQ never meet, and nothing declares the queue
+        before the relay's publisher does."""
+        return {
+            "EXAMPLE_BROKER_URL": self.url,
+            "EXAMPLE_BROKER_FOLDER": self.folder,
+            "EXAMPLE_EXCHANGE": f"chain-test-{self.tag}",
+            "EXAMPLE_SHIPPING_QUEUE": f"chain-test-{self.tag}",
+        }
 
-    def purge(self) -> None:
-        """Empty the shipping queue: a shared RabbitMQ may hold another run's events."""
+    def delete(self) -> None:
         holder = Flask(__name__)
         holder.config.update(self.config())
-        with example_broker.connection(holder) as conn:
-            queue = example_broker.shipping_queue()(conn.channel())
-            queue.declare()
-            queue.purge()
+        example_broker.delete_queue(holder)
+
+
+def rabbitmq_or_skip() -> str:
+    url = os.environ.get(AMQP_ENV) or DEFAULT_AMQP_URL
+    where = sa.make_url(url.replace("amqp://", "postgresql://", 1))
+    try:
+        socket.create_connection((where.host or "127.0.0.1", where.port or 5672), 2).close()
+    except OSError as exc:
+        pytest.skip(f"no RabbitMQ at {where.host}:{where.port or 5672} ({AMQP_ENV}): {exc}")
+    return url
 
 
 @pytest.fixture(params=["filesystem", "rabbitmq"])
 def broker(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator[Broker]:
     if request.param == "rabbitmq":
-        url = os.environ.get(AMQP_ENV) or DEFAULT_AMQP_URL
-        where = sa.make_url(url.replace("amqp://", "postgresql://", 1))
-        try:
-            socket.create_connection((where.host or "127.0.0.1", where.port or 5672), 2).close()
-        except OSError as exc:
-            pytest.skip(f"no RabbitMQ at {where.host}:{where.port or 5672} ({AMQP_ENV}): {exc}")
-        found = Broker("rabbitmq", url, str(tmp_path / "unused"))
+        found = Broker("rabbitmq", rabbitmq_or_skip(), str(tmp_path / "unused"))
     else:
         found = Broker("filesystem", "filesystem://", str(tmp_path / "broker"))
-    found.purge()
     yield found
-    found.purge()
+    found.delete()
 
 
 @pytest.fixture
@@ -259,23 +270,39 @@ def test_a_response_lost_after_commit_is_replayed_and_every_hop_acts_once(
     ]
 
 
-@pytest.mark.parametrize("keys", ["derived", "random"])
-def test_a_crash_after_the_charge_charges_once_only_with_derived_keys(
-    dbs: dict[str, str], tmp_path: Path, keys: str
+@pytest.mark.parametrize(
+    ("crash_at", "keys", "charges"),
+    [
+        ("before-charge", "derived", 1),
+        ("after-charge", "derived", 1),
+        ("after-charge", "random", 2),
+        ("before-commit", "random", 1),
+    ],
+    ids=["before-charge", "after-charge", "after-charge-random-keys", "after-the-step"],
+)
+def test_a_crash_inside_the_order_is_resumed_and_charges_once_with_derived_keys(
+    dbs: dict[str, str], tmp_path: Path, crash_at: str, keys: str, charges: int
 ) -> None:
-    """The order service dies after the payments service charged and before the
-    order or the step's result committed. The retry resumes the operation once
-    the lease ends and calls the payments service again. With the derived key
-    the payments service recognises the call and replays its charge; with a key
-    minted afresh per attempt (the mistake derived keys exist for) it charges a
-    second time."""
+    """The order service dies inside the view, its claim committed (leased). The
+    retry waits out the lease (409 with Retry-After), reclaims the operation and
+    resumes it:
+
+    * before the charge: it charges, once;
+    * after the payments service charged, before the step's result was saved:
+      it calls again with the same derived key and the payments service replays
+      its charge; with a key minted afresh per attempt (the mistake derived keys
+      exist for) it charges a second time;
+    * after the step's result was saved, before the order committed: it does not
+      call the payments service again at all (with random keys, to show that the
+      recovery point, not the payments service's dedupe, saved the charge).
+    """
     crash = tmp_path / "crash"
     crash.touch()
     broker = Broker("filesystem", "filesystem://", str(tmp_path / "broker"))
     payments, order_service = start_chain(
         dbs,
         broker,
-        crash_at="after-charge",
+        crash_at=crash_at,
         crash_file=str(crash),
         broken_keys=keys == "random",
         IDEMPOTENCY_LEASE=2,
@@ -296,14 +323,114 @@ def test_a_crash_after_the_charge_charges_once_only_with_derived_keys(
     assert response.status_code == 201, response.text
     assert count(dbs["orders"], "orders") == 1
     assert count(dbs["orders"], "idempotency_outbox") == 1
-    charges = rows(dbs["payments"], "SELECT id FROM ledger ORDER BY id")
-    payment_keys = {k for (k,) in rows(dbs["payments"], "SELECT key FROM idempotency_keys")}
-    if keys == "derived":
-        assert charges == [(response.json()["charge_id"],)]
-        assert len(payment_keys) == 1
-    else:
-        assert len(charges) == 2, "a fresh key per attempt should have charged twice"
-        assert len(payment_keys) == 2
+    ledger = [c for (c,) in rows(dbs["payments"], "SELECT id FROM ledger ORDER BY id")]
+    assert len(ledger) == charges
+    assert response.json()["charge_id"] == ledger[-1]
+    assert count(dbs["payments"], "idempotency_keys") == charges
+
+
+def test_a_charge_whose_answer_is_lost_is_a_502_and_the_retry_charges_once(
+    dbs: dict[str, str], tmp_path: Path
+) -> None:
+    """The payments service charges and dies before answering. The order service
+    cannot know whether the charge happened: it answers 502, which is not
+    stored, and keeps the operation (its derived key went out). The client's
+    retry, once the payments service is back, resumes the operation with the
+    same derived key: the payments service replays its charge, and the order is
+    placed on it. A 4xx stored here would have left the customer charged with no
+    order and a key that replays the failure."""
+    crash = tmp_path / "crash"
+    crash.touch()
+    broker = Broker("filesystem", "filesystem://", str(tmp_path / "broker"))
+    payments = Service(
+        "payments",
+        {"SQLALCHEMY_DATABASE_URI": dbs["payments"], "crash_at": "after-commit"}
+        | {"crash_file": str(crash)},
+        port=free_port(),
+    ).start()
+    config = {"SQLALCHEMY_DATABASE_URI": dbs["orders"], "PAYMENTS_URL": payments.url}
+    order_service = Service("orders", {**config, **broker.config()}).start()
+    key = str(uuid.uuid4())
+    try:
+        failed = IdempotentSession(total=0).post(
+            order_service.url + "/orders",
+            json=ORDER,
+            headers={"X-Tenant": "acme"},
+            idempotency_key=key,
+            timeout=30,
+        )
+        assert failed.status_code == 502, failed.text
+        assert failed.headers["Content-Type"] == "application/problem+json"
+        assert payments.proc is not None
+        payments.proc.wait(10)  # it died after charging
+        assert count(dbs["payments"], "ledger") == 1
+        assert count(dbs["orders"], "orders") == 0
+        assert count(dbs["orders"], "idempotency_outbox") == 0
+        assert rows(dbs["orders"], "SELECT status FROM idempotency_keys") == [("in_progress",)]
+        payments.start()  # back, on the same port
+        placed = client().post(
+            order_service.url + "/orders",
+            json=ORDER,
+            headers={"X-Tenant": "acme"},
+            idempotency_key=key,
+            timeout=10,
+        )
+    finally:
+        order_service.stop()
+        payments.stop()
+    assert placed.status_code == 201, placed.text
+    assert rows(dbs["payments"], "SELECT id FROM ledger") == [(placed.json()["charge_id"],)]
+    assert count(dbs["payments"], "idempotency_keys") == 1
+    assert count(dbs["orders"], "orders") == 1
+    assert count(dbs["orders"], "idempotency_outbox") == 1
+
+
+def test_a_consumer_killed_before_it_commits_gets_the_event_again(
+    dbs: dict[str, str], tmp_path: Path
+) -> None:
+    """The shipping consumer is SIGKILLed inside its transaction (the shipment and
+    the event id written, not committed, the message not acked): the broker
+    delivers the event again and the next consumer ships it, once. Only on a
+    broker that redelivers: kombu's filesystem transport deletes a message as
+    it is read (README, example_app/broker.py)."""
+    broker = Broker("rabbitmq", rabbitmq_or_skip(), str(tmp_path / "unused"))
+    payments, order_service = start_chain(dbs, broker)
+    try:
+        placed = client().post(
+            order_service.url + "/orders",
+            json=ORDER,
+            headers={"X-Tenant": "acme"},
+            idempotency_key=str(uuid.uuid4()),
+            timeout=10,
+        )
+    finally:
+        order_service.stop()
+        payments.stop()
+    assert placed.status_code == 201
+    orders_app = in_process(orders.create_app, dbs["orders"], broker)
+    shipping_app = in_process(shipping.create_app, dbs["shipping"], broker)
+    crash = tmp_path / "crash"
+    crash.touch()
+    try:
+        assert relay_batch(orders_app).published == 1
+        consumer = Service(
+            "shipping",
+            {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
+            | {"crash_at": "in-consumer", "crash_file": str(crash)},
+        ).start()
+        assert consumer.proc is not None
+        assert consumer.proc.wait(30) == -9  # SIGKILLed inside its transaction
+        consumer.stop()
+        assert not crash.exists()
+        assert count(dbs["shipping"], "shipments") == 0
+        assert shipping.consume(shipping_app, idle=2.0) == shipping.Consumed(shipped=1)
+    finally:
+        orders_app.config["IDEMPOTENCY_PUBLISHER"].close()
+        for app, db in ((orders_app, orders.db), (shipping_app, shipping.db)):
+            with app.app_context():
+                db.engine.dispose()
+        broker.delete()
+    assert rows(dbs["shipping"], "SELECT event_id FROM shipments") == [(placed.json()["event_id"],)]
 
 
 def test_two_tenants_with_one_key_are_two_charges(dbs: dict[str, str], tmp_path: Path) -> None:
