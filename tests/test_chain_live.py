@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import requests
 import sqlalchemy as sa
 from flask import Flask
 
@@ -182,6 +183,25 @@ def client() -> IdempotentSession:
     return IdempotentSession(total=10, backoff_factor=0.3, backoff_max=2, deadline=90)
 
 
+def place_order(
+    service: Service,
+    key: str,
+    *,
+    tenant: str = "acme",
+    http: IdempotentSession | None = None,
+    timeout: float = 10,
+) -> requests.Response:
+    """POST the order to the order service, the way its client would: one key,
+    retried (by default) through the crashes and restarts a test arranges."""
+    return (http or client()).post(
+        service.url + "/orders",
+        json=ORDER,
+        headers={"X-Tenant": tenant},
+        idempotency_key=key,
+        timeout=timeout,
+    )
+
+
 def start_chain(
     dbs: dict[str, str], broker: Broker, **orders_config: t.Any
 ) -> tuple[Service, Service]:
@@ -220,13 +240,7 @@ def test_a_response_lost_after_commit_is_replayed_and_every_hop_acts_once(
     )
     key = str(uuid.uuid4())
     try:
-        response = client().post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "acme"},
-            idempotency_key=key,
-            timeout=10,
-        )
+        response = place_order(order_service, key)
     finally:
         order_service.stop()
         payments.stop()
@@ -308,13 +322,7 @@ def test_a_crash_inside_the_order_is_resumed_and_charges_once_with_derived_keys(
         IDEMPOTENCY_LEASE=2,
     )
     try:
-        response = client().post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "acme"},
-            idempotency_key=str(uuid.uuid4()),
-            timeout=10,
-        )
+        response = place_order(order_service, str(uuid.uuid4()))
     finally:
         order_service.stop()
         payments.stop()
@@ -352,13 +360,7 @@ def test_a_charge_whose_answer_is_lost_is_a_502_and_the_retry_charges_once(
     order_service = Service("orders", {**config, **broker.config()}).start()
     key = str(uuid.uuid4())
     try:
-        failed = IdempotentSession(total=0).post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "acme"},
-            idempotency_key=key,
-            timeout=30,
-        )
+        failed = place_order(order_service, key, http=IdempotentSession(total=0), timeout=30)
         assert failed.status_code == 502, failed.text
         assert failed.headers["Content-Type"] == "application/problem+json"
         assert payments.proc is not None
@@ -368,13 +370,7 @@ def test_a_charge_whose_answer_is_lost_is_a_502_and_the_retry_charges_once(
         assert count(dbs["orders"], "idempotency_outbox") == 0
         assert rows(dbs["orders"], "SELECT status FROM idempotency_keys") == [("in_progress",)]
         payments.start()  # back, on the same port
-        placed = client().post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "acme"},
-            idempotency_key=key,
-            timeout=10,
-        )
+        placed = place_order(order_service, key)
     finally:
         order_service.stop()
         payments.stop()
@@ -396,13 +392,7 @@ def test_a_consumer_killed_before_it_commits_gets_the_event_again(
     broker = Broker("rabbitmq", rabbitmq_or_skip(), str(tmp_path / "unused"))
     payments, order_service = start_chain(dbs, broker)
     try:
-        placed = client().post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "acme"},
-            idempotency_key=str(uuid.uuid4()),
-            timeout=10,
-        )
+        placed = place_order(order_service, str(uuid.uuid4()))
     finally:
         order_service.stop()
         payments.stop()
@@ -442,22 +432,10 @@ def test_two_tenants_with_one_key_are_two_charges(dbs: dict[str, str], tmp_path:
     http = client()
     try:
         replies = {
-            tenant: http.post(
-                order_service.url + "/orders",
-                json=ORDER,
-                headers={"X-Tenant": tenant},
-                idempotency_key=key,
-                timeout=10,
-            )
+            tenant: place_order(order_service, key, tenant=tenant, http=http)
             for tenant in ("acme", "globex")
         }
-        again = http.post(
-            order_service.url + "/orders",
-            json=ORDER,
-            headers={"X-Tenant": "globex"},
-            idempotency_key=key,
-            timeout=10,
-        )
+        again = place_order(order_service, key, tenant="globex", http=http)
     finally:
         order_service.stop()
         payments.stop()
