@@ -294,6 +294,8 @@ class IdempotentSession(requests.Session):
             response.content  # noqa: B018 - reads and keeps the body
         except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
             response.close()
+            if getattr(self._budget, "started", None) is None:
+                raise  # send() called directly: no request() loop to resend it
             raise _BodyLost(exc) from exc
         return response
 
