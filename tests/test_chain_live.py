@@ -19,6 +19,7 @@ when none answers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -221,8 +222,21 @@ def start_chain(
     return payments, order_service
 
 
-def in_process(app_factory: t.Callable[..., Flask], url: str, broker: Broker) -> Flask:
-    return app_factory({"SQLALCHEMY_DATABASE_URI": url, **broker.config()})
+@contextlib.contextmanager
+def relay_and_consumer(dbs: dict[str, str], broker: Broker) -> t.Iterator[tuple[Flask, Flask]]:
+    """The order service's app (to run its relay) and the shipping service's app
+    (to consume), in this process; their connections closed afterwards."""
+    orders_app = orders.create_app({"SQLALCHEMY_DATABASE_URI": dbs["orders"], **broker.config()})
+    shipping_app = shipping.create_app(
+        {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
+    )
+    try:
+        yield orders_app, shipping_app
+    finally:
+        orders_app.config["IDEMPOTENCY_PUBLISHER"].close()
+        for app, db in ((orders_app, orders.db), (shipping_app, shipping.db)):
+            with app.app_context():
+                db.engine.dispose()
 
 
 def test_a_response_lost_after_commit_is_replayed_and_every_hop_acts_once(
@@ -258,9 +272,7 @@ def test_a_response_lost_after_commit_is_replayed_and_every_hop_acts_once(
     assert payment_key != key
     assert re.fullmatch("[0-9a-f]{64}", payment_key)
 
-    orders_app = in_process(orders.create_app, dbs["orders"], broker)
-    shipping_app = in_process(shipping.create_app, dbs["shipping"], broker)
-    try:
+    with relay_and_consumer(dbs, broker) as (orders_app, shipping_app):
         assert relay_batch(orders_app).published == 1
         assert shipping.consume(shipping_app, idle=1.0) == shipping.Consumed(shipped=1)
         # A relay that died after publishing, before marking, publishes it again.
@@ -271,11 +283,6 @@ def test_a_response_lost_after_commit_is_replayed_and_every_hop_acts_once(
             orders.db.session.commit()
         assert relay_batch(orders_app).published == 1
         assert shipping.consume(shipping_app, idle=1.0) == shipping.Consumed(skipped=1)
-    finally:
-        orders_app.config["IDEMPOTENCY_PUBLISHER"].close()
-        for app, db in ((orders_app, orders.db), (shipping_app, shipping.db)):
-            with app.app_context():
-                db.engine.dispose()
     assert rows(dbs["shipping"], "SELECT order_id, event_id FROM shipments") == [
         (body["order_id"], body["event_id"])
     ]
@@ -397,28 +404,23 @@ def test_a_consumer_killed_before_it_commits_gets_the_event_again(
         order_service.stop()
         payments.stop()
     assert placed.status_code == 201
-    orders_app = in_process(orders.create_app, dbs["orders"], broker)
-    shipping_app = in_process(shipping.create_app, dbs["shipping"], broker)
     crash = tmp_path / "crash"
     crash.touch()
     try:
-        assert relay_batch(orders_app).published == 1
-        consumer = Service(
-            "shipping",
-            {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
-            | {"crash_at": "in-consumer", "crash_file": str(crash)},
-        ).start()
-        assert consumer.proc is not None
-        assert consumer.proc.wait(30) == -9  # SIGKILLed inside its transaction
-        consumer.stop()
-        assert not crash.exists()
-        assert count(dbs["shipping"], "shipments") == 0
-        assert shipping.consume(shipping_app, idle=2.0) == shipping.Consumed(shipped=1)
+        with relay_and_consumer(dbs, broker) as (orders_app, shipping_app):
+            assert relay_batch(orders_app).published == 1
+            consumer = Service(
+                "shipping",
+                {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
+                | {"crash_at": "in-consumer", "crash_file": str(crash)},
+            ).start()
+            assert consumer.proc is not None
+            assert consumer.proc.wait(30) == -9  # SIGKILLed inside its transaction
+            consumer.stop()
+            assert not crash.exists()
+            assert count(dbs["shipping"], "shipments") == 0
+            assert shipping.consume(shipping_app, idle=2.0) == shipping.Consumed(shipped=1)
     finally:
-        orders_app.config["IDEMPOTENCY_PUBLISHER"].close()
-        for app, db in ((orders_app, orders.db), (shipping_app, shipping.db)):
-            with app.app_context():
-                db.engine.dispose()
         broker.delete()
     assert rows(dbs["shipping"], "SELECT event_id FROM shipments") == [(placed.json()["event_id"],)]
 
