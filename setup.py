@@ -27,7 +27,11 @@ setup(
         "apscheduler>=3.10,<4",
     ],
     extras_require={
+        # PostgreSQL through psycopg2: URLs spelled postgresql+psycopg2://...
         "postgresql": ["psycopg2-binary>=2.9"],
+        # PostgreSQL through psycopg 3 (SQLAlchemy 2.1's driver for a plain
+        # postgresql://): URLs spelled postgresql+psycopg://...
+        "psycopg": ["psycopg[binary]>=3.1.8"],
         "mysql": ["pymysql>=1.1"],
         # flask_idempotency.client: retries with one Idempotency-Key for all attempts.
         "client": ["requests>=2.31"],
