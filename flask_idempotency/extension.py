@@ -331,18 +331,22 @@ class Idempotency:
     ) -> tuple[bool, dict[str, t.Any]]:
         """Whether this process can use the record's database now, and why not.
 
-        Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine
-        in a background thread and waits for it at most ``timeout`` (default
-        ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from the probe's start, so it
-        answers in time even when the database hangs. At most one probe per app
-        and process is in flight: while one hangs, every call answers
-        ``(False, ...)`` without starting another, until it returns.
+        Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine,
+        then checks that the database accepts writes (see
+        :mod:`flask_idempotency.health`), in a background thread, and waits for
+        it at most ``timeout`` (default ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from
+        the probe's start, so it answers in time even when the database hangs.
+        At most one probe per app and process is in flight: while one hangs,
+        every call answers ``(False, ...)`` without starting another, until it
+        returns.
 
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
-        ``"timeout"``, ``"unavailable"``, ``"conflict"`` or ``"error"``),
-        ``table``, ``timeout_ms``, ``probe_id``, and ``duration_ms`` (or
-        ``running_ms`` while the probe is still running) and ``error`` (the
-        exception's class name) when it failed. Call it in an app context.
+        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"conflict"`` or
+        ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
+        ``duration_ms`` (or ``running_ms`` while the probe is still running),
+        ``error`` (the exception's class name) when it failed and ``reason``
+        (fixed words naming the setting) when the database is read-only. Call
+        it in an app context.
         """
         state = app_state()
         limit = (
@@ -357,7 +361,8 @@ class Idempotency:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.
 
         200 ``application/json`` with :meth:`readiness`'s details when the
-        record's table answers in time; otherwise 503 problem+json (type
+        record's table answers in time and the database accepts writes;
+        otherwise 503 problem+json (type
         ``.../database-unavailable``, ``Retry-After``) with the same details.
         Never cached. Keep a liveness check that does not touch the database
         apart from it, so an orchestrator takes the host out of rotation
@@ -366,8 +371,7 @@ class Idempotency:
         ready, details = self.readiness()
         if not ready:
             raise DatabaseUnavailableError(
-                "The record's database did not answer the readiness probe in time "
-                "or failed it; take this host out of rotation.",
+                health.not_ready_detail(details),
                 retry_after=dberrors.RETRY_AFTER,
                 extra=details,
                 headers={"Cache-Control": "no-store"},
@@ -541,7 +545,7 @@ def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
     failure = dberrors.classify(exc)
     if failure is None:
         return None
-    problem = dberrors.problem_for(failure)
+    problem = dberrors.problem_for(failure, exc)
     try:
         session.rollback()
     except Exception:  # the connection is already broken; the original error matters
@@ -551,7 +555,7 @@ def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
         request.method,
         request.path,
         problem.code,
-        failure.value,
+        "read-only" if dberrors.read_only(exc) else failure.value,
         dberrors.summary(exc),
     )
     return problem

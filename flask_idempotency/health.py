@@ -4,7 +4,18 @@ A load balancer should stop sending requests to a host that is cut off from its
 database: every request there would hang or fail. A liveness check that does
 not touch the database cannot tell; this probe can. It runs a trivial query on
 the record's table (``SELECT 1 FROM idempotency_keys LIMIT 1``) through the
-app's own engine and pool, so it fails exactly when requests would.
+app's own engine and pool, then checks that the database accepts writes, so it
+fails exactly when a claim would:
+
+* PostgreSQL: ``pg_is_in_recovery()`` (a standby) and ``transaction_read_only``
+  (``default_transaction_read_only``, for the server, database or role), read
+  without taking a lock, so a migration's table lock does not take every host
+  out of rotation;
+* MySQL/MariaDB and SQLite: a write that touches no row (``DELETE ... WHERE
+  false``, rolled back), which the server refuses exactly as it would refuse
+  the claim: ``read_only`` (unless the app's user may write anyway, READ_ONLY
+  ADMIN or SUPER), ``innodb_read_only``, a read-only transaction default, a
+  SQLite file opened read-only or ``PRAGMA query_only``.
 
 The query runs in a background thread, so the answer comes within the timeout
 even when the database hangs (a network partition does not fail a query, it
@@ -40,8 +51,9 @@ class _Probe:
     started: float  # time.monotonic()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
-    outcome: str = "running"  # "ok", a dberrors.Failure value, or "error"
+    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only" or "error"
     error: str | None = None
+    reason: str | None = None  # why a read-only database refuses writes
     duration: float = 0.0
 
 
@@ -87,6 +99,8 @@ class ReadinessProbe:
             details["duration_ms"] = round(probe.duration * 1000, 1)
             if probe.error is not None:
                 details["error"] = probe.error
+            if probe.reason is not None:
+                details["reason"] = probe.reason
         else:
             details["database"] = "timeout"
             details["running_ms"] = round((time.monotonic() - probe.started) * 1000, 1)
@@ -98,17 +112,70 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table) -> None:
     try:
         with engine.connect() as conn:
             conn.execute(stmt).all()
-        probe.ok, probe.outcome = True, "ok"
+            reason = _refuses_writes(conn, table)
+            conn.rollback()
+        if reason is None:
+            probe.ok, probe.outcome = True, "ok"
+        else:
+            probe.outcome, probe.reason = "read_only", reason
+            logger.warning("readiness probe of %s: read-only database: %s", table.name, reason)
     except Exception as exc:  # any failure means "not ready"; say which kind
-        failure = dberrors.classify(exc)
-        probe.outcome = failure.value if failure is not None else "error"
+        reason = dberrors.read_only_reason(exc)
+        if reason is not None:
+            probe.outcome, probe.reason = "read_only", reason
+        else:
+            failure = dberrors.classify(exc)
+            probe.outcome = failure.value if failure is not None else "error"
         # The class name only: driver messages can name hosts and users, and a
         # readiness endpoint is often reachable by more people than the logs.
         probe.error = type(exc).__name__
-        logger.warning("readiness probe of %s failed: %s", table.name, dberrors.summary(exc))
+        logger.warning(
+            "readiness probe of %s failed%s: %s",
+            table.name,
+            ": read-only database" if reason is not None else "",
+            dberrors.summary(exc),
+        )
     finally:
         probe.duration = time.monotonic() - probe.started
         probe.done.set()
+
+
+def _refuses_writes(conn: sa.Connection, table: sa.Table) -> str | None:
+    """Why the database would refuse the claim's write, or ``None`` when it accepts
+    writes (or the engine has no check here); raises the refusal itself where
+    the check is a write. Runs in ``conn``'s transaction, which the caller rolls
+    back."""
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        # Lock-free: a standby, or transactions read-only by default (for the
+        # server, the database or the role), which the new transaction shows.
+        standby, read_only = conn.execute(
+            sa.text("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
+        ).one()
+        if standby:
+            return "the server is a standby (pg_is_in_recovery())"
+        if read_only == "on":
+            return "transactions are read-only (default_transaction_read_only)"
+        return None
+    if dialect in ("mysql", "mariadb", "sqlite"):
+        # The server's own verdict: it refuses this write exactly as it would
+        # refuse the claim (so a user allowed to write on a read_only server
+        # passes); the refusal is raised, and the caller says why.
+        conn.execute(sa.delete(table).where(sa.false()))
+    return None
+
+
+def not_ready_detail(details: Details) -> str:
+    """The problem's ``detail`` for a probe that did not find the database ready."""
+    if details.get("database") == "read_only":
+        return (
+            "The record's database does not accept writes (it is read-only); every "
+            "idempotent request would fail here: take this host out of rotation."
+        )
+    return (
+        "The record's database did not answer the readiness probe in time or "
+        "failed it; take this host out of rotation."
+    )
 
 
 _probes: weakref.WeakKeyDictionary[t.Any, ReadinessProbe] = weakref.WeakKeyDictionary()
