@@ -12,7 +12,7 @@ fails exactly when a claim would:
   without taking a lock, so a migration's table lock does not take every host
   out of rotation;
 * MySQL/MariaDB and SQLite: a write that touches no row (``DELETE ... WHERE
-  false``, rolled back), which the server refuses exactly as it would refuse
+  scope IS NULL``, rolled back), which the server refuses exactly as it would refuse
   the claim: ``read_only`` (unless the app's user may write anyway, READ_ONLY
   ADMIN or SUPER), ``innodb_read_only``, a read-only transaction default, a
   SQLite file opened read-only or ``PRAGMA query_only``.
@@ -160,8 +160,11 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table) -> str | None:
     if dialect in ("mysql", "mariadb", "sqlite"):
         # The server's own verdict: it refuses this write exactly as it would
         # refuse the claim (so a user allowed to write on a read_only server
-        # passes); the refusal is raised, and the caller says why.
-        conn.execute(sa.delete(table).where(sa.false()))
+        # passes); the refusal is raised, and the caller says why. "scope IS
+        # NULL" matches no row (the column is NOT NULL: MySQL plans an
+        # "Impossible WHERE", locking nothing), and names a key column, as
+        # sql_safe_updates wants (it refuses WHERE false).
+        conn.execute(sa.delete(table).where(table.c.scope.is_(None)))
     return None
 
 

@@ -335,3 +335,21 @@ def test_mariadb_innodb_read_only(private_mariadb: PrivateMariaDB) -> None:
         assert counts(root_url) == (2, 2)
     finally:
         dispose(app)
+
+
+def test_write_check_passes_sql_safe_updates() -> None:
+    """MySQL's safe-update mode refuses a DELETE whose WHERE names no key column;
+    readiness's no-row write names one, so a writable server stays ready."""
+    url = mysql_url()
+    if url is None:
+        pytest.skip("no MariaDB/MySQL reachable (see the report header)")
+    create_tables(url)
+    app = create_app(url, {"connect_args": {"init_command": "SET SESSION sql_safe_updates = 1"}})
+    try:
+        response = app.test_client().get("/readyz")
+        assert response.status_code == 200, response.data
+        assert post(app, "/pay", "safe").status_code == 201
+        assert counts(url) == (1, 1)
+    finally:
+        dispose(app)
+        create_tables(url)
