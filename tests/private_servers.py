@@ -84,8 +84,11 @@ class PgCluster:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def create(cls, *, host: str = "127.0.0.1", prefix: t.Sequence[str] = ()) -> PgCluster:
-        """A new, empty cluster (not started)."""
+    def create(
+        cls, *, host: str = "127.0.0.1", prefix: t.Sequence[str] = (), trust: str | None = None
+    ) -> PgCluster:
+        """A new, empty cluster (not started); ``trust`` is a network (CIDR) whose
+        clients log in without a password, besides 127.0.0.1."""
         base = Path(tempfile.mkdtemp(prefix="idem-pg-"))
         cluster = cls(base / "data", host=host, prefix=prefix)
         cluster._own(base)
@@ -100,6 +103,9 @@ class PgCluster:
             "--no-sync",
             namespaced=False,
         )
+        if trust is not None:
+            with (cluster.data_dir / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {trust} trust\nhost replication all {trust} trust\n")
         return cluster
 
     def _own(self, path: Path) -> None:
