@@ -56,7 +56,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from bench import netns
-from bench.partition_app import CONFIG_ENV
+from bench.partition_app import CONFIG_ENV, WORK_ENV
 from bench.partition_gunicorn import READY_HOST_ENV, READY_PORT_ENV
 from bench.servers import _quiet_options
 
@@ -100,6 +100,7 @@ class Options:
     ready_port: int | None = None
     config: dict[str, t.Any] = dataclasses.field(default_factory=dict)
     gunicorn_timeout: int = 30
+    work: float = 0.05
 
 
 class Clock:
@@ -111,13 +112,13 @@ class Clock:
 
 
 def _post(host: str, key: str, timeout: float) -> tuple[str, float]:
-    """POST /payments once; (outcome, Retry-After seconds)."""
+    """POST /charge once; (outcome, Retry-After seconds)."""
     conn = http.client.HTTPConnection(host, APP_PORT, timeout=timeout)
     try:
         body = json.dumps({**CHARGE, "description": key})
         conn.request(
             "POST",
-            "/payments",
+            "/charge",
             body=body,
             headers={"Content-Type": "application/json", "Idempotency-Key": key},
         )
@@ -245,6 +246,7 @@ class Host:
             **os.environ,
             "EXAMPLE_DATABASE_URL": url,
             CONFIG_ENV: json.dumps(options.config),
+            WORK_ENV: str(options.work),
             "PYTHONPATH": str(ROOT),
         }
         if options.ready_port is not None:
@@ -462,8 +464,12 @@ def _report(
     cut_at: float,
     healed_at: float,
 ) -> str:
-    during = [a for a in clients.attempts if cut_at <= a.started < healed_at]
-    cut_host = [a for a in during if a.host == 1]
+    # In flight when the cut began, or sent during it.
+    cut_host = [
+        a
+        for a in clients.attempts
+        if a.host == 1 and a.started < healed_at and a.started + a.took > cut_at
+    ]
     kinds = collections.Counter(a.outcome for a in cut_host)
     # Keys that met the cut host during the cut: their retries elsewhere may wait
     # behind the claim the cut host still holds on the server.
@@ -480,7 +486,7 @@ def _report(
         if key in clients.succeeded
     ]
     answered_503 = [took for status, took, path in hosts[0].answers() if status == "503"
-                    and path == "/payments"]  # fmt: skip
+                    and path == "/charge"]  # fmt: skip
     checks = [c for c in lb.checks if c.host == 1 and cut_at <= c.started < healed_at]
     in_time = [c for c in checks if c.outcome in ("200", "503")]
     out_at = next((at for at, n, ok in lb.changes if n == 1 and not ok and at >= cut_at), None)
@@ -492,7 +498,8 @@ def _report(
     lines = [
         "## A host cut off from its database, under load",
         "",
-        f"{options.hosts} hosts x {options.workers} sync workers, {options.clients} clients "
+        f"{options.hosts} hosts x {options.workers} sync workers (views work "
+        f"{options.work * 1000:g} ms in their transaction), {options.clients} clients "
         f"(timeout {options.client_timeout:g} s), host 1 cut for {options.cut:g} s; load balancer "
         f"checks every {options.lb_interval:g} s, deadline {options.lb_timeout:g} s, out after "
         f"{options.lb_fall}, back after {options.lb_rise}; readiness on "
@@ -501,7 +508,7 @@ def _report(
         "",
         "| what | figure |",
         "|---|---|",
-        f"| attempts at the cut host during the cut | {len(cut_host)}: "
+        f"| attempts at the cut host, in flight at the cut or sent during it | {len(cut_host)}: "
         + ", ".join(f"{k} x{v}" for k, v in kinds.most_common())
         + " |",
         f"| the cut host's 503s, time to answer (gunicorn) | {_seconds(answered_503)} |",
@@ -544,6 +551,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lb-interval", type=float, default=defaults.lb_interval)
     parser.add_argument("--lb-timeout", type=float, default=defaults.lb_timeout)
     parser.add_argument("--ready-port", type=int, default=None)
+    parser.add_argument(
+        "--work",
+        type=float,
+        default=defaults.work,
+        help="seconds each view works in its transaction",
+    )
     parser.add_argument("--config", type=json.loads, default={}, help="app config, JSON")
     parser.add_argument("--out", type=Path, default=None, help="append the report here")
     args = parser.parse_args(argv)
@@ -559,6 +572,7 @@ def main(argv: list[str] | None = None) -> None:
         lb_timeout=args.lb_timeout,
         ready_port=args.ready_port,
         config=args.config,
+        work=args.work,
     )
     report = run(options)
     print(report)
