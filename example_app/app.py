@@ -121,12 +121,14 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
             "pool_pre_ping": True,  # replace connections that died while pooled
             "pool_timeout": 5,  # wait at most 5 s for a pooled connection
             "connect_args": {
-                "connect_timeout": 3,  # seconds to connect and log in
-                "keepalives": 1,  # detect a silent peer on an idle connection:
-                "keepalives_idle": 5,  # first probe after 5 s of silence,
-                "keepalives_interval": 2,  # then every 2 s,
-                "keepalives_count": 3,  # dead after 3 unanswered probes
-                "tcp_user_timeout": 10_000,  # ms: sent data unacknowledged -> dead
+                "connect_timeout": 2,  # seconds to connect and log in (libpq's least)
+                # A silent database: these end the wait, not a slow query (whose
+                # server still acknowledges and answers probes).
+                "tcp_user_timeout": 2_000,  # ms: sent data unacknowledged -> dead
+                "keepalives": 1,  # awaiting a reply: probe the peer
+                "keepalives_idle": 1,  # after 1 s of silence,
+                "keepalives_interval": 1,  # then every 1 s;
+                "keepalives_count": 2,  # dead when unanswered (tcp_user_timeout caps it)
                 # Above IDEMPOTENCY_WAIT (10 s), so a duplicate waiting for the
                 # first request still gets its 409 or replay, not a cancel.
                 "options": f"{options} -c statement_timeout=15000".strip(),

@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 
 from . import config, dberrors, health, outbox, session_guard
 from .cli import idempotency_cli
-from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
+from .errors import MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
@@ -370,15 +370,50 @@ class Idempotency:
         """
         ready, details = self.readiness()
         if not ready:
-            raise DatabaseUnavailableError(
-                health.not_ready_detail(details),
-                retry_after=dberrors.RETRY_AFTER,
-                extra=details,
-                headers={"Cache-Control": "no-store"},
-            )
+            raise health.not_ready_error(details)
         response = jsonify(details)
         response.headers["Cache-Control"] = "no-store"
         return response
+
+    def serve_readiness(
+        self, app: Flask, *, port: int, host: str = "0.0.0.0", path: str = "/readyz"
+    ) -> health.ReadinessServer:
+        """Answer readiness on ``host:port`` from a thread of this process, so the
+        answer does not wait for a free worker.
+
+        When the database hangs, every worker of a host waits on it, and a
+        readiness view on the app's own port waits in the queue with the
+        requests: the load balancer learns only from its own timeout. This
+        server answers from a thread of its own, within
+        ``IDEMPOTENCY_READY_TIMEOUT``, whatever the workers are doing. ``GET
+        path`` answers as :meth:`readiness_view` does (200 JSON, or 503
+        problem+json with ``Retry-After``), from the same probe.
+
+        Call it in each serving process, after the fork: with gunicorn, from the
+        ``post_worker_init`` hook (``idem.serve_readiness(worker.wsgi,
+        port=8081)`` in ``gunicorn.conf.py``). Every worker binds the same port
+        (``SO_REUSEPORT``, Linux and the BSDs) and the kernel spreads checks
+        over them. A second call in the same process returns the running
+        server; a forked child closes the parent's socket and starts its own
+        when it calls. ``port=0`` picks a free port (``.port`` says which).
+        Threads of their own need a worker class that lets them run while a
+        request waits on the database: gunicorn's sync and gthread workers do;
+        under gevent or eventlet, the database driver must cooperate (psycopg
+        3, or psycopg2 with psycogreen).
+        """
+        if not isinstance(app, Flask):
+            raise TypeError(
+                f"serve_readiness needs the Flask app, not {type(app).__name__} (pass the app "
+                "your middleware wraps)"
+            )
+        if EXTENSION_KEY not in app.extensions:
+            raise RuntimeError("serve_readiness: call idem.init_app(app, db) first")
+
+        def check() -> tuple[bool, dict[str, t.Any]]:
+            with app.app_context():
+                return self.readiness()
+
+        return health.serve(app, check, host=host, port=port, path=path)
 
     # -- what a view may read ---------------------------------------------------
 

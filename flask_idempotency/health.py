@@ -22,15 +22,24 @@ even when the database hangs (a network partition does not fail a query, it
 never answers it). At most one probe per app and process is in flight: while a
 hung probe is running, every check answers "not ready" at once instead of
 piling up threads and connections, until the probe returns.
+
+A readiness view on the app's own port needs a free worker to answer, and a
+host cut off from its database has none: every worker waits on the database.
+:class:`ReadinessServer` answers on a port of its own, from a thread of each
+serving process, so the answer comes within the timeout whatever the workers
+are doing (``idem.serve_readiness``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import http.server
 import itertools
+import json
 import logging
 import os
+import socket
 import threading
 import time
 import typing as t
@@ -39,6 +48,7 @@ import weakref
 import sqlalchemy as sa
 
 from . import dberrors
+from .errors import PROBLEM_JSON, DatabaseUnavailableError
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -192,3 +202,155 @@ def probe_for(app: t.Any) -> ReadinessProbe:
         if probe is None:
             probe = _probes[app] = ReadinessProbe()
         return probe
+
+
+def not_ready_error(details: Details) -> DatabaseUnavailableError:
+    """The 503 problem+json a readiness check answers when not ready."""
+    return DatabaseUnavailableError(
+        not_ready_detail(details),
+        retry_after=dberrors.RETRY_AFTER,
+        extra=details,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def ready_body(details: Details) -> bytes:
+    """The 200 answer's JSON body."""
+    return json.dumps(details, separators=(",", ":"), sort_keys=True).encode()
+
+
+# -- readiness on a port of its own ------------------------------------------------------
+
+Check = t.Callable[[], tuple[bool, Details]]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _HTTPServer
+    #: Seconds a client may take to send its request: one that sends nothing does
+    #: not keep a thread for longer.
+    timeout = 10
+    server_version = "flask-idempotency-readiness"
+
+    def do_GET(self) -> None:  # the name http.server dispatches to
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(with_body=False)
+
+    def _answer(self, *, with_body: bool) -> None:
+        if self.path.split("?", 1)[0] != self.server.path:
+            self.send_error(404)
+            return
+        status, content_type, body, headers = self.server.respond()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if with_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: t.Any) -> None:
+        # Load balancers check every few seconds; a line each would drown the log.
+        logger.debug("readiness server: " + format, *args)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    # Every worker of a host binds the same port: the kernel spreads the load
+    # balancer's checks over them (SO_REUSEPORT), and any one that is alive
+    # answers, whatever its request threads are doing.
+    allow_reuse_address = True
+    allow_reuse_port = True
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], check: Check, path: str) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.check, self.path = check, path
+        super().__init__(address, _Handler)
+
+    def respond(self) -> tuple[int, str, bytes, dict[str, str]]:
+        try:
+            ready, details = self.check()
+        except Exception as exc:  # never leave a load balancer without an answer
+            logger.exception("readiness server: the check failed")
+            ready, details = (
+                False,
+                {"ready": False, "database": "error", "error": type(exc).__name__},
+            )
+        if ready:
+            return 200, "application/json", ready_body(details), {"Cache-Control": "no-store"}
+        error = not_ready_error(details)
+        body = json.dumps(error.problem(), separators=(",", ":"), sort_keys=True).encode()
+        return error.code, PROBLEM_JSON, body, error.extra_headers
+
+
+class ReadinessServer:
+    """Answers readiness over HTTP on a port of its own, from a thread of this
+    process, without a worker of the app.
+
+    ``GET`` (or ``HEAD``) on ``path`` answers as ``idem.readiness_view`` does:
+    200 JSON when ready, else 503 problem+json with ``Retry-After``, both with
+    ``Cache-Control: no-store``; any other path 404. Each check waits at most
+    ``IDEMPOTENCY_READY_TIMEOUT`` (one probe in flight per app and process).
+    """
+
+    def __init__(self, check: Check, *, host: str, port: int, path: str) -> None:
+        self._httpd = _HTTPServer((host, port), check, path)
+        self.host, self.path = host, path
+        self.pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="flask-idempotency-readiness-server",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one the OS chose, for port 0)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def running(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop answering and free the port."""
+        if self.pid == os.getpid() and self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def _abandon(self) -> None:
+        """In a forked child, which has the socket but not the thread: close the
+        socket, or the kernel would hand it checks that nobody answers."""
+        self._httpd.socket.close()
+
+
+_servers: dict[tuple[int, str, int, str], ReadinessServer] = {}
+_servers_lock = threading.Lock()
+
+
+def serve(app: t.Any, check: Check, *, host: str, port: int, path: str) -> ReadinessServer:
+    """The readiness server of ``app`` on ``host:port`` in this process, started on
+    the first call (and again in a forked child)."""
+    key = (id(app), host, port, path)
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is not None and server.running:
+            return server
+        server = ReadinessServer(check, host=host, port=port, path=path)
+        _servers[key] = server
+        return server
+
+
+def _after_fork_in_child() -> None:
+    for server in _servers.values():
+        if server.pid != os.getpid():
+            server._abandon()
+    _servers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
