@@ -172,7 +172,7 @@ def read_only_reason(exc: BaseException) -> str | None:
     orig = _driver_error(exc)
     module = _module(orig)
     if module in _PG_MODULES:
-        pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+        pgcode = sqlstate(orig)
         return _PG_READ_ONLY.get(pgcode) if isinstance(pgcode, str) else None
     if module in _MYSQL_MODULES:
         errno = _mysql_errno(orig)
@@ -219,12 +219,19 @@ def classify(exc: BaseException) -> Failure | None:
     return _classify_driver_error(exc)
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE of an error (SQLAlchemy's wrapper or the driver's
+    own), or ``None``: psycopg2 names it ``pgcode``, psycopg 3 ``sqlstate``."""
+    orig = _driver_error(exc)
+    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
 def _classify_driver_error(orig: BaseException) -> Failure | None:
     if read_only(orig):
         return UNAVAILABLE
     module = _module(orig)
     if module in _PG_MODULES:
-        pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+        pgcode = sqlstate(orig)
         if pgcode is None:
             # psycopg2 raises OperationalError without a SQLSTATE for failures
             # of the connection itself: refused, reset, timed out, closed.
