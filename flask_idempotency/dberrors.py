@@ -80,6 +80,10 @@ _PG_UNAVAILABLE_EXACT = {
     "57P03",  # cannot_connect_now (starting up, recovery)
     "53300",  # too_many_connections
     "57014",  # query_canceled (statement_timeout: the database did not answer in time)
+    # The server ended an idle session: idle_in_transaction_session_timeout (as
+    # IDEMPOTENCY_CLAIM_IDLE_TIMEOUT sets it), idle_session_timeout (PostgreSQL 14+).
+    "25P03",
+    "57P05",
 }
 _PG_UNAVAILABLE_CLASSES = ("08",)  # connection_exception and its subclasses
 # read_only_sql_transaction: a hot standby ("cannot execute INSERT in a read-only

@@ -145,7 +145,7 @@ class Idempotency:
         inbox_table(db.metadata)
         state = AppState(
             db=db,
-            store=Store(table),
+            store=Store(table, claim_idle=settings.claim_idle_timeout),
             settings=settings,
             clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),
