@@ -205,12 +205,15 @@ class LoadBalancer:
 
 
 class Monitor:
-    """The server's view: the cut host's sessions idle in a transaction."""
+    """The server's view: the cut host's transactions idle in ``pg_stat_activity``,
+    each (backend, transaction start) with when it was first and last seen, and
+    its last statement."""
 
     def __init__(self, url: str, address: str, clock: Clock) -> None:
         self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         self.address, self.clock = address, clock
-        self.idle: dict[int, list[float]] = collections.defaultdict(list)  # pid -> seen at
+        self.seen: dict[tuple[int, t.Any], list[float]] = {}
+        self.last_statement: dict[tuple[int, t.Any], str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -224,16 +227,28 @@ class Monitor:
 
     def _run(self) -> None:
         query = sa.text(
-            "SELECT pid FROM pg_stat_activity WHERE client_addr = CAST(:addr AS inet) "
-            "AND state LIKE 'idle in transaction%'"
+            "SELECT pid, xact_start, left(query, 60) FROM pg_stat_activity "
+            "WHERE client_addr = CAST(:addr AS inet) AND state LIKE 'idle in transaction%'"
         )
         with self.engine.connect() as conn:
             while not self._stop.is_set():
                 now = self.clock()
-                for (pid,) in conn.execute(query, {"addr": self.address}):
-                    self.idle[pid].append(now)
+                for pid, started, last in conn.execute(query, {"addr": self.address}):
+                    span = self.seen.setdefault((pid, started), [now, now])
+                    span[1] = now
+                    self.last_statement[(pid, started)] = last
                 conn.rollback()
                 self._stop.wait(0.25)
+
+    def stranded(self, cut_at: float) -> list[tuple[float, bool]]:
+        """Transactions idle across the cut's start: (seconds after the cut they
+        were last seen, whether they held a claim: anything past a bare BEGIN)."""
+        found = []
+        for key, (first, last) in self.seen.items():
+            if first <= cut_at + 0.5 and last > cut_at + 0.5:
+                claim = not self.last_statement[key].strip().upper().startswith("BEGIN")
+                found.append((last - cut_at, claim))
+        return found
 
 
 class Host:
@@ -414,11 +429,12 @@ def run(options: Options) -> str:
         clients.join()
         finish.cancel()
         lb.stop()
+        end_at = clock()
         monitor.stop()
         ledger = _ledger(url)
         for host in hosts:
             host.stop()
-        return _report(options, clients, lb, monitor, hosts, ledger, cut_at, healed_at)
+        return _report(options, clients, lb, monitor, hosts, ledger, cut_at, healed_at, end_at)
     finally:
         for host in hosts:
             with contextlib.suppress(Exception):
@@ -463,6 +479,7 @@ def _report(
     ledger: dict[str, t.Any],
     cut_at: float,
     healed_at: float,
+    end_at: float,
 ) -> str:
     # In flight when the cut began, or sent during it.
     cut_host = [
@@ -491,8 +508,10 @@ def _report(
     in_time = [c for c in checks if c.outcome in ("200", "503")]
     out_at = next((at for at, n, ok in lb.changes if n == 1 and not ok and at >= cut_at), None)
     back_at = next((at for at, n, ok in lb.changes if n == 1 and ok and at >= healed_at), None)
-    idle_spans = [(seen[0], seen[-1]) for seen in monitor.idle.values() if seen]
-    idle_after_cut = [last - cut_at for first, last in idle_spans if last >= cut_at]
+    stranded = monitor.stranded(cut_at)
+    held_claims = [after for after, claim in stranded if claim]
+    still_held = sum(1 for after in held_claims if after >= end_at - cut_at - 1)
+    bare = [after for after, claim in stranded if not claim]
     duplicates = {k: n for k, n in ledger["per_key"].items() if n != 1}
     missing = [k for k in clients.succeeded if k not in ledger["per_key"]]
     lines = [
@@ -526,9 +545,11 @@ def _report(
         + ", ".join(f"{k} x{v}" for k, v in retry_kinds.most_common())
         + f"; latency {_seconds([a.took for a in healthy_retries])} |",
         f"| keys that met the cut host: first attempt to success | {_seconds(to_success)} |",
-        f"| cut host's sessions idle in transaction on the server | {len(idle_spans)}; "
-        f"last seen {_seconds(idle_after_cut)} after the cut began (heal at "
-        f"{healed_at - cut_at:.0f} s) |",
+        f"| the cut host's transactions left holding a claim, idle on the server: "
+        f"gone after (from the cut; heal at {healed_at - cut_at:.0f} s, run end at "
+        f"{end_at - cut_at:.0f} s) | {_seconds(held_claims)}; still held at the end: "
+        f"{still_held} |",
+        f"| ... and left idle without a claim (a bare BEGIN) | {_seconds(bare)} |",
         f"| keys: succeeded / unfinished | {len(clients.succeeded)} / {len(clients.unfinished)} |",
         f"| ledger rows per key != 1 | {len(duplicates)} |",
         f"| succeeded without a ledger row | {len(missing)} |",

@@ -153,6 +153,10 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
         "EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL
     )
     app.config["IDEMPOTENCY_REQUIRED"] = True
+    # PostgreSQL ends a claim's transaction left idle this long (its host cut
+    # off mid-request), so the retry on another host does not wait behind it.
+    # Above the longest pause a view makes between two statements (these make none).
+    app.config["IDEMPOTENCY_CLAIM_IDLE_TIMEOUT"] = 5
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     if config:
         app.config.update(config)
