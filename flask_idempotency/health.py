@@ -38,6 +38,7 @@ import http.server
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -49,6 +50,7 @@ import sqlalchemy as sa
 
 from . import dberrors
 from .errors import PROBLEM_JSON, DatabaseUnavailableError
+from .store import idle_bound
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -92,7 +94,7 @@ class ReadinessProbe:
                 self._current = probe
                 threading.Thread(
                     target=_run,
-                    args=(probe, engine, table),
+                    args=(probe, engine, table, timeout),
                     name="flask-idempotency-readiness",
                     daemon=True,
                 ).start()
@@ -117,12 +119,12 @@ class ReadinessProbe:
         return bool(details["ready"]), details
 
 
-def _run(probe: _Probe, engine: sa.Engine, table: sa.Table) -> None:
+def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> None:
     stmt: sa.Select[t.Any] = sa.select(sa.literal_column("1")).select_from(table).limit(1)
     try:
         with engine.connect() as conn:
+            reason = _refuses_writes(conn, table, timeout)
             conn.execute(stmt).all()
-            reason = _refuses_writes(conn, table)
             conn.rollback()
         if reason is None:
             probe.ok, probe.outcome = True, "ok"
@@ -150,17 +152,25 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table) -> None:
         probe.done.set()
 
 
-def _refuses_writes(conn: sa.Connection, table: sa.Table) -> str | None:
+def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
     """Why the database would refuse the claim's write, or ``None`` when it accepts
     writes (or the engine has no check here); raises the refusal itself where
-    the check is a write. Runs in ``conn``'s transaction, which the caller rolls
-    back."""
+    the check is a write. The first statement of ``conn``'s transaction, which
+    the caller rolls back."""
     dialect = conn.dialect.name
     if dialect == "postgresql":
         # Lock-free: a standby, or transactions read-only by default (for the
         # server, the database or the role), which the new transaction shows.
-        standby, read_only = conn.execute(
-            sa.text("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
+        # The probe's transaction then reads the record's table, whose lock a
+        # probe stranded by a partition would hold, and make an operator's
+        # ALTER TABLE (and every claim queued behind it) wait: the server ends
+        # it once it sits idle as long as the probe may take.
+        standby, read_only, _ = conn.execute(
+            sa.text(
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
+                + idle_bound(":idle")
+            ),
+            {"idle": f"{max(1, math.ceil(timeout.total_seconds()))}s"},
         ).one()
         if standby:
             return "the server is a standby (pg_is_in_recovery())"

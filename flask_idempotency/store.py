@@ -67,7 +67,7 @@ _MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_ide
 _SAVED_WAIT = "flask_idempotency.saved_lock_timeout"
 
 
-def _idle_bound(param: str) -> str:
+def idle_bound(param: str) -> str:
     """A select-list expression that sets ``idle_in_transaction_session_timeout``
     to ``param`` for the rest of the transaction (``SET LOCAL``), unless a
     stricter one is in force (the server's, the role's, the app's): it only
@@ -83,7 +83,7 @@ def _idle_bound(param: str) -> str:
     )
 
 
-_PG_SET_IDLE = sa.text(f"SELECT {_idle_bound(':idle')}")
+_PG_SET_IDLE = sa.text(f"SELECT {idle_bound(':idle')}")
 
 
 def _millis(wait: dt.timedelta) -> str:
@@ -420,7 +420,7 @@ class Store:
         Every claim that is not one batch goes through here (the claim on other
         drivers, a take-over, a claim made again after the view rolled back),
         so on PostgreSQL it also bounds, with :attr:`claim_idle`, how long the
-        rest of the transaction may sit idle (see :func:`_idle_bound`); that
+        rest of the transaction may sit idle (see :func:`idle_bound`); that
         bound stays until the transaction ends.
         """
         name = dialect_name(executor)
@@ -666,7 +666,7 @@ class Store:
         return False, Record.from_mapping(found)
 
     def _claim_statements(
-        self, dialect: t.Any, bounded: bool, idle_bound: bool, values: dict[str, t.Any]
+        self, dialect: t.Any, bounded: bool, idle_bounded: bool, values: dict[str, t.Any]
     ) -> list[str]:
         """The claim's statements for one round trip: the bounds (if any), the
         insert, the wait's bound restored, the read of the record; compiled once
@@ -678,7 +678,7 @@ class Store:
         """
         # Columns left out of the INSERT are NULL: fewer parameters to send.
         columns = tuple(name for name, value in values.items() if value is not None)
-        cache_key = (dialect.driver, bounded, idle_bound, columns)
+        cache_key = (dialect.driver, bounded, idle_bounded, columns)
         statements = self._claim_sql.get(cache_key)
         if statements is not None:
             return statements
@@ -693,9 +693,9 @@ class Store:
                 f"set_config('{_SAVED_WAIT}', current_setting('lock_timeout'), true)",
                 "set_config('lock_timeout', %(wait)s, true)",
             ]
-        if idle_bound:
+        if idle_bounded:
             # Kept to the transaction's end: the claim is held until then.
-            bounds.append(_idle_bound("%(idle)s"))
+            bounds.append(idle_bound("%(idle)s"))
         if bounds:
             parts.append("SELECT " + ", ".join(bounds))
         insert = self._inserts["postgresql"]
