@@ -147,6 +147,23 @@ class Topology:
         hosts (front) and the database (back). Threads it starts later go too."""
         _setns(self.switch)
 
+    @contextlib.contextmanager
+    def in_switch(self) -> t.Iterator[None]:
+        """The calling thread in the switch namespace for the block, then back in
+        the one it was in (sockets opened inside stay in the switch's)."""
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            _setns(self.switch)
+            try:
+                yield
+            finally:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(home, CLONE_NEWNET) != 0:
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"setns back: {os.strerror(errno)}")
+        finally:
+            os.close(home)
+
     def cut(self, n: int) -> None:
         """Partition host ``n`` from the database, silently, both ways."""
         _ip("-n", self.host(n), "neigh", "replace", DB_ADDRESS, "lladdr", NOWHERE.format(n),

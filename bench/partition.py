@@ -101,6 +101,7 @@ class Options:
     config: dict[str, t.Any] = dataclasses.field(default_factory=dict)
     gunicorn_timeout: int = 30
     work: float = 0.05
+    driver: str = "psycopg2"
 
 
 class Clock:
@@ -405,7 +406,7 @@ def run(options: Options) -> str:
             prefix=topology.exec_prefix(topology.database),
             trust="10.231.0.0/16",
         ).start(max_connections=200)
-        url = cluster.url()
+        url = cluster.url(options.driver)
         _create_tables(url)
         hosts = [Host(topology, n, url, options) for n in range(1, options.hosts + 1)]
         for host in hosts:
@@ -517,7 +518,7 @@ def _report(
     lines = [
         "## A host cut off from its database, under load",
         "",
-        f"{options.hosts} hosts x {options.workers} sync workers (views work "
+        f"{options.hosts} hosts x {options.workers} sync workers on {options.driver} (views work "
         f"{options.work * 1000:g} ms in their transaction), {options.clients} clients "
         f"(timeout {options.client_timeout:g} s), host 1 cut for {options.cut:g} s; load balancer "
         f"checks every {options.lb_interval:g} s, deadline {options.lb_timeout:g} s, out after "
@@ -579,6 +580,7 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds each view works in its transaction",
     )
     parser.add_argument("--config", type=json.loads, default={}, help="app config, JSON")
+    parser.add_argument("--driver", choices=["psycopg2", "psycopg"], default=defaults.driver)
     parser.add_argument("--out", type=Path, default=None, help="append the report here")
     args = parser.parse_args(argv)
     options = Options(
@@ -594,6 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         ready_port=args.ready_port,
         config=args.config,
         work=args.work,
+        driver=args.driver,
     )
     report = run(options)
     print(report)

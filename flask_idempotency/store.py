@@ -258,6 +258,64 @@ def _pipeline_supported(dialect: t.Any) -> bool:
     return bool(supported)
 
 
+def _client_batched(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+) -> dict[str, t.Any] | None:
+    """Run ``statements`` on psycopg 3 as one batch, as psycopg2 does: parameters
+    bound on the client, every statement in one simple query, one round trip;
+    the last one's first row as a dict (``None`` when it has none).
+
+    Where the claim bounds its transaction's idle time: PostgreSQL arms
+    ``idle_in_transaction_session_timeout`` when it sends ReadyForQuery, and
+    psycopg's pipeline mode follows its Sync with a Flush, whose arrival
+    disarms the timer until the next statement's ReadyForQuery. A host cut off
+    right after a pipelined claim sends no next statement: its claim would be
+    held for as long as TCP keeps the session. A simple query ends with
+    ReadyForQuery, so the timer runs. Errors are raised as :func:`_pipelined`
+    raises them.
+    """
+    dialect = connection.dialect
+    dbapi = dialect.loaded_dbapi
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    try:
+        with dbapi.ClientCursor(raw) as cursor:
+            cursor.execute(";\n".join(statements), params)
+            while cursor.nextset():  # the read is the last statement
+                pass
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            return {
+                column.name: value for column, value in zip(cursor.description, row, strict=True)
+            }
+    except dbapi.Error as exc:
+        raise _as_sqlalchemy_error(connection, statements, params, exc) from exc
+
+
+def _as_sqlalchemy_error(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any], exc: t.Any
+) -> sa_exc.DBAPIError:
+    """The driver's error as SQLAlchemy would raise it: a ``DBAPIError`` wrapping it,
+    the connection invalidated when the driver says it is gone."""
+    dialect = connection.dialect
+    gone = dialect.is_disconnect(exc, connection.connection.driver_connection, None)
+    if gone:
+        connection.invalidate(exc)
+    return t.cast(
+        sa_exc.DBAPIError,
+        sa_exc.DBAPIError.instance(
+            ";\n".join(statements),
+            params,
+            exc,
+            dialect.loaded_dbapi.Error,
+            hide_parameters=connection.engine.hide_parameters,
+            connection_invalidated=gone,
+            dialect=dialect,
+        ),
+    )
+
+
 def _pipelined(
     connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> dict[str, t.Any] | None:
@@ -292,18 +350,7 @@ def _pipelined(
             for cursor in cursors:
                 cursor.close()
     except dbapi.Error as exc:
-        gone = dialect.is_disconnect(exc, raw, None)
-        if gone:
-            connection.invalidate(exc)
-        raise sa_exc.DBAPIError.instance(
-            ";\n".join(statements),
-            params,
-            exc,
-            dbapi.Error,
-            hide_parameters=connection.engine.hide_parameters,
-            connection_invalidated=gone,
-            dialect=dialect,
-        ) from exc
+        raise _as_sqlalchemy_error(connection, statements, params, exc) from exc
 
 
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
@@ -624,8 +671,9 @@ class Store:
         On psycopg2 and psycopg 3 this is one round trip: setting the bound, the
         insert, restoring the bound and reading the record travel together, as
         one batch of statements on psycopg2 and in pipeline mode on psycopg 3
-        (PostgreSQL runs them in order, in the transaction). Elsewhere it is the
-        same statements one by one.
+        (PostgreSQL runs them in order, in the transaction); with
+        :attr:`claim_idle`, as one batch on psycopg 3 too (:func:`_client_batched`
+        says why). Elsewhere it is the same statements one by one.
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
@@ -653,6 +701,8 @@ class Store:
             if driver == "psycopg2":
                 row = connection.exec_driver_sql(";\n".join(statements), params).first()
                 found = dict(row._mapping) if row is not None else None
+            elif idle is not None:
+                found = _client_batched(connection, statements, params)  # why: see there
             else:
                 found = _pipelined(connection, statements, params)
         except sa_exc.DBAPIError as exc:
