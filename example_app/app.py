@@ -129,9 +129,17 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
                 "keepalives_idle": 1,  # after 1 s of silence,
                 "keepalives_interval": 1,  # then every 1 s;
                 "keepalives_count": 2,  # dead when unanswered (tcp_user_timeout caps it)
-                # Above IDEMPOTENCY_WAIT (10 s), so a duplicate waiting for the
-                # first request still gets its 409 or replay, not a cancel.
-                "options": f"{options} -c statement_timeout=15000".strip(),
+                # statement_timeout: above IDEMPOTENCY_WAIT (10 s), so a duplicate
+                # waiting for the first request still gets its 409 or replay, not a
+                # cancel. The tcp_ settings are the server's side of the
+                # connection: it drops a session whose host went silent (cut off,
+                # powered off) within about 5 s, and with it whatever that
+                # session held; a live host's kernel answers the probes.
+                "options": (
+                    f"{options} -c statement_timeout=15000 -c tcp_keepalives_idle=2"
+                    " -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3"
+                    " -c tcp_user_timeout=5000"
+                ).strip(),
             },
         }
     if backend in ("mysql", "mariadb"):  # PyMySQL parameters
