@@ -70,9 +70,9 @@ def create_app(url: str, engine_options: dict[str, t.Any] | None = None) -> Flas
     idem.init_app(app, db)
     app.add_url_rule("/readyz", view_func=idem.readiness_view)
 
-    # POST and PATCH are protected; GET runs as a request without a key, still
+    # Every unsafe method is protected; GET runs as a request without a key, still
     # under the decorator (a write there meets the read-only database too).
-    @app.route("/pay", methods=["GET", "POST", "PATCH"])
+    @app.route("/pay", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     @idem.idempotent()
     def pay() -> tuple[dict[str, t.Any], int]:
         return _write(idem.key)
@@ -157,6 +157,8 @@ def assert_every_route_refused(app: Flask, url: str, before: tuple[int, int]) ->
     for path, method, key in [
         ("/pay", "POST", str(uuid.uuid4())),
         ("/pay", "PATCH", str(uuid.uuid4())),
+        ("/pay", "PUT", str(uuid.uuid4())),
+        ("/pay", "DELETE", str(uuid.uuid4())),
         ("/pay", "POST", None),  # a request without a key
         ("/pay", "GET", None),
         ("/leased", "POST", str(uuid.uuid4())),  # the claim commits first: refused there
