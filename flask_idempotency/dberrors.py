@@ -266,6 +266,19 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
     return None
 
 
+def describe(exc: BaseException) -> str | None:
+    """One log line's worth for a database failure a retry can outlive: ``"database
+    read-only (why): <summary>"``, ``"database unavailable: <summary>"`` or
+    ``"database conflict: <summary>"``; ``None`` for any other error (a bug,
+    whose traceback matters)."""
+    failure = classify(exc)
+    if failure is None:
+        return None
+    reason = read_only_reason(exc)
+    kind = f"read-only ({reason})" if reason is not None else failure.value
+    return f"database {kind}: {summary(exc)}"
+
+
 def summary(exc: BaseException) -> str:
     """``DriverClass [code]: first line of the driver's message``, for one log line.
 

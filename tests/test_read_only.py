@@ -355,3 +355,36 @@ def test_write_check_passes_sql_safe_updates() -> None:
     finally:
         dispose(app)
         create_tables(url)
+
+
+# -- the jobs on a read-only database ---------------------------------------------------------
+
+
+def test_jobs_on_a_read_only_database_say_so_in_one_line(
+    read_only_target: Target, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scheduler on a read-only database (a standby after a failover) skips each
+    tick with one warning saying read-only and why, instead of a traceback per
+    tick (the job lock is a write), and runs again once writes return."""
+    import logging
+
+    from flask_idempotency.jobs import purge_expired
+    from flask_idempotency.scheduler import JobScheduler
+
+    writable_url, read_only_url, options = read_only_target
+    app = create_app(read_only_url, options)
+    writable = create_app(writable_url)
+    create_tables(writable_url)  # after init_app: it adds the job lock table
+    try:
+        scheduler = JobScheduler(app)
+        with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
+            ran = scheduler.run_job("cleanup", lambda a, keep_going: purge_expired(a))
+        assert ran is False
+        mine = [r for r in caplog.records if r.name == "flask_idempotency"]
+        assert [r.levelno for r in mine] == [logging.WARNING]
+        assert "job cleanup not run: database read-only" in mine[0].getMessage()
+        assert mine[0].exc_info is None
+        assert JobScheduler(writable).run_job("cleanup", lambda a, k: purge_expired(a)) is True
+    finally:
+        dispose(app)
+        dispose(writable)
