@@ -182,15 +182,13 @@ class Gunicorn:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        # Every worker up (each binds the readiness port once its app is loaded:
+        # a worker still booting when the database is cut would fail to boot,
+        # and gunicorn would stop), and ready.
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if _get(self.ready_port, timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
+        while _listeners(ready_port) < workers or _ready_status(ready_port) != 200:
             assert self.proc.poll() is None, "gunicorn exited"
-            assert time.monotonic() < deadline, "gunicorn's readiness port never answered"
+            assert time.monotonic() < deadline, "gunicorn's workers never all answered readiness"
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -201,6 +199,21 @@ class Gunicorn:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _listeners(port: int) -> int:
+    """Sockets listening on 127.0.0.1:``port`` (one per worker, with SO_REUSEPORT)."""
+    local = f"0100007F:{port:04X}"
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if row[1] == local and row[3] == "0A")
+
+
+def _ready_status(port: int) -> int | None:
+    try:
+        return int(_get(port, timeout=5)[0])
+    except OSError:
+        return None
 
 
 def _charge(port: int, results: list[t.Any]) -> None:
