@@ -126,7 +126,8 @@ class KillingPublisher:
 
 def broker_from_env() -> Flask:
     """The relay's app publishing to a real broker (kombu): OUTBOX_BROKER_URL,
-    OUTBOX_EXCHANGE, and OUTBOX_QUEUE declared and bound on connect."""
+    OUTBOX_EXCHANGE, and OUTBOX_QUEUE declared and bound on connect; extra
+    config (JSON) from ``OUTBOX_TEST_CONFIG``."""
     from flask_idempotency.publishers import KombuPublisher
 
     publisher = KombuPublisher(
@@ -135,7 +136,9 @@ def broker_from_env() -> Flask:
         queues=[os.environ["OUTBOX_QUEUE"]],
     )
     return create_app(
-        os.environ["OUTBOX_TEST_DB"], IDEMPOTENCY_PUBLISHER=KillingPublisher(publisher)
+        os.environ["OUTBOX_TEST_DB"],
+        IDEMPOTENCY_PUBLISHER=KillingPublisher(publisher),
+        **json.loads(os.environ.get("OUTBOX_TEST_CONFIG", "{}")),
     )
 
 
