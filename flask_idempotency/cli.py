@@ -304,7 +304,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     process commits an event; on PostgreSQL it also LISTENs on the
     ``idempotency_outbox`` channel. IDEMPOTENCY_RELAY_WAKE = False: polling only.
     """
-    from .relay import Listener, relay_batch, relisten_delay
+    from .relay import Listener, RelistenBackoff, relay_batch
 
     wake = _state().settings.relay_wake
     app = resolve_app()
@@ -329,7 +329,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     how += "" if wake else " only (IDEMPOTENCY_RELAY_WAKE is off)"
     click.echo(f"outbox relay running ({how}); SIGTERM or Ctrl-C stops it")
     sys.stdout.flush()
-    failures = 0  # failed waits in a row
+    relisten = RelistenBackoff()
     try:
         while not stop.is_set():
             try:
@@ -340,18 +340,16 @@ def relay(once: bool, batch: int, poll: float) -> None:
             if not more and not stop.is_set():
                 try:
                     listener.wait(poll)
-                    failures = 0
                 except Exception:
                     # The LISTEN connection broke (a restart, a failover, an idle
                     # killer): listen again on a new one, after a pause that
                     # grows while it keeps failing (not a loop of connects).
-                    failures += 1
                     logging.getLogger("flask_idempotency").warning(
                         "outbox relay: the LISTEN connection failed; listening again",
                         exc_info=True,
                     )
                     listener.close()
-                    stop.wait(max(poll, relisten_delay(failures)))
+                    stop.wait(max(poll, relisten.delay(listener)))
                     listener = Listener(app, wake=wake)
     finally:
         listener.close()

@@ -307,7 +307,18 @@ class _Batch:
         )
 
     def _take(self, batch: int) -> tuple[dt.datetime, list[OutboxEvent]]:
-        """Lease up to ``batch`` pending rows, in a transaction of their own."""
+        """Lease up to ``batch`` pending rows, in a transaction of their own.
+
+        Run once more on a new connection when the pooled one turns out closed
+        by the server (an idle timeout between runs, a restart)."""
+        try:
+            return self._take_once(batch)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        return self._take_once(batch)
+
+    def _take_once(self, batch: int) -> tuple[dt.datetime, list[OutboxEvent]]:
         now = self.clock()
         leased_until = now + self.lease
         query = self._pending(now).limit(batch)
@@ -516,13 +527,27 @@ def outbox_stats(app: Flask) -> dict[str, t.Any]:
         }
 
 
-def relisten_delay(failures: int) -> float:
-    """Seconds to wait before listening again after ``failures`` failed waits in
-    a row (1, 2, ...): 0.25 s, doubling, at most 5 s. A LISTEN connection that
-    fails at once every time (a proxy that drops it, a server that ends it) then
-    costs a few connections a minute instead of a connection per few
-    milliseconds."""
-    return float(min(5.0, 0.25 * 2 ** min(max(0, failures - 1), 8)))
+class RelistenBackoff:
+    """How long to wait before listening again after a :meth:`Listener.wait`
+    failed: 0.25 s, doubling up to 5 s while each new LISTEN connection fails
+    within :attr:`STEADY` seconds of being opened, and 0.25 s again after one
+    that lasted longer. A LISTEN connection that fails at once every time (a
+    proxy or a server that ends it, a driver that cannot wait on it) then costs
+    a few connections a minute instead of one every few milliseconds."""
+
+    FIRST = 0.25
+    MOST = 5.0
+    STEADY = 10.0
+
+    def __init__(self) -> None:
+        self._failures = 0
+
+    def delay(self, failed: Listener) -> float:
+        """Seconds to wait before replacing ``failed``, whose wait just raised."""
+        if failed.age > self.STEADY:
+            self._failures = 0
+        self._failures += 1
+        return float(min(self.MOST, self.FIRST * 2 ** min(self._failures - 1, 8)))
 
 
 class Listener:
@@ -549,6 +574,7 @@ class Listener:
         self._conn: t.Any = None
         self._conn_fd = -1
         self._driver = ""
+        self._born = time.monotonic()
         if not wake:
             return
         on_commit(self.interrupt)
@@ -572,19 +598,24 @@ class Listener:
                 logger.warning("outbox relay: LISTEN failed; polling only", exc_info=True)
                 if raw is not None:
                     with contextlib.suppress(Exception):
-                        raw.close()
+                        raw.driver_connection.close()
 
     @property
     def listening(self) -> bool:
         """Whether it LISTENs on PostgreSQL (commits in other processes wake it)."""
         return self._conn is not None
 
+    @property
+    def age(self) -> float:
+        """Seconds since it was made."""
+        return time.monotonic() - self._born
+
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (``None``: until woken); ``True`` when
         woken by a notification, a commit here or :meth:`interrupt`.
 
         Raises when the LISTEN connection fails (the caller may make a new
-        Listener, after :func:`relisten_delay`)."""
+        Listener, after :meth:`RelistenBackoff.delay`)."""
         woken = False
         for key, _ in self._selector.select(timeout):
             woken = True
@@ -623,9 +654,12 @@ class Listener:
         remove_on_commit(self.interrupt)
         with contextlib.suppress(Exception):
             self._selector.close()
-        if self._raw is not None:
+        if self._conn is not None:
+            # The driver's connection itself: it is detached, and closing the
+            # pool's proxy would first try a rollback on a connection that may
+            # be broken, logged as an error.
             with contextlib.suppress(Exception):
-                self._raw.close()
+                self._conn.close()
         self._raw = self._conn = None
         self._conn_fd = -1
         if self._read >= 0:

@@ -41,7 +41,7 @@ from flask import Flask
 from . import signals
 from .jobs import KeepGoing, purge_expired, recover_abandoned
 from .locks import JobLocks, new_holder_id
-from .relay import Listener, relisten_delay
+from .relay import Listener, RelistenBackoff
 from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -205,7 +205,7 @@ class RelayWaker:
     which makes its run go round again: every scheduler retrying would turn
     each commit into one run per process.) A LISTEN connection that breaks (a database
     restart) is opened again after a pause that grows with each failure in a
-    row (:func:`~flask_idempotency.relay.relisten_delay`, 0.25 s to 5 s), and
+    row (:class:`~flask_idempotency.relay.RelistenBackoff`, 0.25 s to 5 s), and
     one that could not be opened every :attr:`RELISTEN` seconds until it works;
     meanwhile the in-process wake-ups and the poll go on.
     """
@@ -232,7 +232,7 @@ class RelayWaker:
 
     def _run(self) -> None:
         pending = False
-        failures = 0  # failed waits in a row
+        backoff = RelistenBackoff()
         try:
             while not self._stop.is_set():
                 relisten = self._wants_listen and not self.listener.listening
@@ -240,17 +240,15 @@ class RelayWaker:
                 try:
                     woken = self.listener.wait(timeout)
                 except Exception:
-                    failures += 1
                     logger.warning("outbox relay wake-ups: LISTEN connection lost", exc_info=True)
                     # Back off before the next connection: a wait that fails at
                     # once every time must not become a loop of connects.
                     self.listener.close()
-                    if self._stop.wait(relisten_delay(failures)):
+                    if self._stop.wait(backoff.delay(self.listener)):
                         break
                     self.listener = Listener(self.jobs.app)  # without LISTEN if it fails
                     pending = True  # a notification may have been lost with it
                     continue
-                failures = 0
                 if self._stop.is_set():
                     break
                 if relisten and not woken:
