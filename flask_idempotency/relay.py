@@ -12,9 +12,10 @@ broker is talked to:
    write lock (SQLite has one writer), so a second relay waits for the first's
    take and then sees its rows leased;
 2. publish each event through the publisher, outside any transaction, and mark
-   it as its publish returns (for a broker: as its confirm arrives), each mark
-   a short transaction of its own: ``published_at``; for a failed publish
-   ``attempts + 1``, ``last_error`` and an exponential backoff
+   what it published (for a broker: what it confirmed) in short transactions of
+   their own, every :data:`MARK_EVERY` (50 ms) of publishing and at the batch's
+   end: ``published_at``; a failed publish
+   at once: ``attempts + 1``, ``last_error`` and an exponential backoff
    (``next_attempt_at``), parked (``failed_at``) at
    ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``;
 3. give back what it did not try (``next_attempt_at`` cleared: due at once)
@@ -36,12 +37,14 @@ connection closed by the server is run once more on a new one.
 
 Delivery is at least once. A relay that dies, or loses its database, after the
 broker took an event and before the event's mark committed leaves the row
-leased and unpublished; once the lease runs out, the next run publishes it
-again. No order of "publish" and "mark" avoids that without a transaction
-spanning the broker and the database; consumers deduplicate on ``event_id``.
+leased and unpublished (at most those published in its last 50 ms of
+publishing, and the one in flight); once the lease runs out, the next run
+publishes it again. No order of "publish" and "mark" avoids that without a
+transaction spanning the broker and the database; consumers deduplicate on
+``event_id``.
 A relay interrupted by any exception, ``KeyboardInterrupt`` and ``SystemExit``
-included, gives back the rows it had not marked before re-raising, when the
-database lets it. Each mark is fenced by the lease: a relay whose lease ran out
+included, marks what it published and gives back the rest before re-raising,
+when the database lets it. Each mark is fenced by the lease: a relay whose lease ran out
 (a publish that outlasted it) never backs off or gives back a row that another
 relay took since; its "published" mark always stands.
 
@@ -214,6 +217,13 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
 
 _R = t.TypeVar("_R")
 
+#: Seconds of publishing after which the events published since the last mark
+#: are marked (in one short transaction: a commit per event would cost the
+#: relay most of its throughput). A publish that stalls holds back the marks of
+#: the events published in the 50 ms before it; a relay that dies leaves them
+#: to be sent again once its lease has run out.
+MARK_EVERY = 0.05
+
 #: Seconds on a clock that only goes forward: how long a batch has been publishing.
 #: (A test may replace it; the lease itself is in the app's clock.)
 _elapsed_clock: t.Callable[[], float] = time.monotonic
@@ -255,44 +265,63 @@ class _Batch:
         # Half the lease, on this process's own clock: the rest of the lease is
         # the margin for the publish under way when it runs out.
         stop_at = _elapsed_clock() + self.lease.total_seconds() / 2
-        done = 0  # events[:done] are marked (or given back) already
+        unmarked: list[OutboxEvent] = []  # published, their mark not yet written
+        since = 0.0  # when the oldest of them was published
+        tried = 0  # events[:tried] were published, failed, or given back
+        finished = False
         try:
             for ev in events:
                 if _elapsed_clock() >= stop_at:
-                    outcome.released = len(events) - done
+                    outcome.released = len(events) - tried
                     break
                 try:
                     publisher.publish(ev)
                 except BrokerUnavailable as exc:
                     logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    tried += 1
                     self._write(self._give_back, [ev.id], leased_until, _error_text(exc))
-                    done += 1
                     outcome.unavailable = True
                     break
                 except Exception as exc:
                     logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    tried += 1
                     error = _error_text(exc)
                     if self._write(self._fail, ev, leased_until, error):
                         outcome.parked.append((ev, error))
                     outcome.failed += 1
                 else:
-                    self._write(self._published, ev)
-                    outcome.published.append(ev)
-                done += 1
-            if done < len(events):
-                self._write(self._give_back, [ev.id for ev in events[done:]], leased_until, None)
-                done = len(events)
+                    tried += 1
+                    if not unmarked:
+                        since = _elapsed_clock()
+                    unmarked.append(ev)
+                    if _elapsed_clock() - since >= MARK_EVERY:
+                        self._flush(unmarked, outcome)
+            self._flush(unmarked, outcome)
+            if tried < len(events):
+                rest = [ev.id for ev in events[tried:]]
+                self._write(self._give_back, rest, leased_until, None)
+            finished = True
         finally:
-            if done < len(events):
+            if not finished:
                 # Interrupted (any exception, KeyboardInterrupt, SystemExit, a
-                # failed mark): what is not marked is due again at once rather
-                # than at the end of the lease, if the database still answers.
-                # The event being published then may have reached the broker:
-                # it is sent again (at least once).
+                # failed mark): mark what the broker took, and make the rest due
+                # again at once rather than at the end of the lease, if the
+                # database still answers. The event being published then may
+                # have reached the broker: it is sent again (at least once).
                 with contextlib.suppress(Exception):
-                    rest = [ev.id for ev in events[done:]]
-                    self._write(self._give_back, rest, leased_until, None)
+                    self._flush(unmarked, outcome)
+                with contextlib.suppress(Exception):
+                    rest = [ev.id for ev in events[tried:]]
+                    if rest:
+                        self._write(self._give_back, rest, leased_until, None)
         return outcome
+
+    def _flush(self, unmarked: list[OutboxEvent], outcome: _Outcome) -> None:
+        """Mark ``unmarked`` published (one short transaction), and empty it."""
+        if unmarked:
+            self._write(self._published, [ev.id for ev in unmarked])
+            outcome.published.extend(unmarked)
+            unmarked.clear()
 
     def _pending(self, now: dt.datetime) -> sa.Select[t.Any]:
         c = self.table.c
@@ -371,12 +400,12 @@ class _Batch:
         c = self.table.c
         return sa.and_(c.id.in_(ids), c.published_at.is_(None), c.next_attempt_at == leased_until)
 
-    def _published(self, conn: sa.Connection, ev: OutboxEvent) -> None:
-        # Not fenced by the lease: the broker has it, whoever holds the row now.
+    def _published(self, conn: sa.Connection, ids: list[int]) -> None:
+        # Not fenced by the lease: the broker has them, whoever holds the rows now.
         c = self.table.c
         conn.execute(
             sa.update(self.table)
-            .where(c.id == ev.id, c.published_at.is_(None))
+            .where(c.id.in_(ids), c.published_at.is_(None))
             .values(published_at=self.clock())
         )
 
