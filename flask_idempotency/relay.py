@@ -152,7 +152,7 @@ class RelayRun:
     batch: int  #: the most rows the batch could take
     taken: int  #: pending rows it took (leased, tried or not)
     published: int  #: events published and marked
-    failed: int  #: publishes that failed (backed off, or parked)
+    failed: int  #: publishes that failed for the event (backed off, or parked; not an outage)
     broker_unavailable: bool  #: it ended early on :class:`BrokerUnavailable`
     #: rows it gave back untried because half its lease had passed
     released: int = 0
