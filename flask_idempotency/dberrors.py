@@ -126,8 +126,17 @@ def classify(exc: BaseException) -> Failure | None:
     return _classify_driver_error(exc)
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE of an error (SQLAlchemy's wrapper or the driver's
+    own), or ``None``: psycopg2 names it ``pgcode``, psycopg 3 ``sqlstate``."""
+    orig = getattr(exc, "orig", None)
+    if not isinstance(orig, BaseException):
+        orig = exc
+    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
 def _classify_driver_error(orig: BaseException) -> Failure | None:
-    pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    pgcode = sqlstate(orig)
     module = type(orig).__module__.split(".")[0]
     if module in ("psycopg2", "psycopg", "asyncpg", "pg8000"):
         if pgcode is None:
