@@ -6,7 +6,10 @@ broker is talked to:
 1. take: in one short transaction, select the pending rows (unpublished, not
    parked, due) ``ORDER BY id LIMIT batch`` and lease them: ``next_attempt_at``
    is set to now + ``IDEMPOTENCY_OUTBOX_LEASE``, so they are not due for anyone
-   else, and the transaction commits. On PostgreSQL and MySQL/MariaDB the
+   else, and the transaction commits. "Now", for leases and backoffs, is the
+   database's clock (:func:`~flask_idempotency.store.database_now`), the one
+   every relay on every host compares with, unless the app was given a clock
+   of its own (``Idempotency(clock=...)``, as tests do). On PostgreSQL and MySQL/MariaDB the
    select is ``FOR UPDATE SKIP LOCKED``, so relays taking at once take disjoint
    rows without waiting; on SQLite the transaction first takes the database's
    write lock (SQLite has one writer), so a second relay waits for the first's
@@ -77,6 +80,7 @@ from . import signals
 from .models import MYSQL_DIALECTS, as_utc, outbox_table
 from .outbox import CHANNEL, OutboxEvent, on_commit, remove_on_commit
 from .state import app_state
+from .store import database_now
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -194,6 +198,7 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
             state.clock,
             settings.outbox_lease,
             settings.outbox_max_attempts,
+            database_clock=not state.custom_clock,
         ).run(publisher, batch)
     for ev in run.published:
         signals.event_published.send(app, event=ev)
@@ -225,7 +230,7 @@ _R = t.TypeVar("_R")
 MARK_EVERY = 0.05
 
 #: Seconds on a clock that only goes forward: how long a batch has been publishing.
-#: (A test may replace it; the lease itself is in the app's clock.)
+#: (A test may replace it; the lease itself is on the database's clock.)
 _elapsed_clock: t.Callable[[], float] = time.monotonic
 
 
@@ -253,8 +258,11 @@ class _Batch:
         clock: t.Callable[[], dt.datetime],
         lease: dt.timedelta,
         max_attempts: int,
+        *,
+        database_clock: bool,
     ) -> None:
         self.engine, self.table, self.clock = engine, table, clock
+        self.database_clock = database_clock
         self.lease, self.max_attempts = lease, max_attempts
         self.dialect = engine.dialect.name
 
@@ -323,6 +331,12 @@ class _Batch:
             outcome.published.extend(unmarked)
             unmarked.clear()
 
+    def _now(self, conn: sa.Connection) -> dt.datetime:
+        """The time leases and backoffs are set and compared in: the database's
+        clock, which every relay on every host reads (an app given its own
+        clock, as tests do, uses that one)."""
+        return database_now(conn) if self.database_clock else self.clock()
+
     def _pending(self, now: dt.datetime) -> sa.Select[t.Any]:
         c = self.table.c
         return (
@@ -348,9 +362,6 @@ class _Batch:
         return self._take_once(batch)
 
     def _take_once(self, batch: int) -> tuple[dt.datetime, list[OutboxEvent]]:
-        now = self.clock()
-        leased_until = now + self.lease
-        query = self._pending(now).limit(batch)
         with self.engine.connect() as conn:
             if self.dialect in MYSQL_DIALECTS:
                 # InnoDB's REPEATABLE READ would take next-key (gap) locks over
@@ -368,7 +379,10 @@ class _Batch:
                         .where(sa.false())
                         .values(attempts=self.table.c.attempts)
                     )
-                else:
+                now = self._now(conn)
+                leased_until = now + self.lease
+                query = self._pending(now).limit(batch)
+                if self.dialect != "sqlite":
                     query = query.with_for_update(skip_locked=True)
                 events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
                 if events:
@@ -413,7 +427,7 @@ class _Batch:
         self, conn: sa.Connection, ev: OutboxEvent, leased_until: dt.datetime, error: str
     ) -> bool:
         """Back the event off, or park it; whether it was parked here."""
-        now = self.clock()
+        now = self._now(conn)
         attempts = ev.attempts + 1
         values: dict[str, t.Any] = {
             "attempts": attempts,
