@@ -306,11 +306,17 @@ def _outbox() -> sa.Table:
 
 def _publisher(app: Flask) -> Publisher:
     """The app's ``IDEMPOTENCY_PUBLISHER``, or exit 78 saying what is wrong with it."""
-    from .relay import app_publisher
+    from .relay import BrokerUnavailable, app_publisher
 
     try:
         publisher = app_publisher(app)
-    except Exception as exc:  # an import, an attribute, the factory: all configuration
+    except (BrokerUnavailable, OSError) as exc:  # a factory that connects, to no broker
+        logger.debug("IDEMPOTENCY_PUBLISHER", exc_info=exc)
+        raise BrokerUnavailableExit(
+            f"the broker is unavailable: making IDEMPOTENCY_PUBLISHER failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    except Exception as exc:  # an import, an attribute, the factory's arguments
         logger.debug("IDEMPOTENCY_PUBLISHER", exc_info=exc)
         raise Misconfigured(
             f"IDEMPOTENCY_PUBLISHER is unusable: {type(exc).__name__}: {exc}"
@@ -786,8 +792,9 @@ def relay(once: bool, batch: int, poll: float) -> None:
                 run = relay_batch(app, batch=batch)
             except sa.exc.SQLAlchemyError as exc:
                 trouble.problem("outbox relay", _database_problem(exc))
-            except Exception:
-                logger.exception("outbox relay run failed")
+            except Exception as exc:  # the publisher or a bug: said once, not every poll
+                logger.debug("outbox relay run failed", exc_info=exc)
+                trouble.problem("outbox relay", f"the run failed: {type(exc).__name__}: {exc}")
             else:
                 more = run.more
                 trouble.fine("outbox relay")

@@ -232,6 +232,21 @@ def test_relay_once_with_the_broker_down_exits_75_and_the_events_stay_pending(
     assert [r["attempts"] for r in events] == [1, 0, 0]  # one try per run, not one per event
 
 
+def refused_broker() -> t.Any:
+    """A publisher factory that connects when called, to a broker that refuses."""
+    socket.create_connection(("127.0.0.1", closed_port()), timeout=3)
+
+
+@pytest.mark.parametrize("command", ["relay --once", "scheduler"])
+def test_a_publisher_that_cannot_be_made_without_the_broker_exits_75(
+    make_app: t.Callable[..., Flask], command: str
+) -> None:
+    app = make_app(IDEMPOTENCY_PUBLISHER="tests.test_cli_ops:refused_broker")
+    assert_one_line_error(
+        invoke(app, *COMMANDS[command]), EXIT_BROKER, "broker is unavailable", "refused"
+    )
+
+
 def test_relay_once_with_a_refused_event_exits_1_and_publishes_the_rest(
     make_app: t.Callable[..., Flask], database_url: str
 ) -> None:
