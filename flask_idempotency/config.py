@@ -8,17 +8,24 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
 
 ``IDEMPOTENCY_HEADER`` (default: ``"Idempotency-Key"``)
     request header that carries the key
-``IDEMPOTENCY_METHODS`` (default: ``("POST", "PATCH")``)
-    the methods a decorated view protects; any other method runs as a request without a
-    key (GET, HEAD, OPTIONS, TRACE may not be listed)
+``IDEMPOTENCY_METHODS`` (default: ``None``)
+    the methods a decorated view protects; ``None``: every method it serves but the safe
+    ones (GET, HEAD, OPTIONS, TRACE), so POST, PUT, PATCH, DELETE and any other; a
+    collection: only those (the safe ones may not be listed). A safe method always runs
+    as a request without a key. A decorated view that serves an unsafe method this
+    setting leaves out is refused at the app's first request, with the fix in the
+    message; a route's own ``methods=`` is a choice made for that view, and is followed
 ``IDEMPOTENCY_REQUIRED`` (default: ``False``)
     a protected route without a key answers 400 (otherwise the request runs unprotected)
 ``IDEMPOTENCY_SKIP`` (default: ``None``)
     callable returning ``True`` for a request that runs unprotected, as without a key
 ``IDEMPOTENCY_KEY_FORMAT`` (default: ``None``)
     what a key must look like, else 400 ``invalid-key``: ``None`` any printable ASCII;
-    ``"uuid"`` a canonical UUID (either case, with hyphens); or a regular expression
-    (str or compiled) the whole key must match
+    ``"uuid"`` a canonical UUID of any version (either case, with hyphens); ``"uuid4"``
+    or ``"uuid7"`` one of that version (RFC 9562 variant); or a regular expression the
+    whole key must match: a compiled ``re.Pattern``, or a string with at least one
+    character that is not a letter, digit, ``-`` or ``_`` (a string of those alone is
+    taken for a format name, and refused at start-up when it names none)
 ``IDEMPOTENCY_KEY_MAX_LENGTH`` (default: 255)
     longest key accepted, 1 to 255 (the key column's size), checked before the format
 ``IDEMPOTENCY_TTL`` (default: 24 hours)
@@ -39,9 +46,12 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     every header but the never-replayed ones
 ``IDEMPOTENCY_STORED_STATUSES`` (default: ``None``)
     the statuses stored and replayed; ``None``: 2xx, 3xx and deterministic 4xx (not 408,
-    409, 423, 425, 429); a collection of codes (200-499) to store only those; any other
-    answer is rolled back and not stored (unless the view committed work of its own:
-    then any answer is recorded, since the operation happened)
+    409, 423, 425, 429); a collection of codes (200-499) to store only those. An answer
+    not stored leaves no record, so a retry with the same key runs the view again; what
+    the view wrote is committed with a success or redirect (2xx, 3xx: a success is never
+    answered for work that was rolled back), and rolled back with any other answer. A
+    view that committed work of its own has any answer recorded, since the operation
+    happened
 ``IDEMPOTENCY_SCOPE`` (default: ``None``)
     callable returning the scope string; ``None`` means the endpoint plus the caller's
     identity (Flask-Login user, Basic user, bearer token digest, session cookie digest):
@@ -98,7 +108,7 @@ PREFIX = "IDEMPOTENCY_"
 
 DEFAULTS: dict[str, t.Any] = {
     "HEADER": "Idempotency-Key",
-    "METHODS": ("POST", "PATCH"),
+    "METHODS": None,
     "REQUIRED": False,
     "SKIP": None,
     "KEY_FORMAT": None,
@@ -163,8 +173,10 @@ def check_retention(ttl: timedelta, lease: timedelta, where: str) -> None:
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
-def resolve_methods(value: t.Any, name: str) -> frozenset[str]:
-    """Upper-case method names; safe methods refused."""
+def resolve_methods(value: t.Any, name: str) -> frozenset[str] | None:
+    """Upper-case method names; safe methods refused. ``None``: every unsafe method."""
+    if value is None:
+        return None
     if isinstance(value, str) or not isinstance(value, t.Iterable):
         raise TypeError(f"{name} must be a collection of HTTP method names, not {value!r}")
     methods = frozenset(str(m).upper() for m in value)
@@ -259,7 +271,8 @@ class Settings:
     max_body: int
     replay_headers: tuple[str, ...] | t.Literal["*"]
     scope: ScopeFunc | None
-    methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    #: ``None``: every method but :data:`SAFE_METHODS`.
+    methods: frozenset[str] | None = None
     skip: t.Callable[[], bool] | None = None
     stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
@@ -340,8 +353,21 @@ class Settings:
         names = {h.lower() for h in (*ALWAYS_REPLAYED, *self.replay_headers)}
         return frozenset(names - NEVER_REPLAYED)
 
+    def protects(self, method: str) -> bool:
+        """Whether a decorated view protects a request with ``method``."""
+        if self.methods is None:
+            return method not in SAFE_METHODS
+        return method in self.methods
+
     def storable(self, status: int) -> bool:
         """Whether an answer with ``status`` is stored (and its writes committed)."""
         if self.stored_statuses is not None:
             return status in self.stored_statuses
         return is_storable(status)
+
+    def commits(self, status: int) -> bool:
+        """Whether the view's writes commit with an answer of ``status``: when it is
+        stored, and for any success or redirect (2xx, 3xx), so that an answer left
+        out of ``IDEMPOTENCY_STORED_STATUSES`` is never a success whose work was
+        rolled back. A 4xx or 5xx not stored rolls back."""
+        return self.storable(status) or 200 <= status < 400

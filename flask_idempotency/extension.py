@@ -150,6 +150,7 @@ class Idempotency:
             clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),
             in_process=InProcessScheduler(),
+            custom_clock=(clock or self._clock) is not None,
         )
         for route in self._routes:
             state.route_settings[route] = route.settings_for(settings)
@@ -158,6 +159,7 @@ class Idempotency:
         outbox.listen(db.session.session_factory)
         app.extensions[EXTENSION_KEY] = state
         self._states.add(state)
+        app.before_request(_RouteCheck(app))
         app.teardown_request(_end_request)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:
@@ -165,8 +167,14 @@ class Idempotency:
             # in the reloader's watcher, once per worker after a fork.
             app.before_request(lambda: state.in_process.ensure_started(app))
 
+    @t.overload
+    def idempotent(self, view: F, /) -> F: ...
+
+    @t.overload
     def idempotent(
         self,
+        view: None = None,
+        /,
         *,
         schema: SchemaArg = None,
         exclude: t.Sequence[str] = (),
@@ -184,8 +192,34 @@ class Idempotency:
         manual: bool = False,
         wait: dt.timedelta | float | _Unset | None = _UNSET,
         optimistic: bool = False,
-    ) -> t.Callable[[F], F]:
+    ) -> t.Callable[[F], F]: ...
+
+    def idempotent(
+        self,
+        view: F | None = None,
+        /,
+        *,
+        schema: SchemaArg = None,
+        exclude: t.Sequence[str] = (),
+        required: bool | None = None,
+        ttl: dt.timedelta | float | None = None,
+        scope: t.Callable[[], str] | None = None,
+        lease: LeaseArg = None,
+        recover: bool = False,
+        key_format: str | re.Pattern[str] | None = None,
+        key_max_length: int | None = None,
+        methods: t.Iterable[str] | None = None,
+        stored_statuses: t.Iterable[int] | None = None,
+        skip: t.Callable[[], bool] | None = None,
+        replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
+        manual: bool = False,
+        wait: dt.timedelta | float | _Unset | None = _UNSET,
+        optimistic: bool = False,
+    ) -> F | t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
+
+        Used as ``@idem.idempotent(...)`` with options, or bare as
+        ``@idem.idempotent`` for the app's settings.
 
         :param schema: marshmallow schema (instance or class) the JSON body must
             pass; its loaded data is what the fingerprint and ``idem.payload`` see.
@@ -204,14 +238,20 @@ class Idempotency:
         :param recover: keep the request (method, path, body) on the record so
             the lease recovery job can finish an abandoned request without the
             client. The view must then work without the client's credentials.
-        :param key_format: ``"uuid"`` or a regular expression the whole key must
-            match, else 400 (default ``IDEMPOTENCY_KEY_FORMAT``).
+        :param key_format: ``"uuid"``, ``"uuid4"``, ``"uuid7"`` or a regular
+            expression the whole key must match, else 400 (default
+            ``IDEMPOTENCY_KEY_FORMAT``; see :mod:`flask_idempotency.config`).
         :param key_max_length: longest key accepted, at most 255 (default
             ``IDEMPOTENCY_KEY_MAX_LENGTH``).
-        :param methods: the methods protected (default ``IDEMPOTENCY_METHODS``,
-            POST and PATCH); other methods run as a request without a key.
+        :param methods: the methods protected (default ``IDEMPOTENCY_METHODS``:
+            every method the view serves but GET, HEAD, OPTIONS and TRACE);
+            other methods run as a request without a key. Given here, it is a
+            choice for this view; a view serving an unsafe method the app's
+            setting leaves out is refused at the first request instead.
         :param stored_statuses: the statuses stored and replayed (default
-            ``IDEMPOTENCY_STORED_STATUSES``: 2xx, 3xx, deterministic 4xx).
+            ``IDEMPOTENCY_STORED_STATUSES``: 2xx, 3xx, deterministic 4xx). An
+            answer not stored leaves no record (a retry runs the view again);
+            its writes commit with a 2xx or 3xx, and roll back otherwise.
         :param skip: callable; ``True`` runs this request unprotected (default
             ``IDEMPOTENCY_SKIP``).
         :param replay_headers: headers replayed besides Content-Type and
@@ -320,8 +360,16 @@ class Idempotency:
                         raise
                     raise problem from exc
 
+            wrapper._idempotency_route = route  # type: ignore[attr-defined]
             return t.cast(F, wrapper)
 
+        if view is not None:
+            if not callable(view):
+                raise TypeError(
+                    "@idem.idempotent takes its options as keywords: "
+                    f"@idem.idempotent(required=True), not @idem.idempotent({view!r})"
+                )
+            return decorator(view)
         return decorator
 
     # -- readiness ----------------------------------------------------------------
@@ -478,6 +526,54 @@ class Idempotency:
         if step is None:
             return {header: quote_key(state.key)}
         return {header: quote_key(current_derived_key(step))}
+
+
+class _RouteCheck:
+    """Refuses, at the app's first request (every route is registered by then),
+    a decorated view that serves an unsafe method the app's
+    ``IDEMPOTENCY_METHODS`` leaves unprotected: it would run on every retry and
+    without a key, unseen. A route's own ``methods=`` is a choice for that view."""
+
+    def __init__(self, app: Flask) -> None:
+        self._app = weakref.ref(app)
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        app = self._app()
+        if app is None:
+            return
+        unprotected = _unprotected_methods(app)
+        if unprotected:
+            raise RuntimeError(
+                "Flask-Idempotency: decorated views serve methods that IDEMPOTENCY_METHODS "
+                f"leaves unprotected: {'; '.join(unprotected)}. Each would run on every "
+                "retry and without a key. Add the methods to IDEMPOTENCY_METHODS (or leave "
+                "it None: every method but GET, HEAD, OPTIONS and TRACE), or pass "
+                "methods=[...] to @idem.idempotent on the view to choose for it."
+            )
+        self._done = True
+
+
+def _unprotected_methods(app: Flask) -> list[str]:
+    """``endpoint (rule): METHODS`` for each decorated view serving unsafe methods
+    its settings leave out, unless the route chose its methods itself."""
+    state = app_state(app)
+    found: list[str] = []
+    for rule in app.url_map.iter_rules():
+        route = getattr(app.view_functions.get(rule.endpoint), "_idempotency_route", None)
+        if not isinstance(route, RouteOptions) or "methods" in route.overrides:
+            continue
+        settings = state.route_settings.get(route) or route.settings_for(state.settings)
+        left = sorted(
+            m
+            for m in rule.methods or ()
+            if m not in config.SAFE_METHODS and not settings.protects(m)
+        )
+        if left:
+            found.append(f"{rule.endpoint} ({rule.rule}): {', '.join(left)}")
+    return found
 
 
 def _downstream_state(caller: str) -> RequestState:

@@ -17,7 +17,9 @@ import logging
 import typing as t
 import urllib.parse
 
+import sqlalchemy as sa
 from flask import Response, current_app, g, request
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors, signals
@@ -106,6 +108,19 @@ class Claimed:
     new_operation: bool
 
 
+def _commit_in_doubt(guard: ClaimGuard, exc: BaseException) -> bool:
+    """The view's ``COMMIT`` went out and the interruption ``exc`` hides whether it
+    happened: anything but the database's own refusal of it (an error it answered
+    with, on a connection that still works) leaves the commit in doubt."""
+    if not guard.commit_sent:
+        return False
+    if isinstance(exc, sa_exc.DBAPIError) and not exc.connection_invalidated:
+        # The database answered the COMMIT with an error: it did not happen,
+        # unless the answer says the connection itself failed.
+        return dberrors.classify(exc) is dberrors.UNAVAILABLE
+    return True
+
+
 def _request_target() -> str:
     """The path and query as the client sent them, still percent-encoded, so the
     recovery job's re-run reaches the same route with the same arguments
@@ -145,7 +160,7 @@ class Flow:
 
     def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         settings, route = self.settings, self.route
-        if request.method not in settings.methods:
+        if not settings.protects(request.method):
             # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
             # is read, no body parsed, nothing recorded.
             g._idempotency = RequestState(payload=None, key=None, scope=None, flow=self)
@@ -210,6 +225,9 @@ class Flow:
             lease=settings.lease,
             clock=self.now,
             durable=route.commit_claim,
+            # What the record holds as committed: nothing yet, unless the
+            # claim commits before the view (a leased route).
+            lease_end=outcome.stamped_at + settings.lease if route.commit_claim else None,
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 
@@ -386,14 +404,24 @@ class Flow:
                     raise
                 # Whatever the view made of it, the cause is the lost key.
                 raise lost_error() from exc
-            if guard.view_committed and isinstance(exc, Exception):
+            if not guard.view_committed and _commit_in_doubt(guard, exc):
+                landed = self._commit_landed(state)
+                if landed:
+                    guard.confirm_commit()
+                elif landed is False:
+                    guard.commit_sent = False  # it did not happen: a plain failure
+            if guard.view_committed:
                 # The view committed work of its own, then failed: that work
                 # stays, so the operation must not run again. Retries get the
                 # failure; the app's error handling sees the exception now.
+                # Every BaseException too: gunicorn's worker timeout raises
+                # SystemExit inside the view, a killed green thread
+                # GreenletExit, Ctrl-C KeyboardInterrupt.
                 logger.warning(
-                    "%r in scope %r failed after the view committed; recording the failure",
+                    "%r in scope %r failed (%s) after the view committed; recording the failure",
                     state.key,
                     state.scope,
+                    type(exc).__name__,
                 )
                 failure = FailedAfterCommitError()
                 self._complete(state, app, t.cast(Response, failure.get_response()))
@@ -404,20 +432,49 @@ class Flow:
         if guard.claim is Claim.LOST:
             self.session.rollback()
             raise lost_error()
-        storable = self.settings.storable(response.status_code)
+        code = response.status_code
+        storable = self.settings.storable(code)
+        commits = self.settings.commits(code)
         if recovery:
             # Without the client, only success is worth keeping: a 4xx here may
             # come from missing credentials, not from the request itself.
-            storable = storable and response.status_code < 400
+            storable = storable and code < 400
+            commits = commits and code < 400
         if storable:
             self._complete(state, app, response, rollback_first=False)
         elif guard.view_committed:
             # Not an answer to keep, but the view committed work of its own
             # before giving it: the operation happened and may not run again.
             self._complete(state, app, response)
+        elif commits:
+            # An answer IDEMPOTENCY_STORED_STATUSES leaves out, of a kind whose
+            # work stays (a success): never answered with that work rolled back.
+            self._release(state, commit=True)
         else:
             self._release(state)
         return response
+
+    def _commit_landed(self, state: RequestState) -> bool | None:
+        """Whether the view's commit, whose outcome an interruption hid, landed:
+        read from the record on a connection of its own (``None``: it cannot be
+        read now, so it is unknown)."""
+        assert state.guard is not None
+        assert state.scope is not None
+        assert state.key is not None
+        try:
+            self.session.rollback()
+            bind = self.session.get_bind()
+            engine = bind.engine if isinstance(bind, sa.Connection) else bind
+            record = self.store.load_committed(engine, state.scope, state.key)
+        except Exception as exc:  # the interruption is the error to report
+            logger.warning(
+                "could not tell whether the commit of %r in scope %r landed: %s",
+                state.key,
+                state.scope,
+                dberrors.summary(exc),
+            )
+            return None
+        return state.guard.commit_landed(record)
 
     def _complete(
         self, state: RequestState, app: t.Any, response: Response, *, rollback_first: bool = True
@@ -481,7 +538,7 @@ class Flow:
         """
         try:
             response = current_app.make_response(view(**kwargs))
-            if self.settings.storable(response.status_code):
+            if self.settings.commits(response.status_code):
                 self.session.commit()
             else:
                 self.session.rollback()
@@ -502,8 +559,12 @@ class Flow:
             watcher.stop()
             self.session.rollback()
 
-    def _release(self, state: RequestState) -> None:
+    def _release(self, state: RequestState, *, commit: bool = False) -> None:
         """Roll back the view's work and free the key so a retry runs again.
+
+        ``commit=True``: commit the view's pending work instead, in the same
+        transaction as the record's release (an answer not stored, whose work
+        stays); a retry runs the view again.
 
         A claim that was never committed goes with the rollback. A durable one
         (a leased route's, the view having committed nothing itself) is deleted,
@@ -519,9 +580,24 @@ class Flow:
         assert state.fencing_token is not None
         assert state.guard is not None
         session = self.session
-        durable = state.guard.claim is Claim.DURABLE
+        guard = state.guard
+        durable = guard.claim is Claim.DURABLE
+        if commit:
+            self._commit_without_record(state)
+            return
         session.rollback()
         if not durable:
+            return
+        if guard.view_committed or guard.commit_sent:
+            # The view's work is committed, or its COMMIT went out and no answer
+            # came back: freeing the key would let a retry run the operation
+            # again. The record stays as it is, under its lease.
+            logger.warning(
+                "%r in scope %r is kept under its lease: the view's work was (or may "
+                "have been) committed",
+                state.key,
+                state.scope,
+            )
             return
         try:
             if state.keys_handed_out:
@@ -549,6 +625,38 @@ class Flow:
                 )
             with contextlib.suppress(Exception):
                 session.rollback()
+
+    def _commit_without_record(self, state: RequestState) -> None:
+        """Commit the view's pending writes and free the key in the same
+        transaction: no answer is kept, so a retry runs the view again. (With a
+        derived key handed out, the operation is kept for the retry instead, as
+        :meth:`_release` does, so the downstream sees the same key again.)"""
+        assert state.scope is not None
+        assert state.key is not None
+        assert state.fencing_token is not None
+        assert state.guard is not None
+        session = self.session
+        claim = state.guard.claim
+        try:
+            if claim is Claim.DURABLE and state.keys_handed_out:
+                self._keep_operation(state)
+            elif claim in (Claim.DURABLE, Claim.IN_TRANSACTION):
+                # Our own row, committed or still in this transaction: fenced.
+                self.store.release(
+                    session,
+                    state.scope,
+                    state.key,
+                    state.fencing_token,
+                    keep_recovery_points=bool(state.recovery_points),
+                )
+            session.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                session.rollback()
+            raise
+        logger.debug(
+            "%r in scope %r: answer not stored; the view's work committed", state.key, state.scope
+        )
 
     def _keep_operation(self, state: RequestState) -> bool:
         """Keep a failed attempt's operation, with its lease ended, for the retry.

@@ -35,7 +35,7 @@ from .models import INBOX_TABLE_NAME as INBOX_TABLE_NAME
 from .models import MYSQL_DIALECTS, _text, as_utc
 from .models import inbox_table as inbox_table
 from .state import EXTENSION_KEY
-from .store import conflict_tolerant_inserts, text_param
+from .store import changed_one, conflict_tolerant_inserts, text_param
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
@@ -60,7 +60,11 @@ _VALUES = {
     "processed_at": sa.bindparam("processed_at"),
     "expires_at": sa.bindparam("expires_at"),
 }
-_INSERTS = conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"])
+#: Per dialect, the insert that returns the row it wrote (nothing for a duplicate).
+_INSERTS = {
+    name: insert.returning(_C.consumer)
+    for name, insert in conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"]).items()
+}
 _READ = sa.select(_C.expires_at).where(*_THIS)
 _READ_LOCKING = _READ.with_for_update(read=True)
 # An id kept past its window counts as new: the delivery that takes it over does
@@ -71,6 +75,7 @@ _RENEW = (
     .where(*_THIS, _C.expires_at <= sa.bindparam("w_now"))
     .values(processed_at=sa.bindparam("processed_at"), expires_at=sa.bindparam("expires_at"))
 )
+_RENEW_RETURNING = _RENEW.returning(_C.consumer)
 
 
 def _utc_now() -> dt.datetime:
@@ -141,11 +146,15 @@ def mark_processed(
         "processed_at": now,
         "expires_at": expires,
     }
-    name = session.get_bind().dialect.name
+    dialect = session.get_bind().dialect
+    name = dialect.name
     insert = _INSERTS.get(name)
-    if insert is not None:
-        inserted = session.execute(insert, params).rowcount == 1  # type: ignore[attr-defined]
-    else:  # another engine: the insert in a savepoint, a duplicate is "exists"
+    if insert is not None and dialect.insert_returning:
+        # Whether the row is ours is what the insert returns, never a row count.
+        inserted = session.execute(insert, params).first() is not None
+    else:
+        # No RETURNING here (MySQL): the insert in a savepoint, a duplicate is
+        # "exists" (an error the statement itself raises).
         try:
             with session.begin_nested():
                 session.execute(sa.insert(_TABLE).values(_VALUES), params)
@@ -164,8 +173,9 @@ def mark_processed(
         # Not visible: committed after this transaction's snapshot (PostgreSQL
         # REPEATABLE READ), so processed just now.
         return False
-    renewed = session.execute(
-        _RENEW,
+    return changed_one(
+        session,
+        _RENEW_RETURNING if dialect.update_returning else _RENEW,
         {
             "processed_at": now,
             "expires_at": expires,
@@ -174,7 +184,6 @@ def mark_processed(
             "w_now": now,
         },
     )
-    return bool(renewed.rowcount == 1)  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -230,7 +239,7 @@ def _deadlock_victim(exc: sa.exc.DBAPIError) -> bool:
     orig = exc.orig
     if orig is None:
         return False
-    if getattr(orig, "pgcode", None) in ("40P01", "40001"):
+    if dberrors.sqlstate(orig) in ("40P01", "40001"):
         return True
     return dberrors._mysql_errno(orig) in (1213, 1020)  # deadlock; record changed (MariaDB)
 

@@ -100,19 +100,22 @@ class KeyFormat:
 
     #: Matched with ``fullmatch`` against the unquoted key.
     pattern: re.Pattern[str]
-    #: ``"uuid"`` or ``"regex"``: what the problem document's ``expected_format`` says.
+    #: ``"uuid"``, ``"uuid4"``, ``"uuid7"`` or ``"regex"``: what the problem
+    #: document's ``expected_format`` says.
     kind: str
 
     def check(self, key: str) -> None:
         """Raise :class:`InvalidKeyError` (400) naming the format when ``key`` does not match."""
         if self.pattern.fullmatch(key) is not None:
             return
-        if self.kind == "uuid":
+        if self.kind.startswith("uuid"):
+            version = self.kind[len("uuid") :]
+            which = f"a version {version} UUID" if version else "a UUID"
+            example = _UUID_EXAMPLES.get(version, _UUID_EXAMPLE)
             raise InvalidKeyError(
-                "The Idempotency-Key must be a UUID: 32 hexadecimal digits in groups "
-                "8-4-4-4-12 separated by hyphens, such as "
-                f'"{_UUID_EXAMPLE}".',
-                extra={"expected_format": "uuid"},
+                f"The Idempotency-Key must be {which}: 32 hexadecimal digits in groups "
+                f'8-4-4-4-12 separated by hyphens, such as "{example}".',
+                extra={"expected_format": self.kind},
             )
         raise InvalidKeyError(
             "The Idempotency-Key must match the regular expression "
@@ -121,31 +124,51 @@ class KeyFormat:
         )
 
 
-_UUID_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-# The canonical textual form (RFC 9562): hex digits of either case, with hyphens;
-# no braces, no "urn:uuid:" prefix, no hyphen-less form.
-_UUID = KeyFormat(
-    re.compile(
-        "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-        re.ASCII,
-    ),
-    "uuid",
-)
+_UUID_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"  # version 4
+_UUID_EXAMPLES = {"7": "01936f5e-6b7a-7cc3-9d2e-5f0a8b1c2d3e"}
+_HEX = "[0-9a-fA-F]"
+
+
+def _uuid_pattern(version: str) -> re.Pattern[str]:
+    """The canonical textual form (RFC 9562): hex digits of either case, with
+    hyphens; no braces, no ``urn:uuid:`` prefix, no hyphen-less form. With a
+    ``version`` digit, that version and the RFC 9562 variant (``8``-``b``)."""
+    if not version:
+        return re.compile(f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}", re.ASCII)
+    return re.compile(
+        f"{_HEX}{{8}}-{_HEX}{{4}}-{version}{_HEX}{{3}}-[89abAB]{_HEX}{{3}}-{_HEX}{{12}}", re.ASCII
+    )
+
+
+_UUID = KeyFormat(_uuid_pattern(""), "uuid")
+
+#: The format names ``IDEMPOTENCY_KEY_FORMAT`` (and ``key_format=``) accept.
+KEY_FORMATS: dict[str, KeyFormat] = {
+    "uuid": _UUID,
+    "uuid4": KeyFormat(_uuid_pattern("4"), "uuid4"),
+    "uuid7": KeyFormat(_uuid_pattern("7"), "uuid7"),
+}
+# A string of these characters only is a format's name, never a pattern: a
+# misspelt or unknown name ("UUIDv4", "ulid") is refused at start-up instead
+# of becoming a regular expression that refuses every key.
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def resolve_key_format(value: t.Any, name: str) -> KeyFormat | None:
     """Check a key format setting at start-up; raise ``TypeError``/``ValueError`` if wrong.
 
-    ``None``: any key (printable ASCII). ``"uuid"``: a canonical UUID. Any other
-    string, or a compiled :class:`re.Pattern` of ``str``: a regular expression
-    the whole key must match. ``name`` is the setting, for the messages.
+    ``None``: any key (printable ASCII). A name of :data:`KEY_FORMATS`
+    (``"uuid"``: a canonical UUID of any version; ``"uuid4"``, ``"uuid7"``: of
+    that version), in any case. A compiled :class:`re.Pattern` of ``str``, or
+    a string with a character other than letters, digits, ``-`` and ``_``: a
+    regular expression the whole key must match. A string of those characters
+    alone that names no format is refused (pass ``re.compile(...)`` for such a
+    pattern). ``name`` is the setting, for the messages.
     """
     if value is None:
         return None
     if isinstance(value, KeyFormat):
         return value
-    if value == "uuid":
-        return _UUID
     if isinstance(value, re.Pattern):
         if not isinstance(value.pattern, str):
             raise TypeError(f"{name} must be a str pattern, not a bytes pattern")
@@ -153,6 +176,16 @@ def resolve_key_format(value: t.Any, name: str) -> KeyFormat | None:
     if isinstance(value, str):
         if not value:
             raise ValueError(f'{name} must not be empty (None accepts any key, "uuid" a UUID)')
+        known = KEY_FORMATS.get(value.lower())
+        if known is not None:
+            return known
+        if _NAME.fullmatch(value):
+            names = ", ".join(f'"{n}"' for n in KEY_FORMATS)
+            raise ValueError(
+                f"{name}: {value!r} is not a key format this extension knows ({names}); "
+                f"for a regular expression of letters, digits, '-' and '_' alone, pass "
+                f"re.compile({value!r})"
+            )
         try:
             return KeyFormat(re.compile(value), "regex")
         except re.error as exc:
@@ -160,8 +193,8 @@ def resolve_key_format(value: t.Any, name: str) -> KeyFormat | None:
                 f"{name} is not a valid regular expression: {value!r}: {exc}"
             ) from None
     raise TypeError(
-        f'{name} must be None, "uuid", a regular expression (str) or a compiled '
-        f"re.Pattern, not {value!r}"
+        f'{name} must be None, a format name ("uuid", "uuid4", "uuid7"), a regular '
+        f"expression (str) or a compiled re.Pattern, not {value!r}"
     )
 
 

@@ -212,7 +212,12 @@ class Record:
 
     @classmethod
     def from_row(cls, row: t.Any) -> Record:
-        m = row._mapping
+        """The record of a row SQLAlchemy returned."""
+        return cls.from_mapping(row._mapping)
+
+    @classmethod
+    def from_mapping(cls, m: t.Mapping[str, t.Any]) -> Record:
+        """The record of column values by name (a row's mapping, or a dict)."""
         headers = json.loads(m["response_headers"]) if m["response_headers"] else []
         body = m["response_body"]
         return cls(

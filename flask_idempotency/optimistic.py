@@ -94,9 +94,13 @@ def run_optimistic(
         flow.session.rollback()
         raise
     watcher.stop()
-    if not flow.settings.storable(response.status_code):
-        flow.session.rollback()
-        existing = _answer_for_record(flow, state, fingerprint)
+    code = response.status_code
+    if not flow.settings.storable(code):
+        # Not an answer to keep: no record. A retry of an operation another
+        # request completed gets that one's answer, and this run's writes roll
+        # back; otherwise they commit when the answer is one the default rule
+        # keeps (never a success whose work was rolled back).
+        existing = _answer_for_record(flow, state, fingerprint, commit=flow.settings.commits(code))
         return existing if existing is not None else response
     return _record(flow, state, fingerprint, response)
 
@@ -193,21 +197,33 @@ def _changed() -> ConflictError:
     )
 
 
-def _answer_for_record(flow: Flow, state: RequestState, fingerprint: str) -> Response | None:
+def _answer_for_record(
+    flow: Flow, state: RequestState, fingerprint: str, *, commit: bool = False
+) -> Response | None:
     """After the view failed or gave an answer that is not kept: the answer the
     record of this key commands, if another request committed one (its replay,
     422 for another payload, 409 while it runs); ``None`` when there is none,
-    or it cannot be read (the view's own answer stands)."""
+    or it cannot be read (the view's own answer stands).
+
+    The session's writes roll back, unless ``commit`` and no record commands
+    an answer: then they commit (an answer not stored, whose work stays).
+    """
     assert state.scope is not None
     assert state.key is not None
+    session = flow.session
     try:
-        record = flow.store.load(flow.session, state.scope, state.key, stored_request=False)
-        flow.session.rollback()
+        record = flow.store.load(session, state.scope, state.key, stored_request=False)
     except Exception:  # the view's own failure is the one to report
+        session.rollback()
         logger.debug("could not read the record of %r", state.key, exc_info=True)
         return None
     now = flow.now()
     if record is None or record.is_expired(now):
+        if commit:
+            session.commit()
+        else:
+            session.rollback()
         return None
+    session.rollback()
     answer = flow.answer_existing(record, fingerprint, now)
     return answer if isinstance(answer, Response) else None

@@ -65,7 +65,11 @@ class JobScheduler:
         self.app = app
         self.state = app_state(app)
         self.holder = new_holder_id()
-        self.locks = JobLocks(self.state.job_lock_table)
+        # The database's clock coordinates the hosts; an app's own clock (tests)
+        # stands in for it.
+        self.locks = JobLocks(
+            self.state.job_lock_table, clock=self.state.clock if self.state.custom_clock else None
+        )
         self._scheduler = BackgroundScheduler(
             timezone=dt.timezone.utc,
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},

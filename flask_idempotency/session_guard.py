@@ -92,6 +92,10 @@ class SessionWatcher:
         self._connections: weakref.WeakSet[sa.Connection] = weakref.WeakSet()
         #: A commit through the session is under way (its connection commits next).
         self.session_committing = False
+        #: ``COMMIT`` went to the database and no answer came back yet: after an
+        #: interruption (a connection lost, a BaseException), the commit is in
+        #: doubt (it may have happened).
+        self.commit_sent = False
 
     def watch(self, session: Session, scoped: t.Any = None) -> None:
         """Start following ``session``; ``scoped`` is the ``scoped_session`` it came
@@ -159,6 +163,7 @@ class ClaimGuard(SessionWatcher):
         lease: dt.timedelta,
         clock: t.Callable[[], dt.datetime],
         durable: bool = False,
+        lease_end: dt.datetime | None = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -174,6 +179,12 @@ class ClaimGuard(SessionWatcher):
         #: whatever happens next, so the operation may not run a second time.
         self.view_committed = False
         self._committed = False
+        #: The lease end the record has as last committed by this request (a
+        #: leased claim's, then each commit's), and the one the commit under way
+        #: writes: a commit whose outcome an interruption hid can be told landed
+        #: (the record shows its lease end) or not (:meth:`commit_landed`).
+        self._lease_written = lease_end
+        self.pending_lease: dt.datetime | None = None
 
     # -- what the flow asks ----------------------------------------------------------
 
@@ -214,12 +225,40 @@ class ClaimGuard(SessionWatcher):
             # The lease counts from this commit (the first one publishes the
             # record); fenced, and locking the record until the commit.
             locked_until = self._clock() + self._lease
+            self.pending_lease = locked_until
             if not self.store.renew_lease(session, self.scope, self.key, self.token, locked_until):
                 self.claim = Claim.LOST
                 raise lost_error()
 
     def _after_commit(self) -> None:
         self._committed = True
+        self.commit_sent = False
+        if self.pending_lease is not None:
+            self._lease_written = self.pending_lease
+
+    def commit_landed(self, record: t.Any) -> bool:
+        """Whether the commit under way when an interruption hid its outcome
+        landed, judged from the record as now committed (``None``: no record):
+        ours, with the lease end that commit wrote. Where that lease end equals
+        the one committed before (a clock that did not move), the two cannot be
+        told apart, and a record that is ours counts as landed: the safe side,
+        since the operation then never runs twice."""
+        if record is None or record.fencing_token != self.token:
+            return False
+        if self.pending_lease is None:
+            return True
+        return bool(
+            record.locked_until == self.pending_lease or self.pending_lease == self._lease_written
+        )
+
+    def confirm_commit(self) -> None:
+        """The view's commit whose outcome was hidden did land: the record is
+        durable, and the view has committed work of its own."""
+        self.view_committed = True
+        self.commit_sent = False
+        if self.claim in (Claim.IN_TRANSACTION, Claim.ROLLED_BACK):
+            self.claim = Claim.DURABLE
+        self._lease_written = self.pending_lease
 
     def _transaction_ended(self) -> None:
         committed, self._committed = self._committed, False
@@ -284,12 +323,17 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
 
 
 def _connection_commit(connection: sa.Connection) -> None:
-    """A commit of the watched session's connection that did not come through the
-    session (``db.session.connection().commit()``): refused, since the session's
-    hooks (the fenced lease renewal, or the refusal of optimistic and manual
-    routes) would not see it, and business rows would commit unguarded."""
+    """A commit of the watched session's connection: the session's own is noted
+    (``COMMIT`` goes out now: until it returns, its outcome is in doubt); one that
+    did not come through the session (``db.session.connection().commit()``) is
+    refused, since the session's hooks (the fenced lease renewal, or the refusal
+    of optimistic and manual routes) would not see it, and business rows would
+    commit unguarded."""
     watcher = _watching.get()
-    if watcher is None or watcher.session_committing or connection not in watcher._connections:
+    if watcher is None or connection not in watcher._connections:
+        return
+    if watcher.session_committing:
+        watcher.commit_sent = True
         return
     raise RuntimeError(
         "the view committed the session's connection directly; commit through the "

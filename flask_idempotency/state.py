@@ -40,6 +40,9 @@ class AppState:
     clock: t.Callable[[], dt.datetime]
     job_lock_table: sa.Table
     in_process: ProcessJobs
+    #: The app was given its own clock (``Idempotency(clock=...)``, as tests do):
+    #: it then also drives the job locks, which otherwise read the database's.
+    custom_clock: bool = False
     #: Each route's settings (the app's, with the route's overrides), built once.
     route_settings: dict[t.Any, Settings] = dataclasses.field(default_factory=dict)
 

@@ -32,7 +32,7 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from . import dberrors
 from .models import COMPLETED, IN_PROGRESS, MYSQL_DIALECTS, Record, as_utc
@@ -79,7 +79,7 @@ def stopped_waiting(exc: sa_exc.DBAPIError) -> bool:
     claim's statements themselves are instant unless they wait)."""
     if dberrors.classify(exc) is dberrors.CONFLICT:
         return True
-    return getattr(exc.orig, "pgcode", None) == "57014"
+    return dberrors.sqlstate(exc) == "57014"
 
 
 def lease_over(c: t.Any, now: t.Any) -> t.Any:
@@ -140,6 +140,146 @@ def dialect_name(executor: Executor) -> str:
     if isinstance(executor, Session):
         return executor.get_bind().dialect.name
     return executor.dialect.name
+
+
+def _returning(dialect: t.Any, stmt: t.Any) -> bool:
+    """Whether the engine returns rows from this kind of statement (``RETURNING``)."""
+    if isinstance(stmt, sa.Insert):
+        return bool(dialect.insert_returning)
+    if isinstance(stmt, sa.Update):
+        return bool(dialect.update_returning)
+    if isinstance(stmt, sa.Delete):
+        return bool(dialect.delete_returning)
+    return False
+
+
+def changed_one(
+    executor: Executor | scoped_session[t.Any], stmt: t.Any, params: dict[str, t.Any]
+) -> bool:
+    """Run a conditional ``UPDATE``/``DELETE`` of one row, or a conflict-tolerant
+    ``INSERT`` of one, with ``RETURNING`` already added where the engine has it
+    (:func:`returning`); whether the row was changed.
+
+    The answer is whether the statement returned a row, where it returns rows;
+    elsewhere (MySQL; MariaDB's ``UPDATE``) the matched-row count the server
+    sends with the statement's result (SQLAlchemy's MySQL drivers all ask for
+    matched, not changed, rows), kept with ``preserve_rowcount``. Never a row
+    count where the engine could return rows: psycopg 3 under SQLAlchemy 2.1
+    reports -1 for an ``INSERT``.
+    """
+    if stmt._returning:
+        return executor.execute(stmt, params).first() is not None
+    if isinstance(stmt, sa.Insert):
+        raise ValueError("an INSERT's outcome needs RETURNING (or a token read back)")
+    result = executor.execute(stmt, params, execution_options={"preserve_rowcount": True})
+    return bool(t.cast("sa.CursorResult[t.Any]", result).rowcount == 1)
+
+
+def returning(stmt: t.Any, dialect: t.Any, column: t.Any) -> t.Any:
+    """``stmt ... RETURNING column`` where the engine returns rows from this kind
+    of statement; ``stmt`` itself elsewhere."""
+    return stmt.returning(column) if _returning(dialect, stmt) else stmt
+
+
+def database_now(conn: sa.Connection) -> dt.datetime:
+    """The database server's clock, as an aware UTC datetime (microseconds where
+    the engine keeps them).
+
+    For time that coordinates processes on several hosts (the job lock): every
+    host reads the same clock, so a host whose own clock is off cannot make a
+    job run twice as often, or start while another run still holds it.
+    PostgreSQL's ``clock_timestamp()``, MySQL/MariaDB's ``UTC_TIMESTAMP(6)``;
+    SQLite runs on the app's host, whose clock it reads.
+    """
+    name = conn.dialect.name
+    if name == "postgresql":
+        value = conn.execute(_PG_NOW).scalar_one()
+    elif name in _MYSQL:
+        value = conn.execute(_MYSQL_NOW).scalar_one()
+    elif name == "sqlite":
+        text = conn.execute(_SQLITE_NOW).scalar_one()
+        value = dt.datetime.fromisoformat(text)
+    else:
+        value = conn.execute(sa.select(sa.func.current_timestamp())).scalar_one()
+    return t.cast(dt.datetime, as_utc(value))
+
+
+_PG_NOW = sa.text("SELECT clock_timestamp()")
+_MYSQL_NOW = sa.text("SELECT UTC_TIMESTAMP(6)")
+# SQLite's 'now' is UTC; %f gives milliseconds (the finest it keeps).
+_SQLITE_NOW = sa.text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+
+
+def _fast_driver(connection: sa.Connection) -> str | None:
+    """``"psycopg2"`` or ``"psycopg"`` where statements compiled once may be sent
+    as they are (the claim's one-round-trip batch, precompiled statements);
+    ``None`` elsewhere, and where SQLAlchemy rewrites statements per connection
+    (``schema_translate_map``)."""
+    dialect = connection.dialect
+    if dialect.name != "postgresql" or dialect.driver not in ("psycopg2", "psycopg"):
+        return None
+    if connection.get_execution_options().get("schema_translate_map"):
+        return None
+    if dialect.driver == "psycopg" and not _pipeline_supported(dialect):
+        return None
+    return str(dialect.driver)
+
+
+def _pipeline_supported(dialect: t.Any) -> bool:
+    """psycopg 3's pipeline mode needs libpq 14 or newer (the binary wheels ship one)."""
+    supported = getattr(dialect, "_flask_idempotency_pipeline", None)
+    if supported is None:
+        supported = bool(dialect.loaded_dbapi.Pipeline.is_supported())
+        dialect._flask_idempotency_pipeline = supported
+    return bool(supported)
+
+
+def _pipelined(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+) -> dict[str, t.Any] | None:
+    """Run ``statements`` on psycopg 3 in pipeline mode: sent together, answered
+    together, in one round trip; the last one's first row as a dict (``None``
+    when it has none).
+
+    The statements go to the driver's connection, inside the transaction
+    SQLAlchemy opened on it. A driver error is raised as SQLAlchemy would raise
+    it (a :class:`~sqlalchemy.exc.DBAPIError` wrapping the driver's), with the
+    connection invalidated when the driver says it is gone, so callers and
+    :mod:`.dberrors` see one kind of error on every path.
+    """
+    dialect = connection.dialect
+    dbapi = dialect.loaded_dbapi
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    cursors: list[t.Any] = []
+    try:
+        try:
+            with raw.pipeline():
+                for sql in statements:
+                    cursor = raw.cursor()
+                    cursors.append(cursor)
+                    cursor.execute(sql, params)
+            last = cursors[-1]
+            row = last.fetchone()
+            if row is None:
+                return None
+            return {column.name: value for column, value in zip(last.description, row, strict=True)}
+        finally:
+            for cursor in cursors:
+                cursor.close()
+    except dbapi.Error as exc:
+        gone = dialect.is_disconnect(exc, raw, None)
+        if gone:
+            connection.invalidate(exc)
+        raise sa_exc.DBAPIError.instance(
+            ";\n".join(statements),
+            params,
+            exc,
+            dbapi.Error,
+            hide_parameters=connection.engine.hide_parameters,
+            connection_invalidated=gone,
+            dialect=dialect,
+        ) from exc
 
 
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
@@ -218,8 +358,11 @@ class Store:
         # A locking read sees the latest committed row whatever the isolation level.
         self._load_locking = self._load.with_for_update(read=True)
         self._load_head_locking = self._load_head.with_for_update(read=True)
-        self._claim_sql: dict[tuple[bool, tuple[str, ...]], str] = {}
-        self._sql_cache: dict[tuple[int, tuple[str, ...]], tuple[t.Any, str, dict[str, t.Any]]] = {}
+        self._claim_sql: dict[tuple[str, bool, tuple[str, ...]], list[str]] = {}
+        self._returning_cache: dict[int, tuple[t.Any, t.Any]] = {}
+        self._sql_cache: dict[
+            tuple[int, str, tuple[str, ...]], tuple[t.Any, str, dict[str, t.Any]]
+        ] = {}
         self._complete = (
             sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
         )
@@ -297,42 +440,66 @@ class Store:
             _sqlite_connection(executor).execute(f"PRAGMA busy_timeout = {int(previous)}")
 
     def _changed_one(self, executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+        """Run a conditional ``UPDATE``/``DELETE`` (or a conflict-tolerant
+        ``INSERT``) of one record; whether it changed the row.
+
+        The answer is the row the statement returns (``RETURNING``) wherever the
+        engine has it for that kind of statement (PostgreSQL on every driver,
+        SQLite 3.35+, MariaDB for ``DELETE`` and ``INSERT``), never a driver's
+        row count: psycopg 3 under SQLAlchemy 2.1 reports -1 for an ``INSERT``.
+        Only where there is no ``RETURNING`` (MySQL, MariaDB's ``UPDATE``) is it
+        the matched-row count the server sends with the statement's result
+        (SQLAlchemy's MySQL drivers all ask for matched, not changed, rows),
+        kept with ``preserve_rowcount``. Inserts without ``RETURNING`` are
+        decided by reading the fencing token back (:meth:`_insert`).
+        """
         if not isinstance(executor, sa.Connection):
             # Core statements on the session's connection: the ORM's execute
             # path (bind lookup, ORM compile hooks) costs more than the statement.
             executor = executor.connection(bind_arguments={"clause": self.table})
+        if _returning(executor.dialect, stmt):
+            stmt = self._returning_form(stmt)
         compiled = self._precompiled(executor, stmt, params) if params else None
-        if compiled is not None:
-            sql, constants = compiled
-            result = executor.exec_driver_sql(sql, {**constants, **params})
-        else:
-            result = executor.execute(stmt, params)
+        if compiled is None:
+            return changed_one(executor, stmt, params)
+        sql, constants = compiled
+        result = executor.exec_driver_sql(sql, {**constants, **params})
+        if stmt._returning:
+            return result.first() is not None
         return bool(result.rowcount == 1)
+
+    def _returning_form(self, stmt: t.Any) -> t.Any:
+        """``stmt ... RETURNING fencing_token``, built once per statement."""
+        found = self._returning_cache.get(id(stmt))
+        # The entry holds the statement itself, so its id cannot be reused by another.
+        if found is None or found[0] is not stmt:
+            found = self._returning_cache[id(stmt)] = (
+                stmt,
+                stmt.returning(self.table.c.fencing_token),
+            )
+        return found[1]
 
     def _precompiled(
         self, connection: sa.Connection, stmt: t.Any, params: dict[str, t.Any]
     ) -> tuple[str, dict[str, t.Any]] | None:
-        """``stmt`` as psycopg2 SQL and the constants it binds, compiled once per
+        """``stmt`` as psycopg SQL and the constants it binds, compiled once per
         statement and parameter names; ``None`` where it must be compiled per
         execution (other drivers, ``schema_translate_map``).
 
-        psycopg2 adapts every value the record holds (str, int, bool, bytes,
-        aware datetimes) itself, so SQLAlchemy's per-execution parameter
-        processing is skipped: for the statements of a request it costs more
-        than the statement.
+        psycopg2 and psycopg 3 adapt every value the record holds (str, int,
+        bool, bytes, aware datetimes) themselves, so SQLAlchemy's per-execution
+        parameter processing is skipped: for the statements of a request it
+        costs more than the statement.
         """
-        dialect = connection.dialect
-        if dialect.driver != "psycopg2" or dialect.name != "postgresql":
-            return None
-        if connection.get_execution_options().get("schema_translate_map"):
+        if _fast_driver(connection) is None:
             return None
         names = tuple(params)
-        cache_key = (id(stmt), names)
+        cache_key = (id(stmt), connection.dialect.driver, names)
         found = self._sql_cache.get(cache_key)
         # The entry holds the statement itself, so its id cannot be reused by another.
         if found is None or found[0] is not stmt:
             columns = [name for name in names if not name.startswith("w_")]
-            compiled = stmt.compile(dialect=dialect, column_keys=columns)
+            compiled = stmt.compile(dialect=connection.dialect, column_keys=columns)
             constants = {k: v for k, v in compiled.params.items() if k not in names}
             found = self._sql_cache[cache_key] = (stmt, str(compiled), constants)
         return found[1], found[2]
@@ -345,15 +512,38 @@ class Store:
         the connection).
         """
         self.check_size(executor, values)
+        return self._insert(executor, values)[0]
+
+    def _insert(self, executor: Executor, values: dict[str, t.Any]) -> tuple[bool, Record | None]:
+        """Insert ``values`` unless (scope, key) exists: ``(won, record)``.
+
+        Whether the insert won is what the statement returned (``RETURNING``
+        where the engine has it with a conflict-tolerant insert) or, elsewhere,
+        the fencing token read back: only the insert that wrote the row has its
+        token. ``record`` is the record read back when the insert lost on an
+        engine that needed the read (so the caller need not read it again);
+        ``None`` otherwise.
+        """
         conflict_tolerant = self._inserts.get(dialect_name(executor))
-        if conflict_tolerant is not None:
-            return self._changed_one(executor, conflict_tolerant, values)
-        try:
-            with executor.begin_nested():
-                executor.execute(self._portable_insert, values)
-        except sa_exc.IntegrityError:
-            return False
-        return True
+        if conflict_tolerant is None:
+            try:
+                with executor.begin_nested():
+                    executor.execute(self._portable_insert, values)
+            except sa_exc.IntegrityError:
+                return False, None
+            return True, None
+        connection = (
+            executor
+            if isinstance(executor, sa.Connection)
+            else executor.connection(bind_arguments={"clause": self.table})
+        )
+        if _returning(connection.dialect, conflict_tolerant):
+            return self._changed_one(connection, conflict_tolerant, values), None
+        connection.execute(conflict_tolerant, values)
+        record = self.load(connection, values["scope"], values["key"], stored_request=False)
+        if record is not None and record.fencing_token == values["fencing_token"]:
+            return True, None
+        return False, record
 
     def check_size(self, executor: Executor, values: dict[str, t.Any]) -> None:
         """Refuse a stored request larger than MySQL's ``max_allowed_packet``."""
@@ -391,60 +581,66 @@ class Store:
 
         ``record`` is the one that holds (scope, key) after the insert, without
         its stored request, when it is not ours (``None``: it was deleted in
-        between); after our insert it is ``None``. Waiting on
-        another transaction is bounded by ``wait`` (:meth:`bounded_wait`).
+        between); after our insert it is ``None``. Waiting on another
+        transaction is bounded by ``wait`` (:meth:`bounded_wait`). Whether the
+        insert won is read from the fencing token of the row read back (or the
+        row the insert returned), never from a row count.
 
-        On psycopg2 this is one round trip: setting the bound, the insert,
-        restoring the bound and reading the record travel as one batch
-        (PostgreSQL runs the statements of a batch in order, in the transaction).
-        Elsewhere it is the same statements one by one.
+        On psycopg2 and psycopg 3 this is one round trip: setting the bound, the
+        insert, restoring the bound and reading the record travel together, as
+        one batch of statements on psycopg2 and in pipeline mode on psycopg 3
+        (PostgreSQL runs them in order, in the transaction). Elsewhere it is the
+        same statements one by one.
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
-        sql = self._batched_claim(connection, wait, values)
-        if sql is None:
+        driver = _fast_driver(connection)
+        if driver is None:
             with self.bounded_wait(session, wait):
-                if self.try_insert(session, values):
+                won, record = self._insert(session, values)
+                if won:
                     return True, None
+                if record is not None:
+                    return False, record
                 return False, self.load(
                     session, values["scope"], values["key"], stored_request=False
                 )
+        statements = self._claim_statements(connection.dialect, wait is not None, values)
         params = {**values, "w_scope": values["scope"], "w_key": values["key"]}
         if wait is not None:
             params["wait"] = _millis(wait)
         try:
-            row = connection.exec_driver_sql(sql, params).first()
+            if driver == "psycopg2":
+                row = connection.exec_driver_sql(";\n".join(statements), params).first()
+                found = dict(row._mapping) if row is not None else None
+            else:
+                found = _pipelined(connection, statements, params)
         except sa_exc.DBAPIError as exc:
             if stopped_waiting(exc):
                 raise ClaimWaitExceeded(str(exc.orig)) from exc
             raise
-        if row is None:
+        if found is None:
             return False, None  # deleted since it blocked our insert
-        if row._mapping["fencing_token"] == values["fencing_token"]:
+        if found["fencing_token"] == values["fencing_token"]:
             return True, None  # ours
-        return False, Record.from_row(row)
+        return False, Record.from_mapping(found)
 
-    def _batched_claim(
-        self, connection: sa.Connection, wait: dt.timedelta | None, values: dict[str, t.Any]
-    ) -> str | None:
-        """The claim as one batch of statements, where the driver sends a batch in
-        one round trip with client-side parameters (psycopg2); else ``None``.
+    def _claim_statements(
+        self, dialect: t.Any, bounded: bool, values: dict[str, t.Any]
+    ) -> list[str]:
+        """The claim's statements for one round trip: the bound (if any), the
+        insert, the bound restored, the read of the record; compiled once per
+        shape (bounded or not, the columns that have a value).
 
-        The batch is compiled once per shape (bounded or not, the columns that
-        have a value), so it is not used where SQLAlchemy would rewrite
-        statements per connection (``schema_translate_map``).
+        Only used where SQLAlchemy does not rewrite statements per connection
+        (:func:`_fast_driver` refuses ``schema_translate_map``).
         """
-        dialect = connection.dialect
-        if dialect.name != "postgresql" or dialect.driver != "psycopg2":
-            return None
-        if connection.get_execution_options().get("schema_translate_map"):
-            return None
-        bounded = wait is not None
         # Columns left out of the INSERT are NULL: fewer parameters to send.
         columns = tuple(name for name, value in values.items() if value is not None)
-        sql = self._claim_sql.get((bounded, columns))
-        if sql is not None:
-            return sql
+        cache_key = (dialect.driver, bounded, columns)
+        statements = self._claim_sql.get(cache_key)
+        if statements is not None:
+            return statements
         c = self.table.c
         parts: list[str] = []
         if bounded:
@@ -470,9 +666,8 @@ class Store:
             c.scope == text_param("w_scope"), c.key == text_param("w_key")
         )
         parts.append(self._compiled(read, dialect, None))
-        sql = ";\n".join(parts)
-        self._claim_sql[(bounded, columns)] = sql
-        return sql
+        self._claim_sql[cache_key] = parts
+        return parts
 
     def _compiled(self, stmt: t.Any, dialect: t.Any, column_keys: list[str] | None) -> str:
         compiled = stmt.compile(dialect=dialect, column_keys=column_keys)

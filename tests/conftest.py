@@ -3,7 +3,11 @@ apps and clients.
 
 Set ``IDEMPOTENCY_TEST_POSTGRES_URL`` to test against a PostgreSQL you run;
 otherwise the suite starts its own with ``pgserver`` (a PostgreSQL from PyPI).
-PostgreSQL tests are never skipped: if no server can be had, they error.
+PostgreSQL tests are never skipped: if no server can be had, they error. Every
+PostgreSQL test runs twice, through each driver SQLAlchemy may pick for a
+``postgresql://`` URL: psycopg2 (``postgresql+psycopg2://``, test ids
+``psycopg2``) and psycopg 3 (``postgresql+psycopg://``, ids ``psycopg``),
+whatever driver the configured URL names.
 
 MariaDB/MySQL runs every engine-parametrized test too, at
 ``IDEMPOTENCY_TEST_MYSQL_URL`` (default: root without a password on
@@ -19,11 +23,13 @@ import os
 import tempfile
 import typing as t
 import uuid
+import weakref
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from flask import Flask
+from sqlalchemy import event
 
 from flask_idempotency.models import as_utc, inbox_table, job_lock_table, record_table
 from flask_idempotency.store import text_param
@@ -83,13 +89,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         engine.dispose()
 
 
-def postgres_url() -> str:
-    """The PostgreSQL the suite uses, started on first use.
+#: The PostgreSQL drivers every PostgreSQL test runs on, by test id.
+PG_DRIVERS = {"psycopg2": "postgresql+psycopg2", "psycopg": "postgresql+psycopg"}
+
+
+def postgres_url(driver: str = "psycopg2") -> str:
+    """The PostgreSQL the suite uses, started on first use, spelled for ``driver``
+    (a key of :data:`PG_DRIVERS`).
 
     A configured one (``IDEMPOTENCY_TEST_POSTGRES_URL``) is used through a
     schema of the suite's own, created for the run and dropped at its end: the
     tables already in that database are never touched.
     """
+    url = sa.make_url(_postgres_url()).set(drivername=PG_DRIVERS[driver])
+    return url.render_as_string(hide_password=False)
+
+
+def _postgres_url() -> str:
     if "url" not in _PG:
         configured = os.environ.get(POSTGRES_ENV)
         if configured:
@@ -142,15 +158,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> str:
-    return postgres_url()
+@pytest.fixture(scope="session", params=list(PG_DRIVERS))
+def pg_url(request: pytest.FixtureRequest) -> str:
+    """The suite's PostgreSQL, through psycopg2 and through psycopg 3."""
+    return postgres_url(request.param)
 
 
-@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+#: The engines (and drivers) every engine-parametrized test runs on.
+ENGINES = [*PG_DRIVERS, "sqlite", "mysql"]
+
+
+@pytest.fixture(params=ENGINES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgresql":
-        return postgres_url()
+    if request.param in PG_DRIVERS:
+        return postgres_url(request.param)
     if request.param == "mysql":
         url = mysql_url()
         if url is None:
@@ -159,14 +180,15 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'test.sqlite3'}"
 
 
-@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+@pytest.fixture(params=ENGINES)
 def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator[str]:
     """An empty database of its own on each engine, dropped afterwards (for code that
     creates its own tables: migrations, the README's examples)."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'shop.sqlite3'}"
         return
-    base = postgres_url() if request.param == "postgresql" else mysql_url()
+    postgres = request.param in PG_DRIVERS
+    base = postgres_url(request.param) if postgres else mysql_url()
     if base is None:
         pytest.skip("no MariaDB/MySQL reachable (see the report header)")
     name = f"shop_{uuid.uuid4().hex[:10]}"
@@ -178,7 +200,7 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator
         yield url.set(database=name).render_as_string(hide_password=False)
     finally:
         with server.connect() as conn:
-            if request.param == "postgresql":
+            if postgres:
                 conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             else:
                 conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
@@ -198,6 +220,30 @@ def reset_tables(url: str) -> None:
         testapp.db.metadata.create_all(engine)
     finally:
         engine.dispose()
+
+
+#: Engines that opened a connection during the current test.
+_engines_used: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+
+@event.listens_for(sa.Engine, "engine_connect")
+def _engine_used(connection: sa.Connection) -> None:
+    _engines_used.add(connection.engine)
+
+
+@pytest.fixture(autouse=True)
+def _close_pooled_connections() -> t.Iterator[None]:
+    """Close the pooled connections of every engine a test used, when it ends.
+
+    Tests make apps (and so engines) freely; an engine dropped with connections
+    in its pool leaves them to the garbage collector, which psycopg 3 reports as
+    a ResourceWarning (an error here) in whichever test runs then. Disposing
+    only empties the pool: an engine a later test uses again reconnects.
+    """
+    yield
+    for engine in list(_engines_used):
+        engine.dispose()
+    _engines_used.clear()
 
 
 class Clock:

@@ -594,9 +594,10 @@ def test_constructor_options_are_defaults_that_config_overrides(
     client = app.test_client()
     client.post("/op", headers={"X-Request-Key": "k"})
     assert client.post("/op", headers={"X-Request-Key": "k"}).headers["Idempotent-Replayed"]
-    with app.app_context(), db.engine.connect() as conn:
-        table = db.metadata.tables["idempotency_keys"]
-        expires = conn.execute(sa.select(table.c.expires_at)).scalar_one()
+    with app.app_context():
+        with db.engine.connect() as conn:
+            table = db.metadata.tables["idempotency_keys"]
+            expires = conn.execute(sa.select(table.c.expires_at)).scalar_one()
         db.engine.dispose()
     if expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.timezone.utc)

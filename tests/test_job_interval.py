@@ -18,8 +18,9 @@ from flask import Flask
 from flask_idempotency.locks import MAX_SLACK, interval_slack
 from flask_idempotency.models import as_utc
 from flask_idempotency.scheduler import JobScheduler
+from flask_idempotency.store import database_now
 from tests import testapp
-from tests.conftest import Clock
+from tests.conftest import Clock, reset_tables
 from tests.test_cleanup import cli, keys, make_records
 
 EVERY = dt.timedelta(seconds=10)
@@ -178,19 +179,16 @@ def test_a_dead_holders_lock_frees_after_the_ttl(app: Flask, clock: Clock) -> No
 
 
 def test_a_start_from_a_clock_far_ahead_does_not_stop_the_job(app: Flask, clock: Clock) -> None:
-    """A host whose clock runs ahead writes a start in the others' future. Less
-    than an interval ahead, the others wait that much longer; more, and the
-    others ignore it rather than stop the job for as long as the skew."""
-    state = app.extensions["idempotency"]
-    ttl = state.settings.job_lock
+    """The lock's clock (the database's; the test clock here) stepped back, as
+    after a failover to a server whose clock is behind: a start in its future.
+    Less than an interval ahead, the job waits that much longer; more, and the
+    start is ignored rather than stop the job for as long as the step."""
     scheduler = JobScheduler(app)
 
     def run_ahead(by: dt.timedelta) -> None:
-        with app.app_context():
-            engine = state.db.engine
-            ahead = clock() + by
-            assert scheduler.locks.acquire(engine, "demo", "fast-host:1", ttl, ahead)
-            scheduler.locks.release(engine, "demo", "fast-host:1", ahead)
+        clock.advance(seconds=by.total_seconds())
+        assert scheduler.run_job("demo", lambda app, keep: None) is True
+        clock.advance(seconds=-by.total_seconds())
 
     run_ahead(dt.timedelta(seconds=5))
     clock.advance(seconds=10)
@@ -199,3 +197,33 @@ def test_a_start_from_a_clock_far_ahead_does_not_stop_the_job(app: Flask, clock:
     assert scheduler.run_job("demo", lambda app, keep: None, EVERY) is True
     run_ahead(dt.timedelta(hours=1))
     assert scheduler.run_job("demo", lambda app, keep: None, EVERY) is True
+
+
+def test_the_job_lock_reads_the_databases_clock_not_the_hosts(database_url: str) -> None:
+    """Each host passes its own clock; the lock compares the database's. A host
+    3 minutes ahead cannot start a run while another holds the lock (it would
+    see the lock's expiry passed), and one 70 s behind cannot run again right
+    after another host's run (it would see that start in its future and ignore
+    it): with host clocks, both happened, and a job ran twice as often."""
+    app = testapp.create_app(database_url)  # no clock of its own: the database's
+    reset_tables(database_url)
+    ttl, every = dt.timedelta(minutes=2), dt.timedelta(seconds=30)
+    with app.app_context():
+        engine = testapp.db.engine
+        locks = JobScheduler(app).locks
+        with engine.connect() as conn:
+            db_now = database_now(conn)
+        host = dt.datetime.now(dt.timezone.utc)
+        assert locks.acquire(engine, "demo", "host-a", ttl, host, every=every)
+        # B's clock 3 minutes ahead, while A's run holds the lock.
+        assert not locks.acquire(engine, "demo", "host-b", ttl, host + dt.timedelta(minutes=3))
+        locks.release(engine, "demo", "host-a", host)
+        # B's clock 70 s behind, right after A's run: within the interval.
+        behind = host - dt.timedelta(seconds=70)
+        assert not locks.acquire(engine, "demo", "host-b", ttl, behind, every=every)
+        assert locks.acquire(engine, "demo", "host-b", ttl, behind)  # by hand: free now
+    row = lock_row(app, "demo")
+    assert row["holder"] == "host-b"
+    # The times written are the database's, whatever B's clock said.
+    assert abs(row["last_started_at"] - db_now) < dt.timedelta(seconds=30)
+    assert row["locked_until"] - row["last_started_at"] == ttl

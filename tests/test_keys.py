@@ -184,7 +184,11 @@ def test_key_format_settings_resolve() -> None:
         ("order-[0-9", ValueError, "IDEMPOTENCY_KEY_FORMAT is not a valid regular expression"),
         ("", ValueError, "must not be empty"),
         (re.compile(b"abc"), TypeError, "not a bytes pattern"),
-        (42, TypeError, 'must be None, "uuid", a regular expression'),
+        (42, TypeError, 'must be None, a format name ("uuid", "uuid4", "uuid7"), a regular'),
+        # A name this extension does not know is refused, not taken for a pattern
+        # that refuses every key.
+        ("uuidv4", ValueError, "'uuidv4' is not a key format this extension knows"),
+        ("ulid", ValueError, "pass re.compile('ulid')"),
     ],
 )
 def test_bad_key_format_settings_are_refused(value: t.Any, error: type, message: str) -> None:
@@ -529,3 +533,48 @@ def test_app_key_max_length(make_app: t.Callable[..., Flask]) -> None:
 
     assert _post(client, "/raw", "k" * 8).status_code == 200
     assert ledger_count(app) == 1
+
+
+# -- format names ---------------------------------------------------------------------
+
+UUID4 = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+UUID7 = "01936f5e-6b7a-7cc3-9d2e-5f0a8b1c2d3e"
+UUID1 = "c232ab00-9414-11ec-b3c8-9f6bdeced846"
+
+
+@pytest.mark.parametrize(
+    ("name", "accepted", "refused"),
+    [
+        ("uuid4", [UUID4, UUID4.upper()], [UUID7, UUID1, "order-42"]),
+        ("UUID4", [UUID4], [UUID7]),
+        ("uuid7", [UUID7], [UUID4, UUID1]),
+        ("uuid", [UUID4, UUID7, UUID1], ["order-42"]),
+    ],
+)
+def test_format_names_users_write(
+    make_app: t.Callable[..., Flask], name: str, accepted: list[str], refused: list[str]
+) -> None:
+    """``IDEMPOTENCY_KEY_FORMAT = "uuid4"``, the name other libraries use, is a
+    version 4 UUID: it once became a regular expression refusing every UUID."""
+    app = make_app(IDEMPOTENCY_KEY_FORMAT=name)
+    client = app.test_client()
+    for key in accepted:
+        assert _post(client, "/raw", key).status_code == 200, key
+    for key in refused:
+        doc = _invalid_key(_post(client, "/raw", key))
+        assert doc["expected_format"] == name.lower()
+    assert ledger_count(app) == len(accepted)
+
+
+@pytest.mark.parametrize("name", ["uuidv4", "UUIDv7", "ulid", "hex", "uuid-4"])
+def test_an_unknown_format_name_is_refused_at_start_up(name: str) -> None:
+    app = Flask("fmt")
+    app.config.update(SQLALCHEMY_DATABASE_URI="sqlite://", IDEMPOTENCY_KEY_FORMAT=name)
+    with pytest.raises(ValueError, match="is not a key format this extension knows"):
+        Idempotency(app, SQLAlchemy(app))
+    with pytest.raises(ValueError, match=re.escape(f"re.compile({name!r})")):
+        Idempotency().idempotent(key_format=name)
+    # An explicit pattern of the same characters is taken as one.
+    fmt = resolve_key_format(re.compile(name), "X")
+    assert fmt is not None
+    assert fmt.kind == "regex"

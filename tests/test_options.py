@@ -109,7 +109,7 @@ def call(client: t.Any, method: str, path: str, key: str | None = "K", **headers
 # -- methods ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "DELETE"])
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
 def test_unprotected_methods_pass_straight_through(
     database_url: str, clock: Clock, method: str
 ) -> None:
@@ -167,6 +167,66 @@ def test_methods_setting_applies_to_every_route(database_url: str, clock: Clock)
     assert_problem(call(client, "PUT", "/both", None), 400)  # required, and now protected
 
 
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "PATCH"])
+def test_every_unsafe_method_a_view_serves_is_protected_by_default(
+    database_url: str, clock: Clock, method: str
+) -> None:
+    """A decorated view registered for PUT or DELETE once ran on every retry and
+    took requests without a key, silently: now every method but the safe ones is
+    protected unless the app or the route says otherwise."""
+    app = options_app(database_url, clock)
+
+    @app.route("/edit", methods=["GET", "PUT", "PATCH", "DELETE"])
+    @idem.idempotent(required=True)
+    def edit() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger(f"edit-{request.method}")
+        return {"id": row.id}, 200
+
+    client = app.test_client()
+    assert_problem(call(client, method, "/edit", None), 400)  # required: a key
+    for _ in range(3):
+        response = call(client, method, "/edit")
+        assert response.status_code == 200
+    assert response.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, f"edit-{method}") == 1
+    assert call(client, "GET", "/edit", None).status_code == 200  # safe: unprotected
+
+
+def test_a_view_serving_a_method_the_app_setting_leaves_out_is_refused(
+    database_url: str, clock: Clock
+) -> None:
+    """``IDEMPOTENCY_METHODS`` narrowed app-wide, and a decorated view serving PUT
+    and DELETE: refused at the first request, naming the view and the fix; no
+    request runs (a route's own ``methods=`` is a choice, and stands)."""
+    app = options_app(database_url, clock, IDEMPOTENCY_METHODS=["POST"])
+    app.testing = True  # the error reaches the test, not an error page
+    client = app.test_client()
+    with pytest.raises(RuntimeError) as info:
+        call(client, "POST", "/status/201")
+    message = str(info.value)
+    assert "both (/both): DELETE, PUT" in message
+    assert "/put" not in message  # methods=["PUT"] on the route: its own choice
+    assert "pass methods=[...] to @idem.idempotent" in message
+    assert ledger_count(app) == 0
+
+
+def test_the_decorator_without_parentheses(database_url: str, clock: Clock) -> None:
+    app = options_app(database_url, clock)
+
+    @app.post("/bare")
+    @idem.idempotent
+    def bare() -> tuple[dict[str, t.Any], int]:
+        row = testapp.write_ledger("bare")
+        return {"id": row.id}, 201
+
+    client = app.test_client()
+    for _ in range(2):
+        assert call(client, "POST", "/bare").status_code == 201
+    assert ledger_count(app, "bare") == 1
+    with pytest.raises(TypeError, match="takes its options as keywords"):
+        idem.idempotent("POST")  # type: ignore[call-overload]
+
+
 @pytest.mark.parametrize("methods", [["GET", "POST"], ["HEAD"], [], "POST"])
 def test_safe_or_empty_methods_are_refused(methods: t.Any) -> None:
     app = Flask("m")
@@ -198,9 +258,21 @@ def test_only_the_configured_statuses_are_stored(database_url: str, clock: Clock
 def test_stored_statuses_setting_and_its_checks(database_url: str, clock: Clock) -> None:
     app = options_app(database_url, clock, IDEMPOTENCY_STORED_STATUSES=[201])
     client = app.test_client()
-    call(client, "POST", "/status/200", "a")
-    call(client, "POST", "/status/200", "a")
-    assert ledger_count(app, "status/200") == 0
+    # A success the setting does not store: its work commits (never a 200 for
+    # work rolled back), and no record is kept, so the retry runs again.
+    for _ in range(2):
+        response = call(client, "POST", "/status/200", "a")
+        assert response.status_code == 200
+        assert "Idempotent-Replayed" not in response.headers
+    assert ledger_count(app, "status/200") == 2
+    assert record_rows(app) == []
+    # A stored one is stored, and replayed.
+    call(client, "POST", "/status/201", "b")
+    assert call(client, "POST", "/status/201", "b").headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "status/201") == 1
+    # Without a key: the same transaction rule (a 200 commits).
+    assert call(client, "POST", "/status/200", None).status_code == 200
+    assert ledger_count(app, "status/200") == 3
     for bad in ([500], [199], ["201"], 201):
         with pytest.raises((ValueError, TypeError), match="stored_statuses"):
             Idempotency().idempotent(stored_statuses=bad)

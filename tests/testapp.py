@@ -188,6 +188,28 @@ def commits_then_fails() -> tuple[dict[str, t.Any], int]:
     return {"error": "downstream failed"}, 503
 
 
+@bp.post("/commits-then-hangs")
+@idem.idempotent()
+def commits_then_hangs() -> tuple[dict[str, t.Any], int]:
+    """Commits a charge, then outlives the WSGI server's worker timeout when the
+    request asks (``X-Hang`` seconds): gunicorn's sync worker then raises
+    SystemExit inside the view."""
+    row = write_ledger("commits-then-hangs")
+    db.session.commit()
+    time.sleep(float(request.headers.get("X-Hang", "0")))
+    return {"id": row.id}, 201
+
+
+@bp.post("/leased-commits-then-hangs")
+@idem.idempotent(lease=dt.timedelta(seconds=60))
+def leased_commits_then_hangs() -> tuple[dict[str, t.Any], int]:
+    """As ``/commits-then-hangs``, on a leased route."""
+    row = write_ledger("leased-commits-then-hangs")
+    db.session.commit()
+    time.sleep(float(request.headers.get("X-Hang", "0")))
+    return {"id": row.id}, 201
+
+
 class DownstreamError(Exception):
     pass
 
