@@ -102,7 +102,15 @@ class FilePublisher:
 
 
 def from_env() -> Flask:
-    """Extra config (JSON) from ``OUTBOX_TEST_CONFIG``, e.g. ``IDEMPOTENCY_RELAY_EVERY``."""
+    """Extra config (JSON) from ``OUTBOX_TEST_CONFIG``, e.g. ``IDEMPOTENCY_RELAY_EVERY``;
+    with ``OUTBOX_TEST_LOGGING`` (a format), the app configures logging itself."""
+    if os.environ.get("OUTBOX_TEST_LOGGING"):
+        import logging
+        import sys
+
+        logging.basicConfig(
+            stream=sys.stderr, level=logging.INFO, format=os.environ["OUTBOX_TEST_LOGGING"]
+        )
     return create_app(
         os.environ["OUTBOX_TEST_DB"],
         IDEMPOTENCY_PUBLISHER=FilePublisher(os.environ["OUTBOX_TEST_FILE"]),
