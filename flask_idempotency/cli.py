@@ -304,7 +304,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     process commits an event; on PostgreSQL it also LISTENs on the
     ``idempotency_outbox`` channel. IDEMPOTENCY_RELAY_WAKE = False: polling only.
     """
-    from .relay import Listener, relay_batch
+    from .relay import Listener, RelistenBackoff, relay_batch
 
     wake = _state().settings.relay_wake
     app = resolve_app()
@@ -329,6 +329,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     how += "" if wake else " only (IDEMPOTENCY_RELAY_WAKE is off)"
     click.echo(f"outbox relay running ({how}); SIGTERM or Ctrl-C stops it")
     sys.stdout.flush()
+    relisten = RelistenBackoff()
     try:
         while not stop.is_set():
             try:
@@ -341,13 +342,14 @@ def relay(once: bool, batch: int, poll: float) -> None:
                     listener.wait(poll)
                 except Exception:
                     # The LISTEN connection broke (a restart, a failover, an idle
-                    # killer): listen again on a new one, polling meanwhile.
+                    # killer): listen again on a new one, after a pause that
+                    # grows while it keeps failing (not a loop of connects).
                     logging.getLogger("flask_idempotency").warning(
                         "outbox relay: the LISTEN connection failed; listening again",
                         exc_info=True,
                     )
                     listener.close()
-                    stop.wait(poll)
+                    stop.wait(max(poll, relisten.delay(listener)))
                     listener = Listener(app, wake=wake)
     finally:
         listener.close()

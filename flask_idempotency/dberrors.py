@@ -140,10 +140,11 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
     module = type(orig).__module__.split(".")[0]
     if module in ("psycopg2", "psycopg", "asyncpg", "pg8000"):
         if pgcode is None:
-            # psycopg2 raises OperationalError without a SQLSTATE for failures
-            # of the connection itself: refused, reset, timed out, closed.
-            name = type(orig).__name__
-            return UNAVAILABLE if name in ("OperationalError", "InterfaceError") else None
+            # The drivers raise OperationalError (or a subclass: psycopg 3's
+            # ConnectionTimeout) without a SQLSTATE for failures of the
+            # connection itself: refused, reset, timed out, closed.
+            names = {cls.__name__ for cls in type(orig).__mro__}
+            return UNAVAILABLE if names & {"OperationalError", "InterfaceError"} else None
         if pgcode in _PG_CONFLICT:
             return CONFLICT
         if pgcode in _PG_UNAVAILABLE_EXACT or pgcode.startswith(_PG_UNAVAILABLE_CLASSES):

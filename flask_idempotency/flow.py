@@ -225,7 +225,9 @@ class Flow:
             lease=settings.lease,
             clock=self.now,
             durable=route.commit_claim,
-            lease_end=outcome.stamped_at + settings.lease,
+            # What the record holds as committed: nothing yet, unless the
+            # claim commits before the view (a leased route).
+            lease_end=outcome.stamped_at + settings.lease if route.commit_claim else None,
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 

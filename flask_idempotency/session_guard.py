@@ -179,10 +179,10 @@ class ClaimGuard(SessionWatcher):
         #: whatever happens next, so the operation may not run a second time.
         self.view_committed = False
         self._committed = False
-        #: The lease end the record has as last committed by this request (the
-        #: claim's), and the one the commit under way writes: each commit writes
-        #: a later one, so a commit whose outcome an interruption hid can be
-        #: told landed (the record shows it) or not (:meth:`commit_landed`).
+        #: The lease end the record has as last committed by this request (a
+        #: leased claim's, then each commit's), and the one the commit under way
+        #: writes: a commit whose outcome an interruption hid can be told landed
+        #: (the record shows its lease end) or not (:meth:`commit_landed`).
         self._lease_written = lease_end
         self.pending_lease: dt.datetime | None = None
 
@@ -225,9 +225,6 @@ class ClaimGuard(SessionWatcher):
             # The lease counts from this commit (the first one publishes the
             # record); fenced, and locking the record until the commit.
             locked_until = self._clock() + self._lease
-            written = self._lease_written
-            if written is not None and locked_until <= written:
-                locked_until = written + dt.timedelta(microseconds=1)
             self.pending_lease = locked_until
             if not self.store.renew_lease(session, self.scope, self.key, self.token, locked_until):
                 self.claim = Claim.LOST
@@ -242,12 +239,16 @@ class ClaimGuard(SessionWatcher):
     def commit_landed(self, record: t.Any) -> bool:
         """Whether the commit under way when an interruption hid its outcome
         landed, judged from the record as now committed (``None``: no record):
-        ours, with the lease end that commit wrote."""
-        return (
-            record is not None
-            and self.pending_lease is not None
-            and record.fencing_token == self.token
-            and record.locked_until == self.pending_lease
+        ours, with the lease end that commit wrote. Where that lease end equals
+        the one committed before (a clock that did not move), the two cannot be
+        told apart, and a record that is ours counts as landed: the safe side,
+        since the operation then never runs twice."""
+        if record is None or record.fencing_token != self.token:
+            return False
+        if self.pending_lease is None:
+            return True
+        return bool(
+            record.locked_until == self.pending_lease or self.pending_lease == self._lease_written
         )
 
     def confirm_commit(self) -> None:

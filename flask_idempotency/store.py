@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 import math
 import secrets
@@ -220,18 +221,15 @@ def _fast_driver(connection: sa.Connection) -> str | None:
         return None
     if connection.get_execution_options().get("schema_translate_map"):
         return None
-    if dialect.driver == "psycopg" and not _pipeline_supported(dialect):
+    if dialect.driver == "psycopg" and not _pipeline_supported(t.cast(t.Any, dialect.loaded_dbapi)):
         return None
     return str(dialect.driver)
 
 
-def _pipeline_supported(dialect: t.Any) -> bool:
+@functools.cache
+def _pipeline_supported(psycopg: t.Any) -> bool:
     """psycopg 3's pipeline mode needs libpq 14 or newer (the binary wheels ship one)."""
-    supported = getattr(dialect, "_flask_idempotency_pipeline", None)
-    if supported is None:
-        supported = bool(dialect.loaded_dbapi.Pipeline.is_supported())
-        dialect._flask_idempotency_pipeline = supported
-    return bool(supported)
+    return bool(psycopg.Pipeline.is_supported())
 
 
 def _pipelined(
@@ -466,7 +464,7 @@ class Store:
         result = executor.exec_driver_sql(sql, {**constants, **params})
         if stmt._returning:
             return result.first() is not None
-        return bool(result.rowcount == 1)
+        return bool(result.rowcount == 1)  # an UPDATE or DELETE: the server's count
 
     def _returning_form(self, stmt: t.Any) -> t.Any:
         """``stmt ... RETURNING fencing_token``, built once per statement."""
