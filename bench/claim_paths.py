@@ -137,8 +137,9 @@ def install() -> None:
     ) -> dict[str, t.Any] | None:
         return _RUNNERS.get(_PATH.get(), pipelined)(connection, statements, params)
 
-    def supported_unless_generic(dialect: t.Any) -> bool:
-        return _PATH.get() != GENERIC and supported(dialect)
+    def supported_unless_generic(*args: t.Any) -> bool:
+        # Whatever the extension passes (the driver's module): only forwarded.
+        return _PATH.get() != GENERIC and bool(supported(*args))
 
     store._pipelined = pipelined_or_other
     store._pipeline_supported = supported_unless_generic
