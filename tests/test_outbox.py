@@ -23,7 +23,13 @@ from sqlalchemy import orm
 
 from flask_idempotency import EventIdConflictError, signals
 from flask_idempotency.keys import derive_scoped_key
-from flask_idempotency.models import as_utc, outbox_table, record_table
+from flask_idempotency.models import (
+    as_utc,
+    inbox_table,
+    job_lock_table,
+    outbox_table,
+    record_table,
+)
 from flask_idempotency.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from flask_idempotency.relay import backoff, relay_once, retry_parked
@@ -35,6 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def reset(url: str) -> None:
+    """Drop and create the outbox app's tables, the extension's among them (they
+    join the metadata at init_app, which a test may not have run yet)."""
+    for table in (record_table, outbox_table, inbox_table, job_lock_table):
+        table(outbox_app.db.metadata)
     engine = sa.create_engine(url)
     try:
         outbox_app.db.metadata.drop_all(engine)

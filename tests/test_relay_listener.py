@@ -240,6 +240,6 @@ def test_the_foreground_relay_backs_off_when_its_listen_connection_keeps_failing
         if relay.poll() is None:
             relay.kill()
             relay.communicate()
-    failures = err.count("the LISTEN connection failed")
-    assert 2 <= failures <= 6, err[-2000:]
-    assert len(terminator.ended) <= 6
+    # Each LISTEN connection it made was ended: a few, after growing pauses.
+    assert 2 <= len(terminator.ended) <= 6, err[-2000:]
+    assert "outbox relay LISTEN" in err  # and it said so (once per failure, not per poll)
