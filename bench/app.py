@@ -16,6 +16,10 @@ session, and answers 201 with the same JSON body (``{"id": ...}``):
 * ``POST /ext-nowait``: ``@idem.idempotent(wait=None)``, no bound of ours.
 * ``POST /ext-optimistic``: ``@idem.idempotent(optimistic=True)``, only where the
   extension has that option (:data:`OPTIMISTIC_MISSING` says why not otherwise).
+* On psycopg 3 only, ``/ext`` with the claim sent another way
+  (:mod:`bench.claim_paths`): ``POST /ext-serial`` (the pipeline's statements one
+  by one), ``POST /ext-client-batch`` (one string through ``psycopg.ClientCursor``),
+  ``POST /ext-generic`` (the extension's path without a pipeline).
 
 ``gunicorn 'bench.app:create_app()'`` serves it; the database URL comes from
 ``BENCH_DATABASE_URL``.
@@ -34,6 +38,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 from sqlalchemy.dialects import postgresql, sqlite
 
+from bench import claim_paths
 from flask_idempotency import Idempotency
 from flask_idempotency.models import job_lock_table, record_table
 
@@ -76,14 +81,18 @@ _CLAIM_VALUES = {
     "status": IN_PROGRESS,
     "created_at": sa.bindparam("created_at"),
 }
-#: The claim, per engine: it inserts one row or, when the key exists, none.
+#: The claim, per engine: it inserts one row or, when the key exists, none. The row
+#: count is kept: psycopg 3 under SQLAlchemy 2.1 reports -1 for an INSERT otherwise
+#: (psycopg2 and SQLite report it anyway; nothing more travels either way).
 FLOOR_CLAIM: dict[str, t.Any] = {
     "postgresql": postgresql.insert(floor_keys)
     .values(_CLAIM_VALUES)
-    .on_conflict_do_nothing(index_elements=["key"]),
+    .on_conflict_do_nothing(index_elements=["key"])
+    .execution_options(preserve_rowcount=True),
     "sqlite": sqlite.insert(floor_keys)
     .values(_CLAIM_VALUES)
-    .on_conflict_do_nothing(index_elements=["key"]),
+    .on_conflict_do_nothing(index_elements=["key"])
+    .execution_options(preserve_rowcount=True),
 }
 FLOOR_LOAD = sa.select(
     floor_keys.c.request_hash,
@@ -187,6 +196,17 @@ else:
     bp.add_url_rule("/ext-optimistic", "ext_optimistic", _optimistic(_order_view), methods=["POST"])
 
 
+#: The same route as ``/ext``, claiming another way: on psycopg 3 apps only.
+claim_bp = Blueprint("claim", __name__)
+for _path in (claim_paths.SERIAL, claim_paths.CLIENT_BATCH, claim_paths.GENERIC):
+    claim_bp.add_url_rule(
+        f"/ext-{_path}",
+        f"ext_{_path.replace('-', '_')}",
+        claim_paths.claiming(_path, idem.idempotent()(_order_view)),
+        methods=["POST"],
+    )
+
+
 @bp.get("/healthz")
 def healthz() -> Response:
     """Liveness, without the database: the harness waits for it after starting."""
@@ -206,6 +226,9 @@ def create_app(database_url: str | None = None) -> Flask:
     db.init_app(app)
     idem.init_app(app, db)
     app.register_blueprint(bp)
+    if sa.make_url(url).get_dialect().driver == "psycopg":
+        claim_paths.install()
+        app.register_blueprint(claim_bp)
     return app
 
 

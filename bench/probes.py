@@ -50,10 +50,11 @@ def _key_of(variant: Variant, prefix: str, i: int) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class WireFigure:
-    """Database exchanges per request, and the statements of one request."""
+    """Database exchanges per request, and the exchanges of one request: the
+    statements sent in each, as :class:`~bench.wire.CountingProxy` captured them."""
 
     per_request: float
-    statements: list[str]
+    exchanges: list[list[str]]
 
 
 def round_trips(
@@ -74,16 +75,36 @@ def round_trips(
                     _post(client, variant, _key_of(variant, prefix + "-warm", i))
                 proxy.reset(capture=True)
                 _post(client, variant, _key_of(variant, prefix, 0))
-                statements = list(proxy.statements)
+                captured = list(proxy.captured)
                 first = proxy.exchanges
                 proxy.reset()
                 for i in range(1, requests):
                     _post(client, variant, _key_of(variant, prefix, i))
-                figures[variant.name] = WireFigure((first + proxy.exchanges) / requests, statements)
+                figures[variant.name] = WireFigure((first + proxy.exchanges) / requests, captured)
         finally:
             with app.app_context():
                 bench_app.db.engine.dispose()
     return figures
+
+
+def replay_after_new_keys(pg_url: str, ext: Variant, *, new_keys: int = 10) -> WireFigure:
+    """The exchanges of one replay on ``ext``'s route on a connection that served
+    ``new_keys`` new keys just before (so psycopg 3 has prepared their statements):
+    the case the replay variants, run back to back, do not show."""
+    with CountingProxy(pg_url) as proxy:
+        app = bench_app.create_app(proxy.url())
+        client = app.test_client()
+        run = uuid.uuid4().hex[:8]
+        try:
+            _post(client, ext, REPLAY_KEY)  # completes it, or replays it
+            for i in range(new_keys):
+                _post(client, ext, f"wire-{run}-before-replay-{i}")
+            proxy.reset(capture=True)
+            _post(client, ext, REPLAY_KEY)
+            return WireFigure(proxy.exchanges, list(proxy.captured))
+        finally:
+            with app.app_context():
+                bench_app.db.engine.dispose()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,15 @@ def children_of(parents: set[int]) -> list[int]:
     return sorted(found)
 
 
+def machine_ticks() -> tuple[int, int]:
+    """Busy and total CPU time of the whole machine so far, in clock ticks of all
+    CPUs (``/proc/stat``: idle and iowait are not busy; guest time is already in user)."""
+    fields = [int(v) for v in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
 def rss_kib(pid: int) -> int:
     """Resident set size of ``pid`` in KiB (``VmRSS`` of ``/proc/<pid>/status``)."""
     for line in (PROC / str(pid) / "status").read_text().splitlines():

@@ -10,13 +10,14 @@ hits both sides of a ratio alike).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import statistics
 from pathlib import Path
 
 from bench.probes import HotFigure, MemoryFigure, WireFigure
-from bench.variants import RATIOS, VARIANTS, Variant
+from bench.variants import CLAIM_PATHS, ENGINES, RATIOS, VARIANTS, Variant
 
 RSS_TARGET = 1.05
 
@@ -31,6 +32,10 @@ class Sample:
     p99_ms: float
     #: CPU time of the server processes per request answered (ms); NaN if unknown.
     cpu_ms: float
+    #: Share of the machine's CPU time (all CPUs) that was busy during the run, and
+    #: the share the server processes took; NaN if unknown.
+    busy: float = math.nan
+    server_share: float = math.nan
 
 
 @dataclasses.dataclass
@@ -40,6 +45,8 @@ class EngineResult:
     samples: dict[str, list[Sample]]
     wire: dict[str, WireFigure] | None = None
     hot: dict[str, HotFigure] | None = None
+    #: One replay right after new keys on the same connection (PostgreSQL).
+    replay_after_new: WireFigure | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def median(self, name: str, field: str) -> float:
@@ -50,15 +57,37 @@ class EngineResult:
     def ratio(self, numerator: str, denominator: str, *, by_cpu: bool = False) -> float | None:
         """Median over the rounds of ``numerator``'s requests/s over ``denominator``'s;
         ``by_cpu``: of ``denominator``'s CPU per request over ``numerator``'s."""
-        if numerator not in self.samples or denominator not in self.samples:
-            return None
-        pairs = zip(self.samples[numerator], self.samples[denominator], strict=True)
         if by_cpu:
-            values = [b.cpu_ms / a.cpu_ms for a, b in pairs if a.cpu_ms > 0]
-        else:
-            values = [a.rate / b.rate for a, b in pairs if b.rate > 0]
-        values = [v for v in values if not math.isnan(v)]
+            return self.field_ratio(denominator, numerator, "cpu_ms")
+        return self.field_ratio(numerator, denominator, "rate")
+
+    def field_ratio(self, numerator: str, denominator: str, field: str) -> float | None:
+        """Median over the rounds of ``numerator``'s ``field`` over ``denominator``'s
+        in the same round."""
+        values = self.field_ratios(numerator, denominator, field)
         return statistics.median(values) if values else None
+
+    def field_ratios(self, numerator: str, denominator: str, field: str) -> list[float]:
+        """``numerator``'s ``field`` over ``denominator``'s, round by round."""
+        if numerator not in self.samples or denominator not in self.samples:
+            return []
+        pairs = zip(self.samples[numerator], self.samples[denominator], strict=True)
+        values = [getattr(a, field) / getattr(b, field) for a, b in pairs if getattr(b, field) > 0]
+        return [v for v in values if not math.isnan(v)]
+
+    def machine_load(self) -> str | None:
+        """How busy the machine was during this engine's rounds, in words."""
+        busy = sorted(s.busy for v in self.samples.values() for s in v if not math.isnan(s.busy))
+        ours = [s.server_share for v in self.samples.values() for s in v]
+        ours = [v for v in ours if not math.isnan(v)]
+        if not busy or not ours:
+            return None
+        return (
+            f"the machine's CPUs were {statistics.median(busy):.0%} busy during a run "
+            f"(median; {busy[0]:.0%} to {busy[-1]:.0%}), the server processes measured "
+            f"{statistics.median(ours):.0%} of them; the rest is the load generator and "
+            "whatever else ran on the machine"
+        )
 
 
 @dataclasses.dataclass
@@ -77,6 +106,12 @@ class Facts:
     commit: str
     rounds: int
     duration: float
+    #: The PostgreSQL drivers' versions, in words.
+    drivers: str = ""
+    load_before: str = "n/a"
+    load_after: str = "n/a"
+    #: Said by whoever ran it (``--note``).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -115,7 +150,7 @@ def ratio_table(result: EngineResult) -> str:
         "|---|---:|---|---|---:|",
     ]
     for ratio in RATIOS:
-        if ratio.engine not in (None, result.engine):
+        if ratio.engines is not None and result.engine not in ratio.engines:
             continue
         value = result.ratio(ratio.numerator, ratio.denominator)
         if value is None:
@@ -162,10 +197,9 @@ def memory_table(memory: MemoryFigure) -> str:
     )
 
 
-def _exchange_lines(text: str, width: int = 160) -> list[str]:
-    """One exchange as shown: each statement of a batch (``a; b``) on a line of its
-    own, the ones after the first marked ``+`` (they share the round trip)."""
-    statements = [s.strip() for s in text.split("; ") if s.strip()]
+def _exchange_lines(statements: list[str], width: int = 160) -> list[str]:
+    """One exchange as shown: each statement on a line of its own, the ones after
+    the first marked ``+`` (they share the round trip)."""
     return [
         f"    {'  + ' if i else ''}{s if len(s) <= width else s[: width - 3] + '...'}"
         for i, s in enumerate(statements)
@@ -175,18 +209,245 @@ def _exchange_lines(text: str, width: int = 160) -> list[str]:
 def statements_block(wire: dict[str, WireFigure]) -> str:
     parts = []
     for name, figure in wire.items():
-        shown = "\n".join(line for s in figure.statements for line in _exchange_lines(s))
+        shown = "\n".join(line for e in figure.exchanges for line in _exchange_lines(e))
         parts.append(f"{name} ({figure.per_request:.2f} exchanges per request):\n\n{shown}\n")
     return "\n".join(parts)
 
 
 def engine_section(result: EngineResult) -> str:
-    parts = [f"### {result.engine}", "", variant_table(result), "", ratio_table(result)]
+    parts = [f"### {result.engine}", "", ENGINES.get(result.engine, result.engine) + ".", ""]
+    parts += [variant_table(result), "", ratio_table(result)]
     if result.hot is not None:
         parts += ["", "HOT updates over a new-key phase per variant:", "", hot_table(result.hot)]
+    if load := result.machine_load():
+        parts += ["", f"Machine: {load}."]
     if result.notes:
         parts += [""] + [f"Note: {note}" for note in result.notes]
     return "\n".join(parts)
+
+
+# -- the claim on psycopg 3 -------------------------------------------------------------
+
+CLAIM_HOW = {
+    "ext": "pipeline mode (the extension)",
+    "ext-serial": "one by one, a round trip each",
+    "ext-client-batch": "one string, psycopg.ClientCursor",
+    "ext-generic": "the generic path (no pipeline)",
+}
+
+
+def _trips(result: EngineResult | None, name: str) -> float | None:
+    if result is None or result.wire is None or name not in result.wire:
+        return None
+    return result.wire[name].per_request
+
+
+def claim_table(result: EngineResult) -> str:
+    """The claim paths side by side: figures, and ratios to the extension's pipeline."""
+    lines = [
+        "| claim sent | variant | round trips/req | req/s | p50 ms | p99 ms | CPU ms/req "
+        "| req/s vs ext | p50 vs ext | p99 vs ext | CPU/req vs ext |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in CLAIM_PATHS:
+        figures = [_fmt(result.median(name, f), d) for f, d in FIELDS]
+        ratios = [_fmt(result.field_ratio(name, "ext", f), 3) for f, _ in FIELDS]
+        lines.append(
+            f"| {CLAIM_HOW[name]} | {name} | {_fmt(_trips(result, name), 2)} | "
+            + " | ".join(figures + ratios)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+FIELDS = (("rate", 0), ("p50_ms", 2), ("p99_ms", 2), ("cpu_ms", 2))
+
+
+def _change(ratio: float | None, more: str, less: str, detail: str = "") -> str:
+    """``ratio`` (a figure over the pipeline's) as words: within 2% is no difference."""
+    if ratio is None:
+        return "not measured"
+    if abs(ratio - 1) < 0.02:
+        return f"the same within 2% ({ratio:.3f}{detail})"
+    return f"{abs(ratio - 1):.0%} {more if ratio > 1 else less} ({ratio:.3f}{detail})"
+
+
+def _prepared(result: EngineResult) -> str | None:
+    """Whether the claim's insert went as a prepared statement in ``ext``'s listing."""
+    if result.wire is None or "ext" not in result.wire:
+        return None
+    sent = [
+        s for e in result.wire["ext"].exchanges for s in e if "INSERT INTO idempotency_keys" in s
+    ]
+    if not sent:
+        return None
+    if sent[0].startswith("[prepared "):
+        return (
+            "The claim is served by psycopg 3's automatic prepared statements: after five "
+            "executions of the same text on a connection psycopg prepares it, and from "
+            "then on the pipeline sends each statement's name and values only "
+            "(`[prepared _pg3_N]` in the listing below)."
+        )
+    return f"The claim's insert was sent as `{sent[0][:40]}...`, not as a prepared statement."
+
+
+def _against_pipeline(result: EngineResult, name: str) -> str:
+    """``name``'s figures against ``ext``'s (the pipeline) in the same rounds, in words."""
+    ratio = functools.partial(result.field_ratio, name, "ext")
+    rounds = result.field_ratios(name, "ext", "rate")
+    spread = f"; {min(rounds):.2f} to {max(rounds):.2f} round by round" if rounds else ""
+    return (
+        f"throughput {_change(ratio('rate'), 'higher', 'lower', spread)}, "
+        f"CPU per request {_change(ratio('cpu_ms'), 'more', 'less')}, "
+        f"p50 {_change(ratio('p50_ms'), 'longer', 'shorter')}, "
+        f"p99 {_change(ratio('p99_ms'), 'longer', 'shorter')}"
+    )
+
+
+#: A round trip between an app and its database on another host, for the arithmetic
+#: below: within one data centre it is commonly a few tenths of a millisecond.
+NETWORK_RTT_MS = 0.5
+
+
+def _over_a_network(result: EngineResult) -> str | None:
+    """What the round trips saved are worth once the database is on another host,
+    beside the CPU the ways differ by, from the figures measured."""
+    pipeline, serial = _trips(result, "ext"), _trips(result, "ext-serial")
+    cpu = result.median("ext", "cpu_ms")
+    cpu_serial = result.median("ext-serial", "cpu_ms")
+    if pipeline is None or serial is None or math.isnan(cpu) or math.isnan(cpu_serial):
+        return None
+    return (
+        "Here the database is on the same machine (loopback: no network time in a round "
+        "trip, only the switch between processes), so the round trips weigh little beside "
+        "the CPU, which other work shares. With the database on another host, each round "
+        "trip adds the network's round trip time to every request: at "
+        f"{NETWORK_RTT_MS} ms, one by one adds {(serial - pipeline) * NETWORK_RTT_MS:.1f} ms "
+        "to each request's latency, "
+        f"against a CPU difference of {cpu_serial - cpu:+.2f} ms per request measured here."
+    )
+
+
+def claim_section(results: list[EngineResult]) -> str | None:
+    """The comparison issue 15 asks for: the claim's round trips on psycopg 3 and on
+    psycopg2, and the ways to send it on psycopg 3 measured side by side."""
+    by_engine = {r.engine: r for r in results}
+    psycopg = by_engine.get("psycopg")
+    if psycopg is None or not all(name in psycopg.samples for name in CLAIM_PATHS):
+        return None
+    psycopg2 = by_engine.get("postgresql")
+    names = [v.name for v in VARIANTS if v.name in psycopg.samples]
+    trips = [
+        "| variant | psycopg2 | psycopg 3 |",
+        "|---|---:|---:|",
+        *(
+            f"| {n} | {_fmt(_trips(psycopg2, n), 2)} | {_fmt(_trips(psycopg, n), 2)} |"
+            for n in names
+        ),
+    ]
+    pipeline, reference = _trips(psycopg, "ext"), _trips(psycopg2, "ext")
+    serial, batch = _trips(psycopg, "ext-serial"), _trips(psycopg, "ext-client-batch")
+    said = []
+    if pipeline is not None and reference is not None:
+        same = "as many as" if abs(pipeline - reference) < 0.005 else "against"
+        said.append(
+            f"The extension sends the claim in pipeline mode: `ext` takes {pipeline:.2f} "
+            f"round trips per request on psycopg 3, {same} {reference:.2f} with psycopg2's "
+            "batch, the reference."
+        )
+    if serial is not None and pipeline is not None:
+        said.append(
+            f"One by one the same statements take {serial:.2f} ({serial - pipeline:+.2f}): "
+            f"{_against_pipeline(psycopg, 'ext-serial')}."
+        )
+    if batch is not None:
+        said.append(
+            f"The one-string batch through `psycopg.ClientCursor` takes {batch:.2f} round "
+            f"trips: {_against_pipeline(psycopg, 'ext-client-batch')}."
+        )
+    said.append(
+        f"The extension's path without a pipeline (`ext-generic`) takes "
+        f"{_fmt(_trips(psycopg, 'ext-generic'), 2)} round trips: "
+        f"{_against_pipeline(psycopg, 'ext-generic')}."
+    )
+    if network := _over_a_network(psycopg):
+        said.append(network)
+    if prepared := _prepared(psycopg):
+        said.append(prepared)
+    parts = [
+        "## The claim on psycopg 3",
+        "",
+        CLAIM_INTRO,
+        "",
+        "Round trips per request, the app in process (as in the tables above):",
+        "",
+        "\n".join(trips),
+        "",
+        "The ways to send the claim on psycopg 3, side by side in the same rounds (a `vs "
+        "ext` column is the median over the rounds of the variant's figure over `ext`'s "
+        "in the same round):",
+        "",
+        claim_table(psycopg),
+        "",
+        *(f"* {line}" for line in said),
+        "",
+        CLAIM_WHY,
+    ]
+    if replay := _replay_after_new(psycopg2, psycopg):
+        parts += ["", replay]
+    return "\n".join(parts)
+
+
+def _replay_after_new(psycopg2: EngineResult | None, psycopg: EngineResult) -> str | None:
+    """What a replay costs on a connection that served new keys just before."""
+    ours = psycopg.replay_after_new
+    if ours is None:
+        return None
+    theirs = psycopg2.replay_after_new if psycopg2 is not None else None
+    reference = f" against {theirs.per_request:.0f} on psycopg2" if theirs is not None else ""
+    shown = "\n".join(line for e in ours.exchanges for line in _exchange_lines(e))
+    deallocates = any(s == "DEALLOCATE ALL" for e in ours.exchanges for s in e)
+    why = (
+        "psycopg 3 forgets its prepared statements at every `ROLLBACK` and deallocates them "
+        "on the server (`DEALLOCATE ALL`, an exchange of its own), so the next five requests "
+        "on that connection run unprepared, and the statements sent outside a pipeline cost "
+        "one more exchange each when psycopg prepares them again. "
+        if deallocates
+        else ""
+    )
+    return (
+        "A replay ends its transaction with `ROLLBACK` (the replay variants above run "
+        "back to back, so nothing is prepared when they start). "
+        + why
+        + f"One replay on a connection that served new keys just before: "
+        f"{ours.per_request:.0f} exchanges on psycopg 3{reference}:\n\n{shown}\n"
+    )
+
+
+CLAIM_INTRO = """\
+The claim is four statements: bound `lock_timeout` (`IDEMPOTENCY_WAIT`), insert the
+record (`ON CONFLICT DO NOTHING`), restore the bound, read the record. psycopg2 binds
+on the client and sends them as one `;`-joined string, one round trip. psycopg 3 binds
+on the server, one statement per message, so the extension sends them in psycopg's
+pipeline mode: all four, then one `Sync`, answered together. `ext-serial` sends the
+same four one at a time; `ext-client-batch` sends them as one string through
+`psycopg.ClientCursor` (psycopg quotes the values into the text, simple query
+protocol: psycopg2's way); `ext-generic` is what the extension does where it has no
+batch (`_pipeline_supported` patched to answer False for that route only,
+`bench/claim_paths.py`): each statement through SQLAlchemy, compiled each time, the
+request's other statements too. On both drivers the transaction's `BEGIN` is an
+exchange of its own before the claim (psycopg 3 sends it with a `Sync` of its own
+and waits, pipeline or not)."""
+
+CLAIM_WHY = """\
+Why the pipeline and not the one string: both are one round trip. The pipeline keeps
+psycopg 3's server-side binding, as for the app's other statements: the values travel
+apart from the text, never quoted into it, and the text is the same at every claim, so
+psycopg prepares it on each connection after five executions; from then on the server
+skips parsing it (and planning it, once PostgreSQL settles on a generic plan). The one
+string is quoted by psycopg on the client, and parsed and planned by the server, at
+every claim. The figures above say what each costs on this machine; a difference
+within 2%, or within the spread between rounds on a shared machine, is none."""
 
 
 EXPLANATION = """\
@@ -214,10 +475,13 @@ default rollback-journal mode, which lets one writer at a time).
   the WAL writer, checkpointer...), divided by the requests answered; median over the
   rounds. The load generator is not counted.
 * **round trips/req**: PostgreSQL only, in a separate phase: the app in process, one
-  request at a time, through a counting TCP proxy (`bench/wire.py`) that counts each
-  time the client sends after a reply (psycopg2 sends `BEGIN` as an exchange of its
-  own). Connection setup is left out (warm-up requests first, then the counters are
-  reset). The statements of one request are listed below.
+  request at a time, through a counting TCP proxy (`bench/wire.py`) that reads the
+  client's side of the protocol and counts each time the client sends a request after
+  a reply: a simple query (psycopg2, which sends `BEGIN` as an exchange of its own), a
+  statement psycopg 3 binds on the server (`Parse`/`Bind`/`Execute` up to its
+  `Sync`), or a psycopg 3 pipeline (several statements before one `Sync`: the server
+  answers nothing before it). Connection setup is left out (warm-up requests first,
+  then the counters are reset). The statements of one request are listed below.
 * **ratio, throughput**: median over the rounds of the ratio of the two variants'
   requests/s in that round; the target is the issue's. **by CPU/req**: median over the
   rounds of the second variant's CPU per request over the first's: the throughput ratio
@@ -230,7 +494,19 @@ default rollback-journal mode, which lets one writer at a time).
   writes no index entries.
 * **worker RSS**: `VmRSS` of the only worker of a 1-worker gunicorn after the first and
   the second number of new-key requests on `/ext` (after a warm-up).
+* **machine**: `/proc/stat` over each run: the share of all CPUs' time that was busy,
+  and the share the measured server processes took. The engines run one after the
+  other, so figures of two engines were not measured side by side: compare each
+  engine's ratios, not its figures with another's.
 """
+
+LISTING_LEGEND = """\
+Each line is one exchange; a `+` line was sent in the same exchange as the line above
+it (a psycopg2 batch, or a psycopg 3 pipeline). An unmarked statement is a simple query
+(`Q`: its text, with the values in it). psycopg 3's statements are marked with how they
+travelled: `[parse]` parsed, bound and executed (the values sent apart, as `$n`),
+`[prepare _pg3_N]` prepared under a name, `[prepared _pg3_N]` executed from a
+statement prepared earlier on the connection (only its name and values sent)."""
 
 
 def markdown(
@@ -239,7 +515,13 @@ def markdown(
     memory: MemoryFigure | None,
     notes: list[str],
 ) -> str:
-    variants = "\n".join(f"* `{v.name}`: `POST {v.path}`: {v.what}" for v in VARIANTS)
+    engines = {r.engine for r in results}
+    variants = "\n".join(
+        f"* `{v.name}`: `POST {v.path}`: {v.what}"
+        + (f" (only on {', '.join(v.engines)})" if v.engines else "")
+        for v in VARIANTS
+        if any(v.runs_on(e) for e in engines)
+    )
     parts = [
         "# Benchmarks",
         "",
@@ -253,7 +535,10 @@ def markdown(
         f"* CPUs: {facts.cpus} ({facts.cpu_model})",
         f"* Python {facts.python}; gunicorn {facts.gunicorn}; load: {facts.load}",
         f"* PostgreSQL: {facts.postgresql}; SQLite {facts.sqlite}",
+        f"* {facts.drivers}",
         f"* {facts.rounds} rounds, {facts.duration:g} s per variant per round, 6 connections",
+        f"* load average (1 min) at the start {facts.load_before}, at the end {facts.load_after}",
+        *(f"* {note}" for note in facts.notes),
         "",
         "## Results",
         "",
@@ -264,14 +549,15 @@ def markdown(
         parts += ["### Worker memory", "", memory_table(memory), ""]
     if notes:
         parts += ["### Notes", ""] + [f"* {note}" for note in notes] + [""]
+    if claims := claim_section(results):
+        parts += [claims, ""]
     parts.append(EXPLANATION.replace("{variants}", variants))
     for result in results:
         if result.wire:
             parts += [
                 f"## Statements of one request on the wire ({result.engine})",
                 "",
-                "Each line is one exchange; a `+` line was sent in the same exchange as the",
-                "line above it (statements psycopg2 sends as one batch).",
+                LISTING_LEGEND,
                 "",
                 statements_block(result.wire),
             ]

@@ -4,7 +4,9 @@ Starts PostgreSQL (embedded, or ``IDEMPOTENCY_TEST_POSTGRES_URL``) and gunicorn
 (3 sync workers) serving ``bench/app.py``, drives every variant with 6
 connections (wrk where installed, else Python) in interleaved rounds, measures
 round trips on the wire, HOT updates and worker memory in phases of their own,
-prints the tables and writes ``BENCHMARKS.md`` and ``bench/results.png``.
+prints the tables and writes ``BENCHMARKS.md`` and ``bench/results.png``. The
+engines, one after the other: PostgreSQL through psycopg2 (``postgresql``) and
+through psycopg 3 (``psycopg``), and SQLite (``sqlite``).
 Everything it starts listens on 127.0.0.1 and is stopped on the way out, also
 after a failure, Ctrl-C or SIGTERM.
 
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import importlib.metadata
+import math
 import os
 import platform
 import random
@@ -33,14 +36,12 @@ import typing as t
 import uuid
 from pathlib import Path
 
-from bench import probes, report
+from bench import probes, procstats, report
 from bench.app import OPTIMISTIC_MISSING, reset_database
 from bench.load import Generator, LoadError, PythonLoad, Target, Wrk, send_once
 from bench.procstats import CpuMeter
 from bench.servers import ROOT, Gunicorn, Postgres, stop_postgres
-from bench.variants import REPLAY_KEY, VARIANTS, Variant
-
-ENGINES = ("postgresql", "sqlite")
+from bench.variants import ENGINES, POSTGRES_ENGINES, REPLAY_KEY, VARIANTS, Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,10 @@ def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
         help="seconds per variant per round (default 10; quick 2; wrk rounds to whole seconds)",
     )
     parser.add_argument(
-        "--engines", default=",".join(ENGINES), help="comma-separated: postgresql,sqlite"
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated, in the order run (default {','.join(ENGINES)}): "
+        "postgresql is PostgreSQL through psycopg2, psycopg through psycopg 3",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "results.png")
@@ -87,6 +91,13 @@ def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
         help="load generator (auto: wrk where installed)",
     )
     parser.add_argument("--seed", type=int, default=8, help="seed of the variant order")
+    parser.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line for the run's facts in BENCHMARKS.md, such as what else ran on the "
+        "machine (repeatable)",
+    )
     args = parser.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
@@ -129,7 +140,9 @@ def run_engine(
 ) -> report.EngineResult:
     """Every variant on one engine, in rounds; then the wire and HOT phases (PostgreSQL)."""
     reset_database(url)
-    variants = [v for v in VARIANTS if not (v.optimistic and OPTIMISTIC_MISSING)]
+    variants = [
+        v for v in VARIANTS if v.runs_on(engine) and not (v.optimistic and OPTIMISTIC_MISSING)
+    ]
     result = report.EngineResult(engine, variants, {v.name: [] for v in variants})
     if OPTIMISTIC_MISSING:
         result.notes.append(f"ext-optimistic skipped: {OPTIMISTIC_MISSING}.")
@@ -154,13 +167,22 @@ def run_engine(
         for round_no in range(1, args.rounds + 1):
             rng.shuffle(order)
             for variant in order:
-                before = meter.snapshot()
+                before, machine_before = meter.snapshot(), procstats.machine_ticks()
                 got = load.run(
                     _target(server.port, variant), args.duration, f"{run}-{round_no}-{variant.name}"
                 )
                 cpu = meter.seconds_between(before, meter.snapshot())
+                busy, total = (
+                    b - a for a, b in zip(machine_before, procstats.machine_ticks(), strict=True)
+                )
                 sample = report.Sample(
-                    got.requests, got.rate, got.p50_ms, got.p99_ms, cpu * 1000 / got.requests
+                    got.requests,
+                    got.rate,
+                    got.p50_ms,
+                    got.p99_ms,
+                    cpu * 1000 / got.requests,
+                    busy=busy / total if total else math.nan,
+                    server_share=cpu / (total * procstats.CLOCK_TICK) if total else math.nan,
                 )
                 result.samples[variant.name].append(sample)
                 _say(
@@ -171,6 +193,8 @@ def run_engine(
     if postgres is not None:
         _say(f"[{engine}] round trips on the wire ({args.sizes.wire_requests} requests each)")
         result.wire = probes.round_trips(url, variants, requests=args.sizes.wire_requests)
+        ext = next(v for v in variants if v.name == "ext")
+        result.replay_after_new = probes.replay_after_new_keys(url, ext)
         _say(f"[{engine}] HOT updates ({args.sizes.hot_requests} new-key requests each)")
         keyed = [v for v in variants if v.key_table is not None]
         result.hot = probes.hot_updates(
@@ -204,7 +228,11 @@ def _cpu_model() -> str:
 
 
 def facts(
-    argv: t.Sequence[str], args: argparse.Namespace, postgres: Postgres | None, load: Generator
+    argv: t.Sequence[str],
+    args: argparse.Namespace,
+    postgres: Postgres | None,
+    load: Generator,
+    load_before: str,
 ) -> report.Facts:
     return report.Facts(
         command=shlex.join(["python", "-m", "bench.run", *argv]),
@@ -219,7 +247,28 @@ def facts(
         commit=_git_commit(),
         rounds=args.rounds,
         duration=args.duration,
+        drivers=_drivers(),
+        load_before=load_before,
+        load_after=f"{os.getloadavg()[0]:.2f}",
+        notes=list(args.note),
     )
+
+
+def _drivers() -> str:
+    """The PostgreSQL drivers' versions, and libpq's under psycopg 3."""
+    versions = []
+    for name, dist in (("psycopg2", "psycopg2-binary"), ("psycopg 3", "psycopg")):
+        try:
+            versions.append(f"{name} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    with contextlib.suppress(ImportError):
+        import psycopg
+
+        libpq = psycopg.pq.version()
+        pipeline = "pipeline mode available" if psycopg.Pipeline.is_supported() else "no pipeline"
+        versions.append(f"libpq {libpq // 10000}.{libpq % 100} under psycopg 3 ({pipeline})")
+    return "drivers: " + ", ".join(versions) if versions else "drivers: none"
 
 
 def main(argv: t.Sequence[str] | None = None) -> int:
@@ -238,11 +287,12 @@ def main(argv: t.Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str], args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
+    load_before = f"{os.getloadavg()[0]:.2f}"
     load = make_generator(args.load)
     stack.callback(load.close)
     _say(f"load generator: {getattr(load, 'version', load.name)}")
     postgres = None
-    if "postgresql" in args.engines:
+    if set(POSTGRES_ENGINES) & set(args.engines):
         stack.callback(stop_postgres)
         postgres = Postgres.start()
         _say(f"PostgreSQL {postgres.version} ({postgres.source})")
@@ -250,17 +300,18 @@ def _main(argv: list[str], args: argparse.Namespace, stack: contextlib.ExitStack
     stack.callback(shutil.rmtree, scratch, ignore_errors=True)
     urls = {"sqlite": f"sqlite:///{scratch / 'bench.sqlite3'}"}
     if postgres is not None:
-        urls["postgresql"] = postgres.url
+        urls["postgresql"] = postgres.url_for("psycopg2")
+        urls["psycopg"] = postgres.url_for("psycopg")
     results = []
     for engine in args.engines:
-        on_postgres = postgres if engine == "postgresql" else None
+        on_postgres = postgres if engine in POSTGRES_ENGINES else None
         result = run_engine(engine, urls[engine], on_postgres, load, args)
         results.append(result)
         _say("\n" + report.engine_section(result) + "\n")
     memory = None
     notes = []
     if args.memory:
-        engine = "postgresql" if postgres is not None else "sqlite"
+        engine = next((e for e in args.engines if e in POSTGRES_ENGINES), "sqlite")
         first, second = args.sizes.memory
         _say(f"[{engine}] worker memory: {first} and {second} new-key requests on /ext")
         python_load = load if isinstance(load, PythonLoad) else PythonLoad()
@@ -269,7 +320,7 @@ def _main(argv: list[str], args: argparse.Namespace, stack: contextlib.ExitStack
         memory = probes.worker_memory(urls[engine], python_load, first=first, second=second)
         notes.append(f"worker memory measured on {engine}, with the Python load generator.")
         _say("\n" + report.memory_table(memory) + "\n")
-    text = report.markdown(facts(argv, args, postgres, load), results, memory, notes)
+    text = report.markdown(facts(argv, args, postgres, load, load_before), results, memory, notes)
     # The outbox figures (python -m bench.outbox) are a section of the same file.
     from bench.outbox import kept_section
 

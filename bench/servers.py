@@ -173,6 +173,13 @@ class Postgres:
                 postmaster = parent
         return cls(url, str(conftest._PG["source"]), version, postmaster)
 
+    def url_for(self, driver: str) -> str:
+        """:attr:`url` through ``driver``: ``"psycopg2"`` or ``"psycopg"`` (psycopg 3)."""
+        from tests import conftest
+
+        url = sa.make_url(self.url).set(drivername=conftest.PG_DRIVERS[driver])
+        return url.render_as_string(hide_password=False)
+
     @property
     def major(self) -> int:
         return int(self.version.split(".")[0].split()[0])

@@ -1,4 +1,4 @@
-"""What the benchmark compares: the variants, and the ratios between them."""
+"""What the benchmark compares: the engines, the variants, and the ratios between them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ from bench.load import KeyMode
 
 #: The key every replay variant sends; completed once before the rounds.
 REPLAY_KEY = "bench-replay-key"
+
+#: The engines, by id: PostgreSQL through psycopg2 and through psycopg 3, SQLite.
+ENGINES = {
+    "postgresql": "PostgreSQL through psycopg2 (`postgresql+psycopg2://`)",
+    "psycopg": "PostgreSQL through psycopg 3 (`postgresql+psycopg://`, SQLAlchemy 2.1's "
+    "driver for `postgresql://`)",
+    "sqlite": "SQLite (`sqlite:///`, the standard library's driver)",
+}
+#: The engines that run on PostgreSQL: round trips and HOT updates are measured there.
+POSTGRES_ENGINES = ("postgresql", "psycopg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +30,11 @@ class Variant:
     key_table: str | None = None
     #: Needs ``@idem.idempotent(optimistic=True)``.
     optimistic: bool = False
+    #: Only on these engines, or on every engine when None.
+    engines: tuple[str, ...] | None = None
+
+    def runs_on(self, engine: str) -> bool:
+        return self.engines is None or engine in self.engines
 
 
 VARIANTS = (
@@ -59,7 +74,38 @@ VARIANTS = (
     Variant(
         "ext-replay", "/ext", "fixed", "@idem.idempotent(), a completed key: every request replays"
     ),
+    # The claim sent other ways than the extension's pipeline (bench/claim_paths.py).
+    Variant(
+        "ext-serial",
+        "/ext-serial",
+        "new",
+        "ext, the claim's four statements sent one by one instead of in a pipeline "
+        "(a round trip each)",
+        key_table="idempotency_keys",
+        engines=("psycopg",),
+    ),
+    Variant(
+        "ext-client-batch",
+        "/ext-client-batch",
+        "new",
+        "ext, the claim's four statements as one string through psycopg.ClientCursor "
+        "(values quoted by psycopg, one simple query)",
+        key_table="idempotency_keys",
+        engines=("psycopg",),
+    ),
+    Variant(
+        "ext-generic",
+        "/ext-generic",
+        "new",
+        "ext on the extension's path without a pipeline (`_pipeline_supported` False): "
+        "each statement through SQLAlchemy",
+        key_table="idempotency_keys",
+        engines=("psycopg",),
+    ),
 )
+
+#: The variants that compare ways to send the claim, the extension's first.
+CLAIM_PATHS = ("ext", "ext-serial", "ext-client-batch", "ext-generic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +118,8 @@ class Ratio:
     target: float | None = None
     #: The ratio must exceed the target (not only reach it).
     strict: bool = False
-    #: Only on this engine, or on every engine when None.
-    engine: str | None = None
+    #: Only on these engines, or on every engine when None.
+    engines: tuple[str, ...] | None = None
 
     def met(self, value: float) -> bool | None:
         if self.target is None:
@@ -86,12 +132,15 @@ RATIOS = (
     Ratio("ext-nowait", "floor"),
     Ratio("ext-optimistic", "floor"),
     Ratio("floor", "plain"),
-    Ratio("ext", "plain", 0.75, engine="sqlite"),
-    Ratio("ext", "plain", engine="postgresql"),
+    Ratio("ext", "plain", 0.75, engines=("sqlite",)),
+    Ratio("ext", "plain", engines=POSTGRES_ENGINES),
     Ratio("ext-nowait", "plain"),
     Ratio("ext-optimistic", "plain"),
     Ratio("ext-replay", "floor-replay", 0.95),
     Ratio("ext-replay", "ext", 1.0, strict=True),
     Ratio("floor-replay", "floor"),
     Ratio("no-key", "plain", 0.97),
+    Ratio("ext-serial", "ext", engines=("psycopg",)),
+    Ratio("ext-client-batch", "ext", engines=("psycopg",)),
+    Ratio("ext-generic", "ext", engines=("psycopg",)),
 )

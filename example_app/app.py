@@ -1,4 +1,9 @@
-"""The payments service: ``POST /payments`` charges a customer once per key."""
+"""The payments service: ``POST /payments`` charges a customer once per key.
+
+Every route is its caller's: the merchant (:func:`merchant`) is the scope of
+its keys, is stored on each charge, and is the filter of every read. Another
+merchant's charge is a 404, as one that does not exist.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,13 @@ import os
 import typing as t
 
 import sqlalchemy as sa
-from flask import Flask, abort, url_for
+from flask import Flask, abort, request, url_for
 from flask_sqlalchemy import SQLAlchemy
 from marshmallow import Schema, ValidationError, fields, validate
 from sqlalchemy import orm
+from werkzeug.exceptions import HTTPException
 
-from flask_idempotency import Idempotency
+from flask_idempotency import Idempotency, ProblemError
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -22,6 +28,7 @@ DEFAULT_DATABASE_URL = "sqlite:///example.sqlite3"
 
 # What the ledger's columns hold; the schema refuses anything else with 422
 # instead of letting the database fail the request with a 500.
+MERCHANT_LENGTH = 64
 CUSTOMER_ID_LENGTH = 64
 DESCRIPTION_LENGTH = 200
 AMOUNT_MAX = 2**31 - 1  # INTEGER on PostgreSQL and MySQL is 32-bit
@@ -33,6 +40,8 @@ class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
     __tablename__ = "ledger"
 
     id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
+    #: Whose charge it is: only this merchant reads it.
+    merchant: orm.Mapped[str] = orm.mapped_column(db.String(MERCHANT_LENGTH), index=True)
     customer_id: orm.Mapped[str] = orm.mapped_column(db.String(CUSTOMER_ID_LENGTH))
     amount: orm.Mapped[int] = orm.mapped_column(db.Integer)
     currency: orm.Mapped[str] = orm.mapped_column(db.String(3))
@@ -49,6 +58,31 @@ class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
             "currency": self.currency,
             "description": self.description,
         }
+
+
+def merchant() -> str:
+    """The calling merchant. A stand-in for authentication: a real service takes
+    it from the verified credential (an API key, a client certificate), never
+    from a header anyone can set. Without one the request is refused (401): a
+    caller with no identity shares nothing with another."""
+    name = request.headers.get("X-Merchant", "")
+    if not name or len(name) > MERCHANT_LENGTH or not name.isprintable():
+        abort(401, description="Send your merchant in X-Merchant (1 to 64 printable characters).")
+    return name
+
+
+def problem(status: int, title: str, detail: str) -> tuple[dict[str, t.Any], int, dict[str, str]]:
+    """An RFC 9457 problem response."""
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    return body, status, {"Content-Type": "application/problem+json"}
+
+
+def http_problem(exc: HTTPException) -> t.Any:
+    """Werkzeug's HTTP errors (401, 404, 405, 413...) as problem+json; the
+    extension's errors are problem+json already."""
+    if isinstance(exc, ProblemError):
+        return exc.get_response()
+    return problem(exc.code or 500, exc.name, exc.description or exc.name)
 
 
 def storable_text(value: str) -> None:
@@ -109,11 +143,14 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
     Without them, a host cut off from its database hangs each request until the
     WSGI server kills the worker (gunicorn: 30 s). With them, a request fails
     within seconds with 503, which a client can retry elsewhere. See the
-    README's "When the database is down".
+    README's "When the database is down". For the URLs the extras install a
+    driver for: ``postgresql+psycopg2://`` (``[postgresql]``),
+    ``postgresql+psycopg://`` (``[psycopg]``), ``mysql+pymysql://``
+    (``[mysql]``); another driver gets the pool settings only.
     """
     url = sa.engine.make_url(database_url)
-    backend = url.get_backend_name()
-    if backend == "postgresql":  # psycopg2 (libpq) parameters
+    backend, driver = url.get_backend_name(), url.get_driver_name()
+    if backend == "postgresql" and driver in ("psycopg2", "psycopg"):  # libpq parameters
         # connect_args' options replace the URL's: keep those (a search_path, say).
         given = url.query.get("options", "")
         options = given if isinstance(given, str) else " ".join(given)
@@ -142,18 +179,22 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
                 ).strip(),
             },
         }
-    if backend in ("mysql", "mariadb"):  # PyMySQL parameters
+    if backend in ("mysql", "mariadb") and driver in ("pymysql", "mysqldb"):
         return {
             "pool_pre_ping": True,
             "pool_timeout": 5,
             "connect_args": {"connect_timeout": 3, "read_timeout": 15, "write_timeout": 15},
         }
+    if backend != "sqlite":
+        return {"pool_pre_ping": True, "pool_timeout": 5}
     return {}
 
 
 def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the app. ``config`` overrides; the database comes from
-    ``EXAMPLE_DATABASE_URL`` or defaults to SQLite in the instance folder.
+    ``EXAMPLE_DATABASE_URL`` (with its driver: ``postgresql+psycopg2://user@host/db``,
+    ``postgresql+psycopg://...``, ``mysql+pymysql://...``) or defaults to SQLite
+    in the instance folder.
     ``SQLALCHEMY_ENGINE_OPTIONS`` in ``config`` are added to (and win over)
     :func:`engine_options`."""
     app = Flask(__name__)
@@ -175,6 +216,8 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     db.init_app(app)
     idem.init_app(app, db)
     app.register_blueprint(bp)
+    # Every HTTP error as problem+json (401 from merchant(), 404, 405, 413...).
+    app.register_error_handler(HTTPException, http_problem)
     # Readiness, for the load balancer: 503 while the database cannot answer.
     app.add_url_rule("/readyz", view_func=idem.readiness_view)
     with app.app_context():
@@ -188,15 +231,19 @@ bp = Blueprint("payments", __name__)
 
 
 @bp.post("/payments")
-# One merchant calls this demo service, so all its keys share one scope. A real
-# service names its authenticated caller here (or relies on the default scope:
-# README, "Scope"), so that two callers' keys never meet.
-@idem.idempotent(schema=PaymentSchema(), exclude=["client_sent_at"], scope=lambda: "merchant:demo")
+# The merchant's keys are its own: another merchant's identical key is another
+# charge, and never gets this one's response replayed.
+@idem.idempotent(
+    schema=PaymentSchema(),
+    exclude=["client_sent_at"],
+    scope=lambda: f"merchant:{merchant()}",
+)
 def create_payment() -> tuple[dict[str, t.Any], int, dict[str, str]]:
     """Charge the customer: write one ledger row. The extension commits it,
     together with the idempotency record."""
     data = idem.payload
     entry = LedgerEntry(
+        merchant=merchant(),
         customer_id=data["customer_id"],
         amount=data["amount"],
         currency=data["currency"],
@@ -210,7 +257,11 @@ def create_payment() -> tuple[dict[str, t.Any], int, dict[str, str]]:
 
 @bp.get("/payments/<int:charge_id>")
 def get_payment(charge_id: int) -> dict[str, t.Any]:
-    entry = db.session.get(LedgerEntry, charge_id)
+    """One of the caller's charges; another merchant's is a 404, as a missing one."""
+    mine = db.select(LedgerEntry).where(
+        LedgerEntry.id == charge_id, LedgerEntry.merchant == merchant()
+    )
+    entry: LedgerEntry | None = db.session.execute(mine).scalar_one_or_none()
     if entry is None:
         abort(404)
     return entry.as_dict()
@@ -218,7 +269,10 @@ def get_payment(charge_id: int) -> dict[str, t.Any]:
 
 @bp.get("/ledger")
 def ledger() -> dict[str, t.Any]:
-    entries = db.session.execute(db.select(LedgerEntry).order_by(LedgerEntry.id)).scalars()
+    """The caller's charges, oldest first."""
+    entries = db.session.execute(
+        db.select(LedgerEntry).where(LedgerEntry.merchant == merchant()).order_by(LedgerEntry.id)
+    ).scalars()
     rows = [e.as_dict() for e in entries]
     return {"count": len(rows), "entries": rows}
 

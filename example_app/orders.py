@@ -14,6 +14,10 @@ client's one ``Idempotency-Key`` (K):
 The route is leased (``lease=True``): the claim commits before the view calls
 the payments service, so a crash after the charge leaves a record the client's
 retry resumes, with the same derived key, instead of a fresh operation.
+
+Every route is its tenant's (:func:`tenant`): the scope of its keys, the
+tenant stored on each order, and the filter of every read. Another tenant's
+order is a 404, as one that does not exist.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 from werkzeug.exceptions import HTTPException
 
-from flask_idempotency import Idempotency, ProblemError
+from flask_idempotency import Idempotency
 from flask_idempotency.client import IdempotentSession
 
 from . import broker
-from .app import CUSTOMER_ID_LENGTH, AmountSchema, engine_options
+from .app import CUSTOMER_ID_LENGTH, AmountSchema, engine_options, http_problem, problem
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DATABASE_URL = "sqlite:///orders.sqlite3"
 DEFAULT_PAYMENTS_URL = "http://127.0.0.1:5000"
+#: Who this service is at the payments service (its X-Merchant).
+DEFAULT_PAYMENTS_MERCHANT = "orders"
 TENANT_LENGTH = 64
 
 
@@ -104,6 +110,7 @@ def charge(order: dict[str, t.Any]) -> dict[str, t.Any]:
         response = http.post(
             current_app.config["PAYMENTS_URL"] + "/payments",
             json={**body, "description": f"order of {tenant()}"},
+            headers={"X-Merchant": current_app.config["PAYMENTS_MERCHANT"]},
             step="charge",
             timeout=(3, 5),
         )
@@ -120,24 +127,10 @@ def _reason(response: t.Any) -> str:
     """What the client may read of a payments answer: its problem's title and
     detail when it sent one, not its raw body."""
     try:
-        problem = response.json()
-        return f"{problem['title']}: {problem['detail']}"
+        answer = response.json()
+        return f"{answer['title']}: {answer['detail']}"
     except (ValueError, KeyError, TypeError):
         return f"The payments service answered {response.status_code}."
-
-
-def problem(status: int, title: str, detail: str) -> tuple[dict[str, t.Any], int, dict[str, str]]:
-    """An RFC 9457 problem response."""
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
-    return body, status, {"Content-Type": "application/problem+json"}
-
-
-def http_problem(exc: HTTPException) -> t.Any:
-    """Werkzeug's HTTP errors (404, 405, 413, the 401 of :func:`tenant`) as
-    problem+json; the extension's errors are problem+json already."""
-    if isinstance(exc, ProblemError):
-        return exc.get_response()
-    return problem(exc.code or 500, exc.name, exc.description or exc.name)
 
 
 bp = Blueprint("orders", __name__)
@@ -182,7 +175,9 @@ def create_order() -> t.Any:
 
 @bp.get("/orders/<int:order_id>")
 def get_order(order_id: int) -> dict[str, t.Any]:
-    row = db.session.get(Order, order_id)
+    """One of the caller's orders; another tenant's is a 404, as a missing one."""
+    mine = db.select(Order).where(Order.id == order_id, Order.tenant == tenant())
+    row: Order | None = db.session.execute(mine).scalar_one_or_none()
     if row is None:
         abort(404)
     return row.as_dict()
@@ -190,20 +185,27 @@ def get_order(order_id: int) -> dict[str, t.Any]:
 
 @bp.get("/orders")
 def list_orders() -> dict[str, t.Any]:
-    rows = [o.as_dict() for o in db.session.execute(db.select(Order).order_by(Order.id)).scalars()]
+    """The caller's orders, oldest first."""
+    mine = db.select(Order).where(Order.tenant == tenant()).order_by(Order.id)
+    rows = [o.as_dict() for o in db.session.execute(mine).scalars()]
     return {"count": len(rows), "orders": rows}
 
 
 def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the order service. ``config`` overrides; otherwise the database is
-    ``EXAMPLE_ORDERS_DATABASE_URL`` (default SQLite in the instance folder), the
-    payments service ``EXAMPLE_PAYMENTS_URL`` (default ``http://127.0.0.1:5000``)
-    and the broker ``EXAMPLE_BROKER_URL`` (see ``broker.py``)."""
+    ``EXAMPLE_ORDERS_DATABASE_URL`` (default SQLite in the instance folder; with its
+    driver, as ``postgresql+psycopg2://user@host/orders``), the payments service
+    ``EXAMPLE_PAYMENTS_URL`` (default ``http://127.0.0.1:5000``), where it calls as
+    merchant ``EXAMPLE_PAYMENTS_MERCHANT`` (default ``orders``), and the broker
+    ``EXAMPLE_BROKER_URL`` (see ``broker.py``)."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
         "EXAMPLE_ORDERS_DATABASE_URL", DEFAULT_DATABASE_URL
     )
     app.config["PAYMENTS_URL"] = os.environ.get("EXAMPLE_PAYMENTS_URL", DEFAULT_PAYMENTS_URL)
+    app.config["PAYMENTS_MERCHANT"] = os.environ.get(
+        "EXAMPLE_PAYMENTS_MERCHANT", DEFAULT_PAYMENTS_MERCHANT
+    )
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     # Longer than the charge can take (connect 3 s + read 5 s per attempt, within
     # the session's 12 s budget), so a live request never loses its lease.

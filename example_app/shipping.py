@@ -4,12 +4,20 @@ The broker delivers at least once (the relay may publish an event again after a
 crash, the broker redelivers what was not acked), so :func:`ship` goes through
 the inbox: the event id and the shipment commit in one transaction, and a
 duplicate delivery is skipped.
+
+The event id is the only identity the consumer keys on. The order service
+derives it from the tenant's scope and key, so two tenants' events never share
+one; the tenant a shipment records is the one the order service wrote into the
+event. A message that is no order-created event (no message id, another
+shape) is rejected, not processed under a made-up id, and not redelivered for
+ever either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import os
 import typing as t
 
@@ -27,6 +35,7 @@ idem = Idempotency()  # for its inbox table and the cleanup of expired ids
 
 DEFAULT_DATABASE_URL = "sqlite:///shipping.sqlite3"
 CONSUMER = "shipping"
+logger = logging.getLogger(__name__)
 
 
 class Shipment(db.Model):  # type: ignore[name-defined,misc]
@@ -58,13 +67,27 @@ def ship(event_id: str, payload: dict[str, t.Any]) -> str:
 class Consumed:
     shipped: int = 0
     skipped: int = 0
+    rejected: int = 0  #: not order-created events: refused, not redelivered
+
+
+def order_created(event_id: t.Any, body: t.Any) -> bool:
+    """Whether a delivery is an order-created event this service can ship: a
+    message id, and the order and tenant the order service writes."""
+    return (
+        isinstance(event_id, str)
+        and bool(event_id)
+        and isinstance(body, dict)
+        and isinstance(body.get("order_id"), int)
+        and isinstance(body.get("tenant"), str)
+    )
 
 
 def consume(app: Flask, *, idle: float = 1.0, limit: int | None = None) -> Consumed:
     """Take ``order-created`` events off the shipping queue and ship them, until
     none has come for ``idle`` seconds (or ``limit`` were taken). A message is
     acked after its transaction commits; one that fails is not acked, so the
-    broker delivers it again."""
+    broker delivers it again; one that is no order-created event is rejected
+    (a broker with a dead-letter exchange keeps it there)."""
     done = Consumed()
     taken = 0
 
@@ -72,6 +95,11 @@ def consume(app: Flask, *, idle: float = 1.0, limit: int | None = None) -> Consu
         nonlocal taken
         taken += 1
         event_id = message.properties.get("message_id")
+        if not order_created(event_id, body):
+            logger.error("rejected a message that is no order-created event: id %r", event_id)
+            message.reject()
+            done.rejected += 1
+            return
         with app.app_context():
             outcome = ship(event_id, body)
         if outcome is None:
@@ -94,7 +122,8 @@ def consume(app: Flask, *, idle: float = 1.0, limit: int | None = None) -> Consu
 
 def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the shipping service: its database is ``EXAMPLE_SHIPPING_DATABASE_URL``
-    (default SQLite in the instance folder), its broker ``EXAMPLE_BROKER_URL``."""
+    (default SQLite in the instance folder; with its driver, as
+    ``postgresql+psycopg2://user@host/shipping``), its broker ``EXAMPLE_BROKER_URL``."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
         "EXAMPLE_SHIPPING_DATABASE_URL", DEFAULT_DATABASE_URL

@@ -12,6 +12,7 @@ from . import signals
 from .errors import (
     ConflictError,
     DatabaseUnavailableError,
+    EventIdConflictError,
     IdempotencyError,
     InvalidKeyError,
     KeyReusedError,
@@ -35,6 +36,7 @@ __all__ = [
     "IN_PROGRESS",
     "ConflictError",
     "DatabaseUnavailableError",
+    "EventIdConflictError",
     "Idempotency",
     "IdempotencyError",
     "InvalidKeyError",

@@ -26,14 +26,19 @@ included. What it adds, in :class:`IdempotentRetry`:
   once), and an unreadable ``Retry-After`` (``1.5``, ``soon``) treated as
   absent instead of raising.
 
-And in :class:`IdempotentSession`: urllib3 retries only failures before the
-response's headers; a response cut off in its body (the connection lost, a
-read timeout) is sent again by the session, within the same ``total`` and
-deadline, since the server may have acted on it.
+And in :class:`IdempotentSession` and its adapter: urllib3 retries only
+failures before the response's headers; a response cut off in its body (the
+connection lost, a read timeout) is sent again too, since the server may have
+acted on it. Every attempt of one call (urllib3's retries, those resends, the
+hops of a redirect) draws on one ``Retry``, so ``total`` and the deadline
+bound the call. Every way into the session (``request``, the verbs, ``send``
+of a prepared request) gives a POST or PATCH its key before the first
+attempt; one that reaches the adapter without a key is not resent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -43,7 +48,8 @@ import uuid
 try:
     import requests
     from requests.adapters import HTTPAdapter
-    from urllib3.exceptions import InvalidHeader, MaxRetryError, ResponseError
+    from requests.utils import rewind_body
+    from urllib3.exceptions import InvalidHeader, MaxRetryError, ProtocolError, ResponseError
     from urllib3.util.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -148,39 +154,181 @@ class IdempotentRetry(Retry):
             time.sleep(self.planned_wait)
 
 
-class _BudgetAdapter(HTTPAdapter):
-    """An ``HTTPAdapter`` whose retry budget starts when each request is sent.
+class _Budget:
+    """The retries one call has left (a ``Retry``, with its counts and history).
 
-    ``HTTPAdapter.send`` reads ``self.max_retries`` once per request: a fresh
-    copy stamped with the time is what starts the deadline's clock.
+    Every attempt of the call draws on it: urllib3's retries, a resend after a
+    body cut off mid-read, the hops of a redirect. So ``total`` and the deadline
+    bound the whole call, never one attempt's share of it.
+    """
+
+    __slots__ = ("retry",)
+
+    def __init__(self, retry: Retry) -> None:
+        self.retry = retry
+
+
+class _Budgets(threading.local):
+    """Each thread's calls in progress on one session, innermost last.
+
+    Per thread, because a session is shared by threads (a pool, a web
+    server's workers): one thread's retries never spend another's budget.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[_Budget] = []
+
+    @property
+    def current(self) -> _Budget | None:
+        return self.stack[-1] if self.stack else None
+
+    @contextlib.contextmanager
+    def call(self, policy: Retry, *, join: bool) -> t.Iterator[_Budget]:
+        """The budget of the call in progress (``join``, when there is one), or a
+        new one from ``policy`` for as long as the block runs, ended however
+        it ends (an exception, ``KeyboardInterrupt`` in a backoff)."""
+        current = self.current
+        if join and current is not None:
+            yield current
+            return
+        budget = _Budget(_fresh(policy))
+        self.stack.append(budget)
+        try:
+            yield budget
+        finally:
+            self.stack.remove(budget)
+
+
+def _fresh(policy: Retry) -> Retry:
+    """A copy of ``policy`` for a new call, its deadline's clock started now."""
+    if isinstance(policy, IdempotentRetry):
+        return policy.new(started=time.monotonic())
+    return policy.new()
+
+
+class _BudgetAdapter(HTTPAdapter):
+    """The session's ``HTTPAdapter``: every attempt of one call draws on one
+    budget, a response cut off in its body is sent again, and a request that
+    cannot be sent again safely is not.
+
+    What may be resent: the same prepared request (key, body, headers), and
+    only when it carries its key or needs none (not POST or PATCH) and its
+    body can be sent twice. Otherwise only a failure to connect is retried
+    (nothing reached the server); a read error or a retryable status ends the
+    call. The session gives every POST and PATCH a key before this point, so
+    that applies to a request sent to the adapter by other code
+    (``session.get_adapter(url).send(...)``).
     """
 
     _retry: Retry
 
-    def __init__(self, *, budget: threading.local, **kwargs: t.Any) -> None:
-        self._budget = budget
+    def __init__(self, *, budgets: _Budgets, header: str, **kwargs: t.Any) -> None:
+        self._budgets = budgets
+        self._header = header
         super().__init__(**kwargs)
 
     @property
     def max_retries(self) -> Retry:
-        if isinstance(self._retry, IdempotentRetry):
-            # One deadline for every send of one session call (see _BodyLost).
-            started = getattr(self._budget, "started", None) or time.monotonic()
-            return self._retry.new(started=started)
-        return self._retry
+        # HTTPAdapter.send reads this for each urlopen: the call's budget so far.
+        budget = self._budgets.current
+        return budget.retry if budget is not None else self._retry
 
     @max_retries.setter
     def max_retries(self, value: Retry) -> None:
         self._retry = value
+
+    def send(
+        self,
+        request: requests.PreparedRequest,
+        stream: bool = False,
+        timeout: t.Any = None,
+        verify: bool | str = True,
+        cert: t.Any = None,
+        proxies: t.Mapping[str, str] | None = None,
+    ) -> requests.Response:
+        """``HTTPAdapter.send``, reading the body here (unless ``stream``) so that
+        a response cut off after its headers is sent again: urllib3 retries only
+        failures before the headers, and the server may have acted. The resend
+        is one more read error in the call's ``Retry``: within ``total``,
+        ``read``, the allowed methods and the deadline, after its backoff."""
+        with self._budgets.call(self._retry, join=True) as budget:
+            method = (request.method or "").upper()
+            if not _resendable(request, method, self._header):
+                budget.retry = _connect_retries_only(budget.retry, method)
+            while True:
+                response = super().send(
+                    request,
+                    stream=True,
+                    timeout=timeout,
+                    verify=verify,
+                    cert=cert,
+                    proxies=proxies,
+                )
+                used = getattr(response.raw, "retries", None)
+                if isinstance(used, Retry):  # what urllib3 spent on this attempt
+                    budget.retry = used
+                if stream:
+                    return response  # the caller reads it: nothing to resend then
+                try:
+                    response.content  # noqa: B018 - reads and keeps the body
+                except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
+                    response.close()
+                    after = _after_body_lost(budget.retry, method, request.url, exc)
+                    if after is None:
+                        raise
+                    budget.retry = after
+                else:
+                    return response
+                budget.retry.sleep()
+                if getattr(request, "_body_position", None) is not None:
+                    rewind_body(request)  # a file body: from where the first attempt read it
+
+
+def _resendable(request: requests.PreparedRequest, method: str, header: str) -> bool:
+    """Whether sending ``request`` again is safe: a POST or PATCH only with its
+    key, and any request only with a body that reads the same the second time."""
+    if method in KEYED_METHODS and not _has_header(request.headers, header):
+        return False
+    body = request.body
+    if body is None or isinstance(body, bytes | str):
+        return True
+    # A file requests could note the position of (it rewinds it); not an
+    # iterator, nor a stream whose position is unknown.
+    return isinstance(getattr(request, "_body_position", None), int)
+
+
+#: An allowed-methods set no request matches (``<`` is not allowed in a
+#: method name); an empty one would mean "every method" to urllib3.
+_NO_METHODS = frozenset({"<none>"})
+
+
+def _connect_retries_only(retry: Retry, method: str) -> Retry:
+    """``retry`` for a request that must not be sent twice: a failure to connect
+    (nothing was sent) is still retried; a read error, a retryable status and
+    any other error are not."""
+    allowed = frozenset(retry.allowed_methods or RETRY_METHODS) - {method}
+    return retry.new(allowed_methods=allowed or _NO_METHODS, other=0)
+
+
+def _after_body_lost(retry: Retry, method: str, url: str | None, error: Exception) -> Retry | None:
+    """``retry`` after a response whose body could not be read, or ``None`` when
+    the call may not resend (the method, ``total``, ``read`` or the deadline)."""
+    try:
+        return retry.increment(method, url, error=ProtocolError(f"response body lost: {error}"))
+    except (MaxRetryError, ProtocolError):
+        return None
 
 
 class IdempotentSession(requests.Session):
     """A ``requests.Session`` that retries safely, with one key for all attempts.
 
     The key of a request is chosen once, before its first attempt, and every
-    retry resends it (urllib3 resends the same request):
+    resend carries it (urllib3's retries, a resend after a cut-off body and a
+    307/308 redirect all send the same prepared request):
 
-    1. an ``Idempotency-Key`` header the caller passes in ``headers=``: as is;
+    1. an ``Idempotency-Key`` header the caller passes in ``headers=``: as is
+       (given as ``None``, requests' way to leave a header out, it counts as
+       not given);
     2. ``idempotency_key="..."``: that key (for operations that outlive the
        process: keep the key, send it again later);
     3. ``step="charge"``: inside an idempotent view, ``idem.derived_key("charge")``
@@ -189,6 +337,14 @@ class IdempotentSession(requests.Session):
        Inside an idempotent view with a key a POST or PATCH without one of the
        above raises :class:`ValueError`: a fresh key on each run of the view
        would make the downstream act once per retry of the view.
+
+    This holds on every way into the session: :meth:`request`, ``get``,
+    ``post`` and the other verbs, and :meth:`send` of a prepared request
+    (requests' "prepared requests" pattern, or a library handed the session),
+    which gives a POST or PATCH without the header a key by rules 1 and 4,
+    written into the prepared request (sending it again is the same
+    operation). A POST or PATCH that reaches the session's adapter without a
+    key by another way is never resent, except after a failure to connect.
 
     Keys the session makes are sent as RFC 8941 strings (``"..."``), the form
     the IETF draft specifies and Flask-Idempotency reads.
@@ -199,15 +355,22 @@ class IdempotentSession(requests.Session):
     ``Retry-After`` is honoured (up to ``retry_after_max``; an unreadable value
     counts as absent), otherwise exponential backoff with jitter up to
     ``backoff_max``, from the first retry on (``backoff_factor``, twice that,
-    ...); at most ``total`` retries within ``deadline`` seconds. When retries
-    run out the last response is returned (or the last connection error
-    raised). Pass ``retry=`` for a ``Retry`` of your own.
+    ...); at most ``total`` retries within ``deadline`` seconds, for the whole
+    call: every resend, whatever its cause, and the hops of a redirect count
+    against the same ``total`` and deadline. When retries run out the last
+    response is returned (or the last connection error raised). Pass
+    ``retry=`` for a ``Retry`` of your own.
 
     Every attempt sends the same body: a ``data=`` generator or unseekable
-    stream is read into memory before the first attempt (seekable files are
-    rewound). The keyless-POST check reads the Flask app context: a call made
-    from another thread (a pool the view hands work to) is not inside the view,
-    so pass ``step=`` or ``idempotency_key=`` there yourself.
+    stream (or such a body in a prepared request) is read into memory before
+    the first attempt (seekable files are rewound). The keyless-POST check
+    reads the Flask app context: a call made from another thread (a pool the
+    view hands work to) is not inside the view, so pass ``step=`` or
+    ``idempotency_key=`` there yourself.
+
+    One session may be shared by threads: each call's key and retry budget
+    are its own. An exception during a backoff (``KeyboardInterrupt``) ends
+    the call; the next call starts with a new key and a full budget.
     """
 
     def __init__(
@@ -223,7 +386,7 @@ class IdempotentSession(requests.Session):
         retry: Retry | None = None,
     ) -> None:
         super().__init__()
-        self.idempotency_header = header
+        self._header = header
         if retry is None:
             retry = IdempotentRetry(
                 total=total,
@@ -238,10 +401,15 @@ class IdempotentSession(requests.Session):
                 deadline=deadline,
             )
         self._retry_policy = retry
-        self._budget = threading.local()
-        adapter = _BudgetAdapter(max_retries=retry, budget=self._budget)
+        self._budgets = _Budgets()
+        adapter = _BudgetAdapter(max_retries=retry, budgets=self._budgets, header=header)
         self.mount("http://", adapter)
         self.mount("https://", adapter)
+
+    @property
+    def idempotency_header(self) -> str:
+        """The header the key is sent in (``header=``)."""
+        return self._header
 
     def request(
         self,
@@ -255,64 +423,42 @@ class IdempotentSession(requests.Session):
         if args:
             raise TypeError("pass the arguments after the URL by name (params=, data=...)")
         name = method.decode() if isinstance(method, bytes) else method
-        headers = dict(kwargs.pop("headers", None) or {})
-        if not any(h.lower() == self.idempotency_header.lower() for h in headers):
+        header = self._header.lower()
+        headers = {
+            k: v
+            for k, v in dict(kwargs.pop("headers", None) or {}).items()
+            if v is not None or k.lower() != header
+        }
+        if not _has_header(headers, self._header):
             key = self._key_for(name.upper(), idempotency_key, step)
             if key is not None:
-                headers[self.idempotency_header] = quote_key(key)
+                headers[self._header] = quote_key(key)
         elif idempotency_key is not None or step is not None:
             raise TypeError(
-                f"the {self.idempotency_header} header and idempotency_key=/step= both "
-                "name a key: pass one"
+                f"the {self._header} header and idempotency_key=/step= both name a key: pass one"
             )
         if "data" in kwargs:
             kwargs["data"] = _replayable(kwargs["data"])
-        started = self._budget.started = time.monotonic()
-        lost = 0
-        try:
-            while True:
-                try:
-                    return super().request(method, url, headers=headers, **kwargs)
-                except _BodyLost as exc:
-                    lost += 1
-                    wait = self._wait_after_body_loss(name.upper(), lost, started)
-                    if wait is None:
-                        raise exc.error from None
-                    time.sleep(wait)
-        finally:
-            self._budget.started = None
+        # A budget of its own, even when called from inside another call (a
+        # response hook): each call has its own total and deadline.
+        with self._budgets.call(self._retry_policy, join=False):
+            return super().request(method, url, headers=headers, **kwargs)
 
     def send(self, request: requests.PreparedRequest, **kwargs: t.Any) -> requests.Response:
-        """requests' ``send``, reading the body here (unless ``stream=True``) so
-        that a response cut off after its headers is sent again, as urllib3
-        retries only failures before the headers. The server may have acted:
-        the same request, key included, goes again."""
-        if kwargs.get("stream"):
+        """requests' ``send``, made as safe as :meth:`request`: a POST or PATCH
+        without the key header gets a key now, before its first attempt,
+        written into ``request`` (as :meth:`request` would choose it, without
+        ``idempotency_key=`` or ``step=``: set the header to pass one); a body
+        that cannot be sent twice is read into memory. Then the same retries."""
+        method = (request.method or "").upper()
+        if method in KEYED_METHODS and not _has_header(request.headers, self._header):
+            key = self._key_for(method, None, None)
+            assert key is not None  # POST and PATCH always get one
+            request.headers[self._header] = quote_key(key)
+        _buffer_body(request)
+        # Joined when request() or a redirect sends: one budget for the call.
+        with self._budgets.call(self._retry_policy, join=True):
             return super().send(request, **kwargs)
-        response = super().send(request, **{**kwargs, "stream": True})
-        try:
-            response.content  # noqa: B018 - reads and keeps the body
-        except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
-            response.close()
-            if getattr(self._budget, "started", None) is None:
-                raise  # send() called directly: no request() loop to resend it
-            raise _BodyLost(exc) from exc
-        return response
-
-    def _wait_after_body_loss(self, method: str, lost: int, started: float) -> float | None:
-        """The wait before resending after the ``lost``-th cut-off body, or
-        ``None`` to give up: within ``total`` and the deadline, as for other
-        retries."""
-        retry = self._retry_policy
-        if retry.allowed_methods is not None and method not in retry.allowed_methods:
-            return None
-        if retry.total is not None and retry.total is not False and lost > int(retry.total):
-            return None
-        wait = _backoff(retry, lost)
-        deadline = getattr(retry, "deadline", None)
-        if deadline is not None and time.monotonic() + wait > started + deadline:
-            return None
-        return wait
 
     # post/put/patch restated only so that type checkers know idempotency_key=
     # and step=; each is requests' own, by way of request().
@@ -378,15 +524,6 @@ class IdempotentSession(requests.Session):
         return str(uuid.uuid4())
 
 
-class _BodyLost(Exception):
-    """A response whose body could not be read (``error``): the attempt failed
-    after the headers, and may be sent again."""
-
-    def __init__(self, error: requests.RequestException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def _backoff(retry: Retry, consecutive: int) -> float:
     """The wait before the ``consecutive``-th retry in a row (0: none)."""
     if consecutive < 1 or retry.backoff_factor <= 0:
@@ -408,12 +545,41 @@ def _replayable(data: t.Any) -> t.Any:
         seekable = getattr(data, "seekable", None)
         if callable(seekable) and seekable():
             return data
-        content = read()
-        return content.encode("utf-8") if isinstance(content, str) else content
-    if isinstance(data, t.Iterable):
-        chunks = [c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in data]
-        return b"".join(chunks)
+    if read is not None or isinstance(data, t.Iterable):
+        return _read_all(data)
     return data
+
+
+def _read_all(data: t.Any) -> bytes:
+    """The bytes of a stream (``read()``) or of an iterable of chunks."""
+    read = getattr(data, "read", None)
+    if read is not None:
+        content = read()
+        return content.encode("utf-8") if isinstance(content, str) else bytes(content)
+    return b"".join(c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in data)
+
+
+def _buffer_body(request: requests.PreparedRequest) -> None:
+    """Read a prepared body that cannot be sent twice (an iterator, a stream
+    whose position requests could not note) into memory, before the first
+    attempt, so that every resend carries the same bytes under the same key."""
+    body = request.body
+    if body is None or isinstance(body, bytes | str):
+        return
+    if isinstance(getattr(request, "_body_position", None), int):
+        return  # a file: rewound before a resend, by urllib3 and the adapter
+    content = _read_all(body)
+    request.body = content
+    request.headers.pop("Transfer-Encoding", None)  # a length now, not chunks
+    request.prepare_content_length(content)
+    setattr(request, "_body_position", None)  # noqa: B010 - not in requests' stubs
+
+
+def _has_header(headers: t.Mapping[str, t.Any], name: str) -> bool:
+    """Whether ``headers`` names ``name``, in any case (a plain dict or requests'
+    case-insensitive one)."""
+    wanted = name.lower()
+    return any(k.lower() == wanted for k in headers)
 
 
 def _in_keyed_idempotent_request() -> bool:

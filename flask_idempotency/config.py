@@ -83,7 +83,14 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     ``publish(event)``, or an import string ``"module:attribute"`` naming one (or a
     callable returning one); the relay job and ``flask idempotency relay`` use it
 ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` (default: 10)
-    failed publishes of one event before the relay parks it (``failed_at``)
+    failed publishes of one event before the relay parks it (``failed_at``); an
+    unreachable broker is not the event's failure and never counts
+``IDEMPOTENCY_OUTBOX_LEASE`` (default: 1 minute)
+    how long the relay holds the events it took while it publishes them outside any
+    transaction: no other relay takes them meanwhile, and a relay that died leaves them
+    to the next after this; a batch publishes for at most half of it, then gives the
+    rest back. Keep it above twice the publisher's longest publish (``KombuPublisher``:
+    its ``timeout``); must be positive
 ``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
     interval of the outbox relay job (scheduled only when a publisher is configured):
     the poll, the fallback when no wake-up comes
@@ -138,6 +145,7 @@ DEFAULTS: dict[str, t.Any] = {
     "READY_TIMEOUT": timedelta(seconds=2),
     "PUBLISHER": None,
     "OUTBOX_MAX_ATTEMPTS": 10,
+    "OUTBOX_LEASE": timedelta(minutes=1),
     "RELAY_EVERY": timedelta(seconds=1),
     "OUTBOX_RETENTION": timedelta(days=7),
     "RELAY_WAKE": True,
@@ -296,6 +304,7 @@ class Settings:
     claim_idle_timeout: timedelta | None = None
     ready_timeout: timedelta = timedelta(seconds=2)
     outbox_max_attempts: int = 10
+    outbox_lease: timedelta = timedelta(minutes=1)
     relay_every: timedelta = timedelta(seconds=1)
     outbox_retention: timedelta = timedelta(days=7)
     relay_wake: bool = True
@@ -347,6 +356,9 @@ class Settings:
             ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
             outbox_max_attempts=positive_int(
                 values.get("OUTBOX_MAX_ATTEMPTS", 10), "IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"
+            ),
+            outbox_lease=positive_duration(
+                values.get("OUTBOX_LEASE", timedelta(minutes=1)), "IDEMPOTENCY_OUTBOX_LEASE"
             ),
             relay_every=positive_duration(
                 values.get("RELAY_EVERY", timedelta(seconds=1)), "IDEMPOTENCY_RELAY_EVERY"

@@ -3,6 +3,12 @@
 Each is a :class:`werkzeug.exceptions.HTTPException`, so an app can register its
 own error handler for any of them. The ``type`` member is a stable URI a client
 may switch on; ``title`` is fixed per type; ``detail`` is for humans.
+
+Every error of the extension is an :class:`IdempotencyError`::
+
+    IdempotencyError
+    +-- ProblemError (HTTP, problem+json): the client errors below
+    +-- EventIdConflictError: an outbox event id already names another event
 """
 
 from __future__ import annotations
@@ -215,3 +221,13 @@ class DatabaseUnavailableError(ProblemError):
             detail, extra=extra, headers={**(headers or {}), "Retry-After": str(seconds)}
         )
         self.retry_after = seconds
+
+
+class EventIdConflictError(IdempotencyError):
+    """An outbox event id already names another event (another topic or payload).
+
+    Raised by ``idem.emit`` and ``add_event`` in the caller's transaction, which
+    stays usable; nothing was added. Not an HTTP error: it is a bug in the
+    caller (two events given one name, or a named event whose payload differs
+    between attempts), and a view that lets it through fails as for any error.
+    """

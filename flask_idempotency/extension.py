@@ -534,18 +534,29 @@ class Idempotency:
         """
         return current_derived_key(step)
 
-    def emit(self, topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None) -> str:
+    def emit(
+        self,
+        topic: str,
+        payload: t.Any,
+        headers: t.Mapping[str, str] | None = None,
+        *,
+        name: str | None = None,
+    ) -> str:
         """Add an event to the outbox in the current transaction; its event id.
 
         The row is inserted through the app's session, so it commits with the
         view's writes and the record, or rolls back with them; the relay
-        publishes it after the commit, at least once. The id of the n-th emit
-        of a request is ``derived_key(f"event:{topic}:{n}")``: a retried or
-        resumed operation emits the same ids, and an id already in the outbox
-        adds nothing. Allowed on optimistic routes (random ids there). See
+        publishes it after the commit, at least once. The id names the logical
+        event: ``derived_key("event:" + name)`` with a ``name``, else derived
+        from the topic and the payload (and how many identical events this
+        attempt emitted before it). So a retried or resumed operation gives each
+        event the id it had, whatever it emits first; re-emitting an event
+        already committed adds nothing, and an id already used by another topic
+        or payload raises :class:`~flask_idempotency.errors.EventIdConflictError`.
+        Allowed on optimistic routes (random ids there, as without a key). See
         :mod:`flask_idempotency.outbox`.
         """
-        return outbox.emit(topic, payload, headers)
+        return outbox.emit(topic, payload, headers, name=name)
 
     def forward_headers(self, step: str | None = None) -> dict[str, str]:
         """The headers that carry this operation's key to an outgoing call.

@@ -7,23 +7,43 @@ record. The event exists exactly when the business change does: a rollback
 takes it away with the rows, it was never committed, and the relay
 (:mod:`flask_idempotency.relay`) never sees it.
 
-Event ids. In an idempotent request with a key, the id of the n-th emit
-(0-based, counted per request) is ``idem.derived_key(f"event:{topic}:{n}")``:
-the same on every retry and resume of the operation, different for a new
-operation on an expired key. Two things keep an event from being written
-twice, and both hold: the row only commits with the business rows (a crashed
-attempt committed nothing, so its re-run writes the event for the first time),
-and the insert is conflict-tolerant on ``event_id`` (``ON CONFLICT DO NOTHING``
-on PostgreSQL and SQLite, ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL, not
-``INSERT IGNORE``, which would also swallow truncation errors), so a leased
-view that committed part of its work, crashed and resumes re-emits without
-failing and without a second row.
+Event ids. An event's id names the logical event, not its position among the
+emits of an attempt, so a retried or resumed operation gives each event the id
+it had before, whatever else the view emits first or in which order. In an
+idempotent request with a key:
+
+* ``idem.emit(topic, payload, name="order-created")``: the id is
+  ``idem.derived_key("event:" + name)``. The name is the event's identity in
+  the operation; one name is one event, whatever its topic.
+* ``idem.emit(topic, payload)`` without a name: the event's content names it:
+  ``idem.derived_key("event#" + <SHA-256 of the topic, payload and n>)``, where the
+  payload is the canonical JSON (keys sorted, no spaces) and ``n`` counts the
+  earlier emits of the very same topic and payload in this attempt (0 for the
+  first). A payload that differs between attempts (a timestamp, a random
+  number) makes a different event: give such events a ``name``.
+
+Not a counter per topic: that is still a position, and a resumed view that
+emits another event of the same topic first would meet the earlier event's id.
+
+The row commits only with the business rows (a crashed attempt committed
+nothing, so its re-run writes the event for the first time), and the insert is
+conflict-tolerant on ``event_id`` (``ON CONFLICT DO NOTHING`` on PostgreSQL and
+SQLite, ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL, not ``INSERT IGNORE``,
+which would also swallow truncation errors). When the id exists already, the
+stored event is compared with this one: the same topic and payload (headers are
+not compared: a trace id may differ per attempt) is the same event, added once,
+so a leased view that committed an event, crashed and resumes re-emits it
+without failing and without a second row; another topic or payload raises
+:class:`~flask_idempotency.errors.EventIdConflictError`, in the caller's
+transaction, which stays usable. An id is never handed back for an event that
+was not written. :func:`add_event` (explicit ids) follows the same rule.
 
 Optimistic routes may emit (the event is a write in the view's transaction),
 but have no operation time to derive from, and a request without a key has no
-operation at all: there the id is random (``uuid4().hex``). That is enough
-because the event commits only with the winning record: a duplicate's whole
-transaction, event included, rolls back when it meets the winner's record.
+operation at all: there the id is random (``uuid4().hex``) and ``name`` has no
+effect. That is enough because the event commits only with the winning record:
+a duplicate's whole transaction, event included, rolls back when it meets the
+winner's record.
 
 Wake-ups: a commit that carried events sets :data:`WAKE` in this process (an
 ``after_commit`` hook on the app's sessions) and calls every callback given to
@@ -40,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import threading
 import typing as t
@@ -50,6 +71,7 @@ from flask import g
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
+from .errors import EventIdConflictError
 from .models import MYSQL_DIALECTS, _text, as_utc, outbox_table
 from .state import app_state
 
@@ -61,7 +83,7 @@ WAKE = threading.Event()
 CHANNEL = "idempotency_outbox"
 
 _INFO_FLAG = "idempotency_outbox_emitted"
-_COUNTER = "_idempotency_outbox_emits"
+_COUNTS = "_idempotency_outbox_emits"
 _watched: set[t.Any] = set()
 _wakers: set[t.Callable[[], None]] = set()
 
@@ -98,17 +120,39 @@ def _insert(table: sa.Table, dialect: str, values: dict[str, t.Any]) -> t.Any:
             postgresql.insert(table)
             .values(**values)
             .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(table.c.id)
         )
     if dialect == "sqlite":
         return (
             sqlite.insert(table)
             .values(**values)
             .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(table.c.id)
         )
     if dialect in MYSQL_DIALECTS:
         stmt = mysql.insert(table).values(**values)
         return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
     return sa.insert(table).values(**values)
+
+
+def canonical_payload(payload: t.Any) -> str:
+    """The JSON text an event's payload is stored as: keys sorted, no spaces."""
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
+
+
+def _same_payload(stored: t.Any, text: str) -> bool:
+    if isinstance(stored, bytes):
+        stored = stored.decode("utf-8")
+    if stored == text:
+        return True
+    try:  # a row written by other means, with other spacing
+        return canonical_payload(json.loads(stored)) == text
+    except ValueError:
+        return False
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def add_event(
@@ -123,27 +167,36 @@ def add_event(
     """Insert an event through ``session`` (in its current transaction).
 
     ``payload`` must be JSON-serializable; ``event_id`` (at most 64 characters)
-    identifies the event: adding an id that exists already adds nothing. The
-    event is published by the relay once the session's transaction commits,
-    and never if it rolls back. Returns ``event_id``. Call in an app context
-    of an app with the extension registered.
+    identifies the event. Adding an id that exists already with the same topic
+    and payload adds nothing (the same event, added again: a resumed
+    operation); with another topic or payload it raises
+    :class:`~flask_idempotency.errors.EventIdConflictError` and adds nothing,
+    leaving the transaction usable. Headers are not compared. The event is
+    published by the relay once the session's transaction commits, and never if
+    it rolls back. Returns ``event_id``. Call in an app context of an app with
+    the extension registered.
     """
     if not event_id or len(event_id) > 64:
         raise ValueError(f"event_id must be 1 to 64 characters, got {event_id!r}")
     state = app_state()
     table = outbox_table(state.db.metadata)
+    text = canonical_payload(payload)
+    # As a string on every engine: MySQL's VARBINARY type would want bytes
+    # (the server stores the string's bytes; see store.text_param).
     values = {
-        # As a string on every engine: MySQL's VARBINARY type would want bytes
-        # (the server stores the string's bytes; see store.text_param).
         "event_id": sa.bindparam("event_id", event_id, type_=sa.String()),
         "topic": topic,
-        "payload": json.dumps(payload, separators=(",", ":"), sort_keys=True),
+        "payload": text,
         "headers": json.dumps(dict(headers)) if headers else None,
         "created_at": now or state.clock(),
         "attempts": 0,
     }
     dialect = session.get_bind().dialect.name
-    session.execute(_insert(table, dialect, values))
+    result = session.execute(_insert(table, dialect, values))
+    # Whether the insert wrote the row is read from what it returned (RETURNING),
+    # never from a driver's rowcount; MySQL has no RETURNING here: read the row.
+    if dialect in MYSQL_DIALECTS or result.first() is None:
+        _check_same_event(session, table, dialect, event_id, topic, text)
     if dialect == "postgresql" and not session.info.get(_INFO_FLAG):
         # Once per transaction; PostgreSQL delivers it at the commit, and drops it
         # with a rollback. A LISTENing relay wakes at once (relay.Listener).
@@ -152,23 +205,69 @@ def add_event(
     return event_id
 
 
-def emit(topic: str, payload: t.Any, headers: t.Mapping[str, str] | None = None) -> str:
-    """``idem.emit``: add an event to the current request's transaction (see module)."""
+def _check_same_event(
+    session: t.Any, table: sa.Table, dialect: str, event_id: str, topic: str, text: str
+) -> None:
+    """Raise unless the row with ``event_id`` holds ``topic`` and ``text``."""
+    query = sa.select(table.c.topic, table.c.payload).where(
+        table.c.event_id == sa.bindparam("event_id", event_id, type_=sa.String())
+    )
+    if dialect in MYSQL_DIALECTS:
+        # A locking read sees the latest committed row, which a REPEATABLE READ
+        # snapshot taken before that row's commit would not (the insert above
+        # already holds its lock).
+        query = query.with_for_update()
+    existing = session.execute(query).first()
+    if existing is None:  # pragma: no cover - the insert conflicted on this id
+        raise RuntimeError(f"outbox insert of {event_id!r} neither wrote nor met a row")
+    if existing.topic == topic and _same_payload(existing.payload, text):
+        return
+    stored = existing.payload.decode() if isinstance(existing.payload, bytes) else existing.payload
+    raise EventIdConflictError(
+        f"outbox event id {event_id!r} already names another event: topic "
+        f"{existing.topic!r}, payload {_clip(stored)}; this one is topic {topic!r}, "
+        f"payload {_clip(text)}. One id is one event: give each event a name of its "
+        f"own (idem.emit(..., name=...)) or an event_id of its own (add_event)"
+    )
+
+
+def emit(
+    topic: str,
+    payload: t.Any,
+    headers: t.Mapping[str, str] | None = None,
+    *,
+    name: str | None = None,
+) -> str:
+    """``idem.emit``: add an event to the current request's transaction; its id.
+
+    See the module for how the id is made from ``name`` or, without one, from
+    the topic and payload, and for :class:`~flask_idempotency.errors.EventIdConflictError`.
+    """
     from .extension import current_derived_key
 
+    if name is not None and (not isinstance(name, str) or not name or "\x00" in name):
+        raise ValueError(f"an event name must be a non-empty string without NUL, got {name!r}")
+    text = canonical_payload(payload)
     state = g.get("_idempotency")
-    n = g.get(_COUNTER, 0)
-    setattr(g, _COUNTER, n + 1)
     if state is not None and not state.optimistic and state.key is not None:
-        event_id = current_derived_key(f"event:{topic}:{n}", handed_out=False)
+        if name is not None:
+            step = "event:" + name
+        else:
+            content = json.dumps([topic, text], separators=(",", ":"))
+            seen: dict[str, int] = g.setdefault(_COUNTS, {})
+            n = seen.get(content, 0)
+            seen[content] = n + 1
+            digest = hashlib.sha256(json.dumps([topic, text, n]).encode("utf-8")).hexdigest()
+            step = "event#" + digest
+        event_id = current_derived_key(step, handed_out=False)
     else:
         event_id = uuid.uuid4().hex
     return add_event(app_state().db.session, topic, payload, event_id=event_id, headers=headers)
 
 
 def end_request() -> None:
-    """Forget the request's emit count (called when the request ends)."""
-    g.pop(_COUNTER, None)
+    """Forget the request's emit counts (called when the request ends)."""
+    g.pop(_COUNTS, None)
 
 
 def on_commit(callback: t.Callable[[], None]) -> None:

@@ -65,7 +65,12 @@ class KombuPublisher:
     confirm, so a broker that stopped answering cannot hold the relay (and its
     rows) for ever. ``publish`` raises
     :class:`~flask_idempotency.relay.BrokerUnavailable` when the broker cannot
-    be reached, and the transport's own error otherwise.
+    be reached or does not answer within ``timeout`` (never counted toward
+    parking), and the transport's own error otherwise: a message the broker
+    refused (a nack, py-amqp's ``MessageNacked``: a full queue with
+    ``x-overflow: reject-publish``, an internal error) is the event's failure,
+    backed off and parked after ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``, and keeps
+    the connection, so the events after it go out in the same batch.
     """
 
     def __init__(
@@ -136,6 +141,9 @@ class KombuPublisher:
                     confirm_timeout=self.timeout,
                 )
             except Exception as exc:
+                if _refused(exc):
+                    # The broker answered: the connection and channel are fine.
+                    raise
                 unreachable = self._unreachable(exc)
                 self._drop()
                 if unreachable:
@@ -145,6 +153,8 @@ class KombuPublisher:
     def _unreachable(self, exc: Exception) -> bool:
         """Whether ``exc`` says the broker could not be reached (rather than that
         it refused this message)."""
+        if _refused(exc):
+            return False
         if isinstance(exc, (OSError, TimeoutError)):
             return True
         if isinstance(exc, self._kombu.exceptions.OperationalError):
@@ -174,3 +184,14 @@ class KombuPublisher:
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken
                 connection.release()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is the broker refusing the message (a nack): py-amqp lists
+    ``MessageNacked`` among its recoverable connection errors, but the
+    connection is fine and the failure is the message's."""
+    try:
+        from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - kombu without py-amqp
+        return False
+    return isinstance(exc, MessageNacked)

@@ -1,29 +1,59 @@
 """The outbox relay: publishes committed events, in id order, at least once.
 
-:func:`relay_once` runs one batch in a transaction of its own:
+:func:`relay_batch` runs one batch, and no transaction stays open while the
+broker is talked to:
 
-1. select the pending rows (unpublished, not parked, due) ``ORDER BY id LIMIT
-   batch``; on PostgreSQL and MySQL/MariaDB ``FOR UPDATE SKIP LOCKED``, so
-   relays running at once take disjoint batches and never publish one event at
-   the same time; on SQLite the transaction first takes the database's write
-   lock (SQLite has one writer), so a second relay waits for the first to
-   commit and then sees the rows as published;
-2. publish each row through the publisher, holding those row locks;
-3. mark the published rows (``published_at``), and the failed ones with
-   ``attempts + 1``, ``last_error`` and an exponential backoff
-   (``next_attempt_at``; parked, ``failed_at``, after
-   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``; never for :class:`BrokerUnavailable`,
-   which also ends the batch), and commit.
+1. take: in one short transaction, select the pending rows (unpublished, not
+   parked, due) ``ORDER BY id LIMIT batch`` and lease them: ``next_attempt_at``
+   is set to now + ``IDEMPOTENCY_OUTBOX_LEASE``, so they are not due for anyone
+   else, and the transaction commits. "Now", for leases and backoffs, is the
+   database's clock (:func:`~flask_idempotency.store.database_now`), the one
+   every relay on every host compares with, unless the app was given a clock
+   of its own (``Idempotency(clock=...)``, as tests do). On PostgreSQL and MySQL/MariaDB the
+   select is ``FOR UPDATE SKIP LOCKED``, so relays taking at once take disjoint
+   rows without waiting; on SQLite the transaction first takes the database's
+   write lock (SQLite has one writer), so a second relay waits for the first's
+   take and then sees its rows leased;
+2. publish each event through the publisher, outside any transaction, and mark
+   what it published (for a broker: what it confirmed) in short transactions of
+   their own, every :data:`MARK_EVERY` (50 ms) of publishing and at the batch's
+   end: ``published_at``; a failed publish
+   at once: ``attempts + 1``, ``last_error`` and an exponential backoff
+   (``next_attempt_at``), parked (``failed_at``) at
+   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``;
+3. give back what it did not try (``next_attempt_at`` cleared: due at once)
+   when the broker is unreachable (:class:`BrokerUnavailable` ends the batch)
+   or when half the lease has passed (the batch stops there, so it never
+   publishes past its lease, and a next batch takes the rest).
+
+Parking counts real failures only: a publish that raised, a message the
+broker refused (a nack). :class:`BrokerUnavailable` is not the event's failure:
+the event keeps its attempts, records the error in ``last_error``, stays due
+and is the first tried by the next run (one connection attempt per run while
+the broker is away); after an outage of any length the events flow at once, in
+order, and one later ordinary error is one failure, not the last of many.
+
+A server-side timeout (``idle_in_transaction_session_timeout``,
+``idle_session_timeout``, MySQL's ``wait_timeout``) cannot end a batch halfway:
+no transaction is open during a publish, and a mark that finds its pooled
+connection closed by the server is run once more on a new one.
+
+Delivery is at least once. A relay that dies, or loses its database, after the
+broker took an event and before the event's mark committed leaves the row
+leased and unpublished (at most those published in its last 50 ms of
+publishing, and the one in flight); once the lease runs out, the next run
+publishes it again. No order of "publish" and "mark" avoids that without a
+transaction spanning the broker and the database; consumers deduplicate on
+``event_id``.
+A relay interrupted by any exception, ``KeyboardInterrupt`` and ``SystemExit``
+included, marks what it published and gives back the rest before re-raising,
+when the database lets it. Each mark is fenced by the lease: a relay whose lease ran out
+(a publish that outlasted it) never backs off or gives back a row that another
+relay took since; its "published" mark always stands.
 
 Every run selects all pending rows: there is no high-water mark over ids, so
 an event whose transaction took its id early and committed late (after events
 with higher ids were published) is published by the next run.
-
-Delivery is at least once. A relay that dies after the broker took an event
-and before its commit leaves the row unpublished (the marking never committed,
-and the row lock went with the connection), so the next run publishes it
-again. No order of "publish" and "mark" avoids that without a transaction
-spanning the broker and the database; consumers deduplicate on ``event_id``.
 Order: one relay publishes in id order within and across runs, except that
 an event waiting out its backoff lets later events pass it. Several relays at
 once take disjoint batches and publish them side by side, so a later event can
@@ -39,7 +69,8 @@ import datetime as dt
 import importlib
 import logging
 import os
-import select
+import selectors
+import time
 import typing as t
 
 import sqlalchemy as sa
@@ -49,6 +80,7 @@ from . import signals
 from .models import MYSQL_DIALECTS, as_utc, outbox_table
 from .outbox import CHANNEL, OutboxEvent, on_commit, remove_on_commit
 from .state import app_state
+from .store import database_now
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -62,8 +94,10 @@ class BrokerUnavailable(Exception):
     refused, lost, timed out): the failure is not the event's.
 
     The relay then stops the batch (the next events would only wait on the same
-    broker), backs the event off as for any failure, and never parks an event
-    for it: after an outage the events flow again without an operator.
+    broker) and gives the event back as it was, its attempts unchanged and
+    ``last_error`` set: an outage never counts toward parking, and the events
+    flow again, in order, without an operator. A message the broker refused
+    (a nack) is the event's failure: raise something else for it.
     """
 
 
@@ -73,9 +107,11 @@ class Publisher(t.Protocol):
     ``publish(event)`` returns once the event is safely handed over (for a
     broker: confirmed), and raises on any failure; the relay then retries it
     later. Raise :class:`BrokerUnavailable` when the broker is unreachable
-    rather than the event refused. ``event`` has ``topic``, ``event_id``,
-    ``payload`` (decoded JSON) and ``headers`` (a dict); see
-    :class:`~flask_idempotency.outbox.OutboxEvent`.
+    rather than the event refused. A publish should end within a bound (a
+    timeout) well under half of ``IDEMPOTENCY_OUTBOX_LEASE``: a publish that
+    outlasts the lease may meet another relay publishing the same event.
+    ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON) and
+    ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
@@ -118,16 +154,20 @@ class RelayRun:
     """What one batch of the relay did (:func:`relay_batch`)."""
 
     batch: int  #: the most rows the batch could take
-    taken: int  #: pending rows it took (locked, tried or not)
+    taken: int  #: pending rows it took (leased, tried or not)
     published: int  #: events published and marked
-    failed: int  #: publishes that raised (backed off, or parked)
+    failed: int  #: publishes that failed for the event (backed off, or parked; not an outage)
     broker_unavailable: bool  #: it ended early on :class:`BrokerUnavailable`
+    #: rows it gave back untried because half its lease had passed
+    released: int = 0
 
     @property
     def more(self) -> bool:
         """Whether a next batch at once may find work: this one was full (a
-        failed publish does not make it short) and the broker answered."""
-        return self.taken >= self.batch and not self.broker_unavailable
+        failed publish does not make it short) or stopped at half its lease,
+        and the broker answered."""
+        full = self.taken >= self.batch or self.released > 0
+        return full and not self.broker_unavailable
 
 
 def relay_once(app: Flask, publisher: Publisher | None = None, *, batch: int = 100) -> int:
@@ -151,155 +191,270 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
             publisher = app_publisher(app)
             if publisher is None:
                 raise RuntimeError("no outbox publisher: set IDEMPOTENCY_PUBLISHER")
-        table = outbox_table(state.db.metadata)
-        engine = state.db.engine
-        max_attempts = state.settings.outbox_max_attempts
-        with engine.connect() as conn:
-            if engine.dialect.name in MYSQL_DIALECTS:
+        settings = state.settings
+        run = _Batch(
+            state.db.engine,
+            outbox_table(state.db.metadata),
+            state.clock,
+            settings.outbox_lease,
+            settings.outbox_max_attempts,
+            database_clock=not state.custom_clock,
+        ).run(publisher, batch)
+    for ev in run.published:
+        signals.event_published.send(app, event=ev)
+    for ev, error in run.parked:
+        logger.error(
+            "outbox event %s parked after %d attempts: %s",
+            ev.id,
+            settings.outbox_max_attempts,
+            error,
+        )
+        signals.event_parked.send(app, event=ev, error=error)
+    return RelayRun(
+        batch,
+        run.taken,
+        len(run.published),
+        run.failed,
+        run.unavailable,
+        run.released,
+    )
+
+
+_R = t.TypeVar("_R")
+
+#: Seconds of publishing after which the events published since the last mark
+#: are marked (in one short transaction: a commit per event would cost the
+#: relay most of its throughput). A publish that stalls holds back the marks of
+#: the events published in the 50 ms before it; a relay that dies leaves them
+#: to be sent again once its lease has run out.
+MARK_EVERY = 0.05
+
+#: Seconds on a clock that only goes forward: how long a batch has been publishing.
+#: (A test may replace it; the lease itself is on the database's clock.)
+_elapsed_clock: t.Callable[[], float] = time.monotonic
+
+
+@dataclasses.dataclass
+class _Outcome:
+    taken: int = 0
+    published: list[OutboxEvent] = dataclasses.field(default_factory=list)
+    parked: list[tuple[OutboxEvent, str]] = dataclasses.field(default_factory=list)
+    failed: int = 0
+    unavailable: bool = False
+    released: int = 0
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:4000]
+
+
+class _Batch:
+    """One batch: take and lease, publish and mark each, give back the rest."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        table: sa.Table,
+        clock: t.Callable[[], dt.datetime],
+        lease: dt.timedelta,
+        max_attempts: int,
+        *,
+        database_clock: bool,
+    ) -> None:
+        self.engine, self.table, self.clock = engine, table, clock
+        self.database_clock = database_clock
+        self.lease, self.max_attempts = lease, max_attempts
+        self.dialect = engine.dialect.name
+
+    def run(self, publisher: Publisher, batch: int) -> _Outcome:
+        outcome = _Outcome()
+        leased_until, events = self._take(batch)
+        outcome.taken = len(events)
+        # Half the lease, on this process's own clock: the rest of the lease is
+        # the margin for the publish under way when it runs out.
+        stop_at = _elapsed_clock() + self.lease.total_seconds() / 2
+        unmarked: list[OutboxEvent] = []  # published, their mark not yet written
+        since = 0.0  # when the oldest of them was published
+        tried = 0  # events[:tried] were published, failed, or given back
+        finished = False
+        try:
+            for ev in events:
+                if _elapsed_clock() >= stop_at:
+                    outcome.released = len(events) - tried
+                    break
+                try:
+                    publisher.publish(ev)
+                except BrokerUnavailable as exc:
+                    logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    tried += 1
+                    self._write(self._give_back, [ev.id], leased_until, _error_text(exc))
+                    outcome.unavailable = True
+                    break
+                except Exception as exc:
+                    logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    tried += 1
+                    error = _error_text(exc)
+                    if self._write(self._fail, ev, leased_until, error):
+                        outcome.parked.append((ev, error))
+                    outcome.failed += 1
+                else:
+                    tried += 1
+                    if not unmarked:
+                        since = _elapsed_clock()
+                    unmarked.append(ev)
+                    if _elapsed_clock() - since >= MARK_EVERY:
+                        self._flush(unmarked, outcome)
+            self._flush(unmarked, outcome)
+            if tried < len(events):
+                rest = [ev.id for ev in events[tried:]]
+                self._write(self._give_back, rest, leased_until, None)
+            finished = True
+        finally:
+            if not finished:
+                # Interrupted (any exception, KeyboardInterrupt, SystemExit, a
+                # failed mark): mark what the broker took, and make the rest due
+                # again at once rather than at the end of the lease, if the
+                # database still answers. The event being published then may
+                # have reached the broker: it is sent again (at least once).
+                with contextlib.suppress(Exception):
+                    self._flush(unmarked, outcome)
+                with contextlib.suppress(Exception):
+                    rest = [ev.id for ev in events[tried:]]
+                    if rest:
+                        self._write(self._give_back, rest, leased_until, None)
+        return outcome
+
+    def _flush(self, unmarked: list[OutboxEvent], outcome: _Outcome) -> None:
+        """Mark ``unmarked`` published (one short transaction), and empty it."""
+        if unmarked:
+            self._write(self._published, [ev.id for ev in unmarked])
+            outcome.published.extend(unmarked)
+            unmarked.clear()
+
+    def _now(self, conn: sa.Connection) -> dt.datetime:
+        """The time leases and backoffs are set and compared in: the database's
+        clock, which every relay on every host reads (an app given its own
+        clock, as tests do, uses that one)."""
+        return database_now(conn) if self.database_clock else self.clock()
+
+    def _pending(self, now: dt.datetime) -> sa.Select[t.Any]:
+        c = self.table.c
+        return (
+            sa.select(self.table)
+            .where(
+                c.published_at.is_(None),
+                c.failed_at.is_(None),
+                sa.or_(c.next_attempt_at.is_(None), c.next_attempt_at <= now),
+            )
+            .order_by(c.id)
+        )
+
+    def _take(self, batch: int) -> tuple[dt.datetime, list[OutboxEvent]]:
+        """Lease up to ``batch`` pending rows, in a transaction of their own.
+
+        Run once more on a new connection when the pooled one turns out closed
+        by the server (an idle timeout between runs, a restart)."""
+        try:
+            return self._take_once(batch)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        return self._take_once(batch)
+
+    def _take_once(self, batch: int) -> tuple[dt.datetime, list[OutboxEvent]]:
+        with self.engine.connect() as conn:
+            if self.dialect in MYSQL_DIALECTS:
                 # InnoDB's REPEATABLE READ would take next-key (gap) locks over
                 # the range scanned, up to the index's end when fewer than a
                 # batch are pending: every emit (an insert at the end) would
-                # wait for this batch to be published. READ COMMITTED locks the
-                # selected rows only.
+                # wait for this take. READ COMMITTED locks the selected rows only.
                 conn = conn.execution_options(isolation_level="READ COMMITTED")
-            taken, published, parked, failed, unavailable = _run_batch(
-                conn, table, state.clock, publisher, batch, max_attempts, engine.dialect.name
-            )
-        for ev in published:
-            signals.event_published.send(app, event=ev)
-        for ev, error in parked:
-            logger.error("outbox event %s parked after %d attempts: %s", ev.id, max_attempts, error)
-            signals.event_parked.send(app, event=ev, error=error)
-        return RelayRun(batch, taken, len(published), failed, unavailable)
+            with conn.begin():
+                if self.dialect == "sqlite":
+                    # Take SQLite's write lock now (a write starts the write
+                    # transaction even when it matches nothing): a second relay
+                    # waits here instead of reading the same rows.
+                    conn.execute(
+                        sa.update(self.table)
+                        .where(sa.false())
+                        .values(attempts=self.table.c.attempts)
+                    )
+                now = self._now(conn)
+                leased_until = now + self.lease
+                query = self._pending(now).limit(batch)
+                if self.dialect != "sqlite":
+                    query = query.with_for_update(skip_locked=True)
+                events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
+                if events:
+                    conn.execute(
+                        sa.update(self.table)
+                        .where(self.table.c.id.in_([ev.id for ev in events]))
+                        .values(next_attempt_at=leased_until)
+                    )
+        return leased_until, events
 
+    def _write(self, step: t.Callable[..., _R], *args: t.Any) -> _R:
+        """``step(conn, *args)`` in a short transaction of its own.
 
-#: How long a SQLite relay holds the rows it publishes outside a transaction:
-#: another relay takes them only after this, so a relay that dies mid-batch
-#: delays that batch by as much (a batch that takes longer to publish may be
-#: published by two relays at once; at least once still holds).
-SQLITE_PUBLISH_LEASE = dt.timedelta(minutes=5)
-
-
-def _run_batch(
-    conn: sa.Connection,
-    table: sa.Table,
-    clock: t.Callable[[], dt.datetime],
-    publisher: Publisher,
-    batch: int,
-    max_attempts: int,
-    dialect: str,
-) -> tuple[int, list[OutboxEvent], list[tuple[OutboxEvent, str]], int, bool]:
-    """Select, publish and mark one batch: rows taken, published, parked,
-    failures, and whether the broker was unreachable.
-
-    PostgreSQL and MySQL/MariaDB hold the batch's rows locked (``SKIP LOCKED``)
-    in one transaction while publishing: emits insert other rows and never
-    wait. SQLite has one lock for the whole database, so holding it while a
-    broker answers would stop every writer: there the batch is taken in a short
-    transaction (its rows leased for :data:`SQLITE_PUBLISH_LEASE`), published
-    outside any transaction, and marked in a second one.
-    """
-    now = clock()
-    query = (
-        sa.select(table)
-        .where(
-            table.c.published_at.is_(None),
-            table.c.failed_at.is_(None),
-            sa.or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
-        )
-        .order_by(table.c.id)
-        .limit(batch)
-    )
-    if dialect == "sqlite":
-        with conn.begin():
-            # Take SQLite's write lock now (a write starts the write transaction
-            # even when it matches nothing): a second relay waits here instead
-            # of reading the same rows.
-            conn.execute(sa.update(table).where(sa.false()).values(attempts=table.c.attempts))
-            events = [OutboxEvent.from_row(row) for row in conn.execute(query)]
-            if events:
-                conn.execute(
-                    sa.update(table)
-                    .where(table.c.id.in_([ev.id for ev in events]))
-                    .values(next_attempt_at=now + SQLITE_PUBLISH_LEASE)
-                )
-        published, failures = _publish(events, publisher)
-        with conn.begin():
-            parked = _mark(conn, table, clock(), published, failures, max_attempts)
-            tried = {ev.id for ev in published} | {ev.id for ev, _, _ in failures}
-            untried = [ev.id for ev in events if ev.id not in tried]
-            if untried:  # left after an unreachable broker: due again, not leased
-                conn.execute(
-                    sa.update(table).where(table.c.id.in_(untried)).values(next_attempt_at=None)
-                )
-    else:
-        with conn.begin():
-            events = [
-                OutboxEvent.from_row(row)
-                for row in conn.execute(query.with_for_update(skip_locked=True))
-            ]
-            published, failures = _publish(events, publisher)
-            parked = _mark(conn, table, clock(), published, failures, max_attempts)
-    unavailable = bool(failures) and not failures[-1][2]
-    return len(events), published, parked, len(failures), unavailable
-
-
-#: (event, error, whether the failure counts towards parking)
-_Failure = tuple[OutboxEvent, str, bool]
-
-
-def _publish(
-    events: list[OutboxEvent], publisher: Publisher
-) -> tuple[list[OutboxEvent], list[_Failure]]:
-    """Publish ``events`` in order: those published, and the failures."""
-    published: list[OutboxEvent] = []
-    failures: list[_Failure] = []
-    for ev in events:
+        Run once more on a new connection when the first one turns out closed
+        by the server while it waited in the pool during a publish (an idle
+        timeout, a restart): the statements here may run twice.
+        """
         try:
-            publisher.publish(ev)
-        except BrokerUnavailable as exc:
-            logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
-            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], False))
-            # The rest of the batch stays as it is, due: the next run tries the
-            # next event (this one backs off), one attempt per run while the
-            # broker is away instead of one per event.
-            break
-        except Exception as exc:
-            logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
-            failures.append((ev, f"{type(exc).__name__}: {exc}"[:4000], True))
-        else:
-            published.append(ev)
-    return published, failures
+            with self.engine.begin() as conn:
+                return step(conn, *args)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        with self.engine.begin() as conn:
+            return step(conn, *args)
 
+    def _mine(self, ids: list[int], leased_until: dt.datetime) -> sa.ColumnElement[bool]:
+        """The rows are still this batch's: unpublished, their lease the one it took."""
+        c = self.table.c
+        return sa.and_(c.id.in_(ids), c.published_at.is_(None), c.next_attempt_at == leased_until)
 
-def _mark(
-    conn: sa.Connection,
-    table: sa.Table,
-    done_at: dt.datetime,
-    published: list[OutboxEvent],
-    failures: list[_Failure],
-    max_attempts: int,
-) -> list[tuple[OutboxEvent, str]]:
-    """Mark the published events, back off (or park) the failed ones; the parked."""
-    parked: list[tuple[OutboxEvent, str]] = []
-    if published:
+    def _published(self, conn: sa.Connection, ids: list[int]) -> None:
+        # Not fenced by the lease: the broker has them, whoever holds the rows now.
+        c = self.table.c
         conn.execute(
-            sa.update(table)
-            .where(table.c.id.in_([ev.id for ev in published]))
-            .values(published_at=done_at)
+            sa.update(self.table)
+            .where(c.id.in_(ids), c.published_at.is_(None))
+            .values(published_at=self.clock())
         )
-    for ev, error, counts in failures:
+
+    def _fail(
+        self, conn: sa.Connection, ev: OutboxEvent, leased_until: dt.datetime, error: str
+    ) -> bool:
+        """Back the event off, or park it; whether it was parked here."""
+        now = self._now(conn)
         attempts = ev.attempts + 1
         values: dict[str, t.Any] = {
             "attempts": attempts,
             "last_error": error,
-            "next_attempt_at": done_at + backoff(attempts),
+            "next_attempt_at": now + backoff(attempts),
         }
-        if counts and attempts >= max_attempts:
-            values["failed_at"] = done_at
-            parked.append((ev, error))
-        conn.execute(sa.update(table).where(table.c.id == ev.id).values(**values))
-    return parked
+        parks = attempts >= self.max_attempts
+        if parks:
+            values["failed_at"] = now
+        table = self.table
+        result = conn.execute(
+            sa.update(table).where(self._mine([ev.id], leased_until)).values(**values)
+        )
+        return parks and result.rowcount == 1
+
+    def _give_back(
+        self,
+        conn: sa.Connection,
+        ids: list[int],
+        leased_until: dt.datetime,
+        error: str | None,
+    ) -> None:
+        """Make leased rows due at once, their attempts unchanged."""
+        values: dict[str, t.Any] = {"next_attempt_at": None}
+        if error is not None:
+            values["last_error"] = error
+        conn.execute(sa.update(self.table).where(self._mine(ids, leased_until)).values(**values))
 
 
 def retry_parked(app: Flask) -> int:
@@ -375,10 +530,11 @@ def purge_published(
 
 def outbox_stats(app: Flask) -> dict[str, t.Any]:
     """The outbox for an operator: ``outbox_pending`` (unpublished, not parked),
-    ``outbox_retrying`` (of those, the ones that failed at least once: a broker
-    outage shows here), ``outbox_oldest_age_s`` (seconds since the oldest
-    pending event was written; ``None`` when none), ``outbox_parked`` (given up
-    on: ``flask idempotency outbox-retry``) and ``outbox_published`` (kept until
+    ``outbox_retrying`` (of those, the ones whose last try failed, counted
+    toward parking or not: a broker outage shows here),
+    ``outbox_oldest_age_s`` (seconds since the oldest pending event was written;
+    ``None`` when none), ``outbox_parked`` (given up on: ``flask idempotency
+    outbox-retry``) and ``outbox_published`` (kept until
     ``IDEMPOTENCY_OUTBOX_RETENTION`` has passed)."""
     with app.app_context():
         state = app_state(app)
@@ -395,7 +551,7 @@ def outbox_stats(app: Flask) -> dict[str, t.Any]:
             row = conn.execute(
                 sa.select(
                     count(pending),
-                    count(sa.and_(pending, c.attempts > 0)),
+                    count(sa.and_(pending, sa.or_(c.attempts > 0, c.last_error.is_not(None)))),
                     sa.func.min(sa.case((pending, c.created_at))),
                     count(parked_now),
                     count(c.published_at.is_not(None)),
@@ -414,63 +570,122 @@ def outbox_stats(app: Flask) -> dict[str, t.Any]:
         }
 
 
+class RelistenBackoff:
+    """How long to wait before listening again after a :meth:`Listener.wait`
+    failed: 0.25 s, doubling up to 5 s while each new LISTEN connection fails
+    within :attr:`STEADY` seconds of being opened, and 0.25 s again after one
+    that lasted longer. A LISTEN connection that fails at once every time (a
+    proxy or a server that ends it, a driver that cannot wait on it) then costs
+    a few connections a minute instead of one every few milliseconds."""
+
+    FIRST = 0.25
+    MOST = 5.0
+    STEADY = 10.0
+
+    def __init__(self) -> None:
+        self._failures = 0
+
+    def delay(self, failed: Listener) -> float:
+        """Seconds to wait before replacing ``failed``, whose wait just raised."""
+        if failed.age > self.STEADY:
+            self._failures = 0
+        self._failures += 1
+        return float(min(self.MOST, self.FIRST * 2 ** min(self._failures - 1, 8)))
+
+
 class Listener:
     """How a relay waits between runs: at most ``timeout``, less when there is work.
 
-    On PostgreSQL with psycopg2 it LISTENs on ``idempotency_outbox`` on a
-    connection of its own (autocommit, detached from the pool), so commits in
-    any process wake it; a commit that carried events in this process wakes it
-    too (:func:`~flask_idempotency.outbox.on_commit`), on every engine. With
+    On PostgreSQL with psycopg2 or psycopg 3 it LISTENs on
+    ``idempotency_outbox`` on a connection of its own (autocommit, detached from
+    the pool), so commits in any process wake it; with another driver it polls.
+    A commit that carried events in this process wakes it too
+    (:func:`~flask_idempotency.outbox.on_commit`), on every engine. With
     ``wake=False`` it does neither and only waits out the timeout (polling
     alone). :meth:`interrupt` (safe in a signal handler) ends a wait at once.
+    It waits with :mod:`selectors` (epoll on Linux), so any number of files
+    open in the process is fine.
     """
 
     def __init__(self, app: Flask, *, wake: bool = True) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._read, selectors.EVENT_READ)
         self._raw: t.Any = None
         self._conn: t.Any = None
+        self._conn_fd = -1
+        self._driver = ""
+        self._born = time.monotonic()
         if not wake:
             return
         on_commit(self.interrupt)
         with app.app_context():
             engine = app_state(app).db.engine
-        if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg2":
+        driver = engine.dialect.driver
+        if engine.dialect.name == "postgresql" and driver in ("psycopg2", "psycopg"):
+            raw: t.Any = None
             try:
                 raw = engine.raw_connection()
                 conn: t.Any = raw.driver_connection
                 raw.detach()  # its own: never back to the pool LISTENing
+                conn.rollback()  # out of any transaction the pool left open
                 conn.autocommit = True
                 with conn.cursor() as cur:
                     cur.execute(f"LISTEN {CHANNEL}")
-                self._raw, self._conn = raw, conn
+                fd = conn.fileno()
+                self._selector.register(fd, selectors.EVENT_READ)
+                self._raw, self._conn, self._conn_fd, self._driver = raw, conn, fd, driver
             except Exception:
                 logger.warning("outbox relay: LISTEN failed; polling only", exc_info=True)
+                if raw is not None:
+                    with contextlib.suppress(Exception):
+                        raw.driver_connection.close()
 
     @property
     def listening(self) -> bool:
         """Whether it LISTENs on PostgreSQL (commits in other processes wake it)."""
         return self._conn is not None
 
+    @property
+    def age(self) -> float:
+        """Seconds since it was made."""
+        return time.monotonic() - self._born
+
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (``None``: until woken); ``True`` when
         woken by a notification, a commit here or :meth:`interrupt`.
 
         Raises when the LISTEN connection fails (the caller may make a new
-        Listener)."""
-        waitables: list[t.Any] = [self._read]
-        if self._conn is not None:
-            waitables.append(self._conn)
-        readable, _, _ = select.select(waitables, [], [], timeout)
-        if self._read in readable:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._read, 4096):
-                    pass
-        if self._conn is not None and self._conn in readable:
-            self._conn.poll()
-            self._conn.notifies.clear()
-        return bool(readable)
+        Listener, after :meth:`RelistenBackoff.delay`)."""
+        woken = False
+        for key, _ in self._selector.select(timeout):
+            woken = True
+            if key.fd == self._read:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._read, 4096):
+                        pass
+            elif key.fd == self._conn_fd:
+                self._drain_notifications()
+        return woken
+
+    def _drain_notifications(self) -> None:
+        """Read what the server sent and forget the notifications (one is as
+        good as many: the relay reads the outbox). Raises when the connection
+        is gone, so a closed socket never reads as endless wake-ups."""
+        conn = self._conn
+        if self._driver == "psycopg2":
+            conn.poll()
+            conn.notifies.clear()
+        else:
+            # psycopg 3: libpq's own calls, which never block; Connection.notifies()
+            # with a timeout of 0 returns nothing, not an error, once the server
+            # has closed the connection.
+            pgconn = conn.pgconn
+            pgconn.consume_input()
+            while pgconn.notifies() is not None:
+                pass
 
     def interrupt(self) -> None:
         """End the current or next :meth:`wait` now."""
@@ -480,10 +695,16 @@ class Listener:
     def close(self) -> None:
         """Stop listening (the LISTEN connection is closed) and free the pipe."""
         remove_on_commit(self.interrupt)
-        if self._raw is not None:
+        with contextlib.suppress(Exception):
+            self._selector.close()
+        if self._conn is not None:
+            # The driver's connection itself: it is detached, and closing the
+            # pool's proxy would first try a rollback on a connection that may
+            # be broken, logged as an error.
             with contextlib.suppress(Exception):
-                self._raw.close()
+                self._conn.close()
         self._raw = self._conn = None
+        self._conn_fd = -1
         if self._read >= 0:
             # -1 first: a late interrupt() then writes nowhere, not into a
             # file that reuses the number.

@@ -41,7 +41,7 @@ from flask import Flask
 from . import dberrors, signals
 from .jobs import KeepGoing, purge_expired, recover_abandoned
 from .locks import JobLocks, new_holder_id
-from .relay import Listener
+from .relay import Listener, RelistenBackoff
 from .state import app_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -229,7 +229,9 @@ class RelayWaker:
     else tells it. (When it LISTENs, so does a waker in the holder's process,
     which makes its run go round again: every scheduler retrying would turn
     each commit into one run per process.) A LISTEN connection that breaks (a database
-    restart) is opened again every :attr:`RELISTEN` seconds until it works;
+    restart) is opened again after a pause that grows with each failure in a
+    row (:class:`~flask_idempotency.relay.RelistenBackoff`, 0.25 s to 5 s), and
+    one that could not be opened every :attr:`RELISTEN` seconds until it works;
     meanwhile the in-process wake-ups and the poll go on.
     """
 
@@ -255,6 +257,7 @@ class RelayWaker:
 
     def _run(self) -> None:
         pending = False
+        backoff = RelistenBackoff()
         try:
             while not self._stop.is_set():
                 relisten = self._wants_listen and not self.listener.listening
@@ -263,7 +266,12 @@ class RelayWaker:
                     woken = self.listener.wait(timeout)
                 except Exception:
                     logger.warning("outbox relay wake-ups: LISTEN connection lost", exc_info=True)
-                    self._replace_listener()
+                    # Back off before the next connection: a wait that fails at
+                    # once every time must not become a loop of connects.
+                    self.listener.close()
+                    if self._stop.wait(backoff.delay(self.listener)):
+                        break
+                    self.listener = Listener(self.jobs.app)  # without LISTEN if it fails
                     pending = True  # a notification may have been lost with it
                     continue
                 if self._stop.is_set():

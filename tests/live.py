@@ -15,6 +15,9 @@ import typing as t
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The caller the example's payments service needs on every request
+#: (``example_app.app.merchant``: its scope, and the filter of its reads).
+MERCHANT = {"X-Merchant": "shop-1"}
 
 
 @dataclasses.dataclass

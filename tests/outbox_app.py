@@ -36,9 +36,35 @@ def _order() -> t.Any:
     ids = [idem.emit("order.created", {"order": order.id, "amount": body["amount"]})]
     if body.get("twice"):
         ids.append(idem.emit("order.created", {"order": order.id, "again": True}))
+    if body.get("same_twice"):  # the very same event again: a second event
+        ids.append(idem.emit("order.created", {"order": order.id, "amount": body["amount"]}))
     if body.get("fail"):
         return jsonify(error="boom", events=ids), 500
     return jsonify(order=order.id, events=ids), 201
+
+
+def _emit_all(plan: list[dict[str, t.Any]]) -> list[str]:
+    return [idem.emit(e["topic"], e["payload"], name=e.get("name")) for e in plan]
+
+
+def _resumable() -> t.Any:
+    """A leased view whose events the body lists, for crash-and-resume tests.
+
+    With ``OUTBOX_CRASH_AFTER_COMMIT`` set (the first attempt, in a process of
+    its own) it emits ``body["crashing"]``, commits, and the process kills
+    itself (SIGKILL) before answering. Otherwise (the resumed attempt) it emits
+    ``body["resumed"]["first"]``, commits, then ``body["resumed"]["then"]``.
+    Both attempts send the same body, so the retry resumes the same operation.
+    """
+    body = request.get_json()
+    if os.environ.get("OUTBOX_CRASH_AFTER_COMMIT"):
+        _emit_all(body["crashing"])
+        db.session.commit()
+        os.kill(os.getpid(), signal.SIGKILL)
+    ids = _emit_all(body["resumed"].get("first", []))
+    db.session.commit()
+    ids += _emit_all(body["resumed"].get("then", []))
+    return jsonify(events=ids), 201
 
 
 def create_app(
@@ -49,6 +75,9 @@ def create_app(
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
     app.add_url_rule("/orders", "orders", idem.idempotent()(_order), methods=["POST"])
+    app.add_url_rule(
+        "/resumable", "resumable", idem.idempotent(lease=5)(_resumable), methods=["POST"]
+    )
     app.add_url_rule(
         "/fast-orders", "fast_orders", idem.idempotent(optimistic=True)(_order), methods=["POST"]
     )
@@ -73,7 +102,15 @@ class FilePublisher:
 
 
 def from_env() -> Flask:
-    """Extra config (JSON) from ``OUTBOX_TEST_CONFIG``, e.g. ``IDEMPOTENCY_RELAY_EVERY``."""
+    """Extra config (JSON) from ``OUTBOX_TEST_CONFIG``, e.g. ``IDEMPOTENCY_RELAY_EVERY``;
+    with ``OUTBOX_TEST_LOGGING`` (a format), the app configures logging itself."""
+    if os.environ.get("OUTBOX_TEST_LOGGING"):
+        import logging
+        import sys
+
+        logging.basicConfig(
+            stream=sys.stderr, level=logging.INFO, format=os.environ["OUTBOX_TEST_LOGGING"]
+        )
     return create_app(
         os.environ["OUTBOX_TEST_DB"],
         IDEMPOTENCY_PUBLISHER=FilePublisher(os.environ["OUTBOX_TEST_FILE"]),
@@ -97,7 +134,8 @@ class KillingPublisher:
 
 def broker_from_env() -> Flask:
     """The relay's app publishing to a real broker (kombu): OUTBOX_BROKER_URL,
-    OUTBOX_EXCHANGE, and OUTBOX_QUEUE declared and bound on connect."""
+    OUTBOX_EXCHANGE, and OUTBOX_QUEUE declared and bound on connect; extra
+    config (JSON) from ``OUTBOX_TEST_CONFIG``."""
     from flask_idempotency.publishers import KombuPublisher
 
     publisher = KombuPublisher(
@@ -106,7 +144,9 @@ def broker_from_env() -> Flask:
         queues=[os.environ["OUTBOX_QUEUE"]],
     )
     return create_app(
-        os.environ["OUTBOX_TEST_DB"], IDEMPOTENCY_PUBLISHER=KillingPublisher(publisher)
+        os.environ["OUTBOX_TEST_DB"],
+        IDEMPOTENCY_PUBLISHER=KillingPublisher(publisher),
+        **json.loads(os.environ.get("OUTBOX_TEST_CONFIG", "{}")),
     )
 
 

@@ -46,6 +46,8 @@ class Attempt:
 class Downstream:
     def __init__(self, script: list[Action] | None = None, port: int = 0) -> None:
         self.script: list[Action] = list(script or [])
+        #: When set, the answer to the first attempt at each path (before the script).
+        self.first_at_path: Action | None = None
         self.attempts: list[Attempt] = []
         self.lock = threading.Lock()
         outer = self
@@ -60,12 +62,13 @@ class Downstream:
             def do_POST(self) -> None:
                 self._handle()
 
-            do_PATCH = do_POST
+            do_PATCH = do_PUT = do_DELETE = do_OPTIONS = do_CHARGE = do_POST
 
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 with outer.lock:
+                    first = all(a.path != self.path for a in outer.attempts)
                     outer.attempts.append(
                         Attempt(
                             self.command,
@@ -75,7 +78,13 @@ class Downstream:
                             body,
                         )
                     )
-                    action: Action = outer.script.pop(0) if outer.script else 200
+                    action: Action
+                    if first and outer.first_at_path is not None:
+                        action = outer.first_at_path
+                    elif outer.script:
+                        action = outer.script.pop(0)
+                    else:
+                        action = 200
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -396,6 +405,244 @@ def test_a_step_outside_an_idempotent_view_is_refused(downstream: Downstream) ->
     assert downstream.attempts == []
 
 
+# -- every way into the session: one key for every resend of a POST or PATCH --------------
+
+
+def prepared(method: str, url: str, **kwargs: t.Any) -> requests.PreparedRequest:
+    return requests.Request(method, url, **kwargs).prepare()
+
+
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_send_of_a_prepared_request_without_a_key_gives_it_one_for_every_attempt(
+    downstream: Downstream, method: str
+) -> None:
+    """requests' prepared-request pattern: before, the first attempt was made
+    (the server acted), the connection dropped, and the retry went again
+    without a key: the server ran it twice."""
+    downstream.script = ["drop", 201]
+    request = prepared(method, downstream.url + "/charges", json={"amount": 1})
+    response = fast().send(request)
+    assert response.status_code == 201
+    key = one_key(downstream, 2)
+    assert str(uuid.UUID(key)) == key
+    # Written into the prepared request: sending it again is the same operation.
+    assert request.headers["Idempotency-Key"] == quote_key(key)
+    assert {a.body for a in downstream.attempts} == {b'{"amount": 1}'}
+
+
+def test_send_of_a_prepared_request_keeps_the_key_it_has(downstream: Downstream) -> None:
+    downstream.script = [503, 201]
+    request = prepared("POST", downstream.url, json={}, headers={"idempotency-key": '"mine"'})
+    assert fast().send(request).status_code == 201
+    assert downstream.keys() == ['"mine"', '"mine"']
+
+
+def test_send_of_a_prepared_request_with_a_generator_body_sends_it_whole_every_time(
+    downstream: Downstream,
+) -> None:
+    """Before, the retry sent the exhausted generator: an empty body."""
+    downstream.script = [503, 201]
+    request = prepared("POST", downstream.url, data=(c for c in [b'{"amount": ', b"7}"]))
+    assert request.headers.get("Transfer-Encoding") == "chunked"
+    assert fast().send(request).status_code == 201
+    one_key(downstream, 2)
+    assert [a.body for a in downstream.attempts] == [b'{"amount": 7}'] * 2
+
+
+def test_a_header_given_as_none_counts_as_no_key(downstream: Downstream) -> None:
+    """``None`` is requests' way to leave a header out. Before, the session took
+    it for a key the caller had, sent none, and retried the keyless POST."""
+    downstream.script = ["drop", 201]
+    response = fast().post(downstream.url, json={}, headers={"Idempotency-Key": None})
+    assert response.status_code == 201
+    one_key(downstream, 2)
+
+
+def test_an_adapter_of_your_own_that_retries_posts_gets_the_key_too(
+    downstream: Downstream,
+) -> None:
+    """A mounted adapter retries with its own policy; every attempt it makes
+    still carries the key the session chose before the first."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    http = fast()
+    http.mount(downstream.url, HTTPAdapter(max_retries=Retry(total=3, allowed_methods=None)))
+    downstream.script = ["drop", "drop", 201]
+    request = prepared("POST", downstream.url + "/charges", json={})
+    assert http.send(request).status_code == 201
+    one_key(downstream, 3)
+
+
+def test_a_keyless_post_sent_to_the_adapter_directly_is_not_resent(
+    downstream: Downstream,
+) -> None:
+    """Code that bypasses the session (``get_adapter(url).send``) gets no key
+    from it; such a POST is then never sent twice (only a failure to connect,
+    when nothing was sent, is retried)."""
+    http = fast()
+    downstream.script = ["drop", 201]
+    request = prepared("POST", downstream.url + "/charges", json={})
+    with pytest.raises(requests.ConnectionError):
+        http.get_adapter(downstream.url).send(request)
+    assert downstream.keys() == [None]
+    downstream.script = [503, 201]
+    answer = http.get_adapter(downstream.url).send(prepared("PATCH", downstream.url, json={}))
+    assert answer.status_code == 503
+    assert downstream.keys() == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("method", "keyed", "retried"),
+    [
+        ("POST", True, True),
+        ("PATCH", True, True),
+        ("PUT", False, True),
+        ("DELETE", False, True),
+        ("OPTIONS", False, True),
+        ("GET", False, True),  # with a body, below: still no key, and the same body
+        ("CHARGE", False, False),  # a method urllib3 is not told is safe to resend
+    ],
+)
+@pytest.mark.parametrize("way", ["request", "send"])
+def test_every_method_by_every_way_in(
+    downstream: Downstream, method: str, keyed: bool, retried: bool, way: str
+) -> None:
+    downstream.script = [503, 201]
+    http = fast()
+    url = downstream.url + "/things"
+    if way == "request":
+        response = http.request(method, url, json={"n": 1})
+    else:
+        response = http.send(http.prepare_request(requests.Request(method, url, json={"n": 1})))
+    attempts = 2 if retried else 1
+    assert response.status_code == (201 if retried else 503)
+    assert [a.method for a in downstream.attempts] == [method] * attempts
+    assert {a.body for a in downstream.attempts} == {b'{"n": 1}'}
+    if keyed:
+        one_key(downstream, attempts)
+    else:
+        assert downstream.keys() == [None] * attempts
+
+
+def test_a_307_redirect_resends_the_post_with_its_key(downstream: Downstream) -> None:
+    downstream.script = [(307, {"Location": "/moved"}), "drop", 201]
+    response = fast().post(downstream.url + "/charges", json={"amount": 3})
+    assert response.status_code == 201
+    one_key(downstream, 3)
+    assert [(a.method, a.path) for a in downstream.attempts] == [
+        ("POST", "/charges"),
+        ("POST", "/moved"),
+        ("POST", "/moved"),
+    ]
+    assert {a.body for a in downstream.attempts} == {b'{"amount": 3}'}
+
+
+def test_the_hops_of_a_redirect_share_one_retry_budget(downstream: Downstream) -> None:
+    """``total`` bounds the call, not each hop: before, every hop of a redirect
+    started a full budget again."""
+    downstream.script = [503, (307, {"Location": "/moved"}), 503, 503, 503]
+    response = fast(total=1).post(downstream.url + "/charges", json={})
+    assert response.status_code == 503
+    one_key(downstream, 3)
+
+
+def test_a_cut_off_body_is_resent_within_the_same_total(downstream: Downstream) -> None:
+    """A resend after a cut-off body is one more retry of the call: before, it
+    started urllib3's count again, and total=1 allowed four attempts."""
+    downstream.script = [503, "cut", 503, "cut"]
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        fast(total=1).post(downstream.url + "/charges", json={})
+    one_key(downstream, 2)
+
+
+def test_a_cut_off_body_of_a_prepared_post_is_resent_with_its_key(
+    downstream: Downstream,
+) -> None:
+    downstream.script = ["cut", 201]
+    request = prepared("POST", downstream.url + "/charges", json={})
+    assert fast().send(request).status_code == 201
+    one_key(downstream, 2)
+
+
+def test_a_cut_off_file_body_is_resent_from_its_start(
+    downstream: Downstream, tmp_path: Path
+) -> None:
+    path = tmp_path / "body.json"
+    path.write_bytes(b'{"amount": 5}')
+    downstream.script = ["cut", 201]
+    with path.open("rb") as body:
+        assert fast().post(downstream.url, data=body).status_code == 201
+    one_key(downstream, 2)
+    assert [a.body for a in downstream.attempts] == [b'{"amount": 5}'] * 2
+
+
+def test_threads_sharing_a_session_keep_their_own_keys_and_budgets(
+    downstream: Downstream,
+) -> None:
+    """Eight threads on one session, by post() and by send(): every call has one
+    key, kept across its retry, and its own budget (total=1 each)."""
+    http = fast(total=1)
+    downstream.first_at_path = 503  # the first attempt of every call fails
+    errors: list[BaseException] = []
+
+    def calls(n: int) -> None:
+        try:
+            for j in range(2):
+                if n % 2:
+                    answer = http.post(downstream.url + f"/t{n}-{j}", json={"n": n})
+                else:
+                    request = prepared("POST", downstream.url + f"/t{n}-{j}", json={"n": n})
+                    answer = http.send(request)
+                assert answer.status_code == 200
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    by_path: dict[str, set[str | None]] = {}
+    for attempt in downstream.attempts:
+        by_path.setdefault(attempt.path, set()).add(attempt.key)
+    assert len(by_path) == 16
+    assert all(len(keys) == 1 and None not in keys for keys in by_path.values())
+    assert len({k for keys in by_path.values() for k in keys}) == 16
+    assert len(downstream.attempts) == 32
+
+
+@pytest.mark.parametrize("where", ["urllib3's backoff", "the backoff after a cut-off body"])
+def test_an_interrupt_in_a_backoff_ends_the_call_and_the_next_starts_afresh(
+    downstream: Downstream, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Ctrl-C while the session waits to retry: the call ends with it, and the
+    next call on the session has a new key and a whole budget."""
+    from flask_idempotency.client import IdempotentRetry
+
+    http = fast(total=1)
+    original = IdempotentRetry.sleep
+    interrupted = []
+
+    def sleep_then_interrupt(self: IdempotentRetry, response: t.Any = None) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        original(self, response)
+
+    monkeypatch.setattr(IdempotentRetry, "sleep", sleep_then_interrupt)
+    downstream.script = [503 if where.startswith("urllib3") else "cut"]
+    with pytest.raises(KeyboardInterrupt):
+        http.post(downstream.url + "/first", json={})
+    downstream.script = [503, 201]
+    answer = http.send(prepared("POST", downstream.url + "/second", json={}))
+    assert answer.status_code == 201
+    first, *second = downstream.attempts
+    assert len(second) == 2
+    assert second[0].key == second[1].key != first.key
+
+
 def one_key_raw(server: Downstream, attempts: int) -> str:
     one_key(server, attempts)
     key = server.keys()[0]
@@ -524,6 +771,29 @@ def test_a_keyless_post_in_an_idempotent_view_is_refused(
     response = app.test_client().post(
         "/keyless-downstream", json={}, headers={"Idempotency-Key": "up-2"}
     )
+    assert response.status_code == 201
+    assert errors
+    assert "step=" in errors[0]
+    assert downstream.attempts == []
+
+
+def test_a_keyless_prepared_post_sent_in_an_idempotent_view_is_refused(
+    app: Flask, downstream: Downstream
+) -> None:
+    """As for post(): a fresh key on each run of the view would let the
+    downstream act once per retry of the view."""
+    errors: list[str] = []
+
+    @app.post("/keyless-send")
+    @testapp.idem.idempotent(required=True)
+    def keyless_send() -> tuple[dict[str, t.Any], int]:
+        try:
+            fast().send(prepared("POST", downstream.url + "/charges", json={}))
+        except ValueError as exc:
+            errors.append(str(exc))
+        return {}, 201
+
+    response = app.test_client().post("/keyless-send", json={}, headers={"Idempotency-Key": "s-1"})
     assert response.status_code == 201
     assert errors
     assert "step=" in errors[0]

@@ -21,7 +21,7 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
-from tests.live import LiveServer
+from tests.live import MERCHANT, LiveServer
 from tests.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
@@ -239,15 +239,15 @@ def test_live_partition_fails_a_request_within_the_connect_timeout(
     instead of hanging until the WSGI server kills the worker (gunicorn: 30 s)."""
     server = example_behind_proxy
     charge = {"customer_id": "cus_1", "amount": 1250, "currency": "EUR"}
-    assert server.post("/payments", charge, str(uuid.uuid4())).status == 201
+    assert server.post("/payments", charge, str(uuid.uuid4()), headers=MERCHANT).status == 201
     proxy.cut()  # pooled connections die ...
     proxy.blackhole()  # ... and new ones connect into a partition
     key = str(uuid.uuid4())
-    reply, took = timed(lambda: server.post("/payments", charge, key, timeout=60))
+    reply, took = timed(lambda: server.post("/payments", charge, key, headers=MERCHANT, timeout=60))
     assert reply.status == 503, reply.body[:300]
     assert reply.headers["content-type"] == "application/problem+json"
     assert took < 20  # 3 s connect_timeout, plus a loaded machine; never 30 s
     proxy.heal()
-    retry = server.post("/payments", charge, key)
+    retry = server.post("/payments", charge, key, headers=MERCHANT)
     assert retry.status == 201
     assert not retry.replayed

@@ -26,7 +26,7 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, run_sql
-from tests.live import LiveServer, Reply
+from tests.live import MERCHANT, LiveServer, Reply
 from tests.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
@@ -503,7 +503,9 @@ def test_database_flapping_under_load_answers_503_never_html_500(
             return int(rows), list(records)
 
     def attempt(key: str) -> Reply:
-        reply = server.post("/payments", {**CHARGE, "description": key}, key, timeout=60)
+        reply = server.post(
+            "/payments", {**CHARGE, "description": key}, key, headers=MERCHANT, timeout=60
+        )
         with lock:
             history[key].append(reply)
         if reply.status == 503:

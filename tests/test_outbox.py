@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import signal
@@ -20,9 +21,15 @@ import sqlalchemy as sa
 from flask import Flask
 from sqlalchemy import orm
 
-from flask_idempotency import signals
+from flask_idempotency import EventIdConflictError, signals
 from flask_idempotency.keys import derive_scoped_key
-from flask_idempotency.models import as_utc, outbox_table, record_table
+from flask_idempotency.models import (
+    as_utc,
+    inbox_table,
+    job_lock_table,
+    outbox_table,
+    record_table,
+)
 from flask_idempotency.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from flask_idempotency.relay import backoff, relay_once, retry_parked
@@ -34,6 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def reset(url: str) -> None:
+    """Drop and create the outbox app's tables, the extension's among them (they
+    join the metadata at init_app, which a test may not have run yet)."""
+    for table in (record_table, outbox_table, inbox_table, job_lock_table):
+        table(outbox_app.db.metadata)
     engine = sa.create_engine(url)
     try:
         outbox_app.db.metadata.drop_all(engine)
@@ -117,39 +128,197 @@ def test_a_replayed_request_does_not_emit_again(app: Flask) -> None:
     assert orders(app) == 1
 
 
-def test_emit_is_conflict_tolerant_on_event_id(app: Flask) -> None:
-    """A resumed operation re-emitting an id already committed adds nothing and
-    does not fail (the insert is ON CONFLICT DO NOTHING or its MySQL form)."""
+def test_an_event_id_names_one_event(app: Flask) -> None:
+    """``add_event`` with an id that exists: the same topic and payload (however
+    its keys were ordered, whatever its headers) adds nothing and returns the
+    id; another topic or payload raises EventIdConflictError, adds nothing, and
+    leaves the transaction usable. It used to skip the second event silently."""
     with app.app_context():
         session = outbox_app.db.session
-        add_event(session, "t", {"a": 1}, event_id="e1")
+        assert add_event(session, "t", {"a": 1, "b": 2}, event_id="e1") == "e1"
         session.commit()
-        add_event(session, "t", {"a": 2}, event_id="e1")
+        again = add_event(session, "t", {"b": 2, "a": 1}, event_id="e1", headers={"x": "y"})
+        assert again == "e1"
+        with pytest.raises(EventIdConflictError, match="'e1' already names another event"):
+            add_event(session, "t", {"a": 2, "b": 2}, event_id="e1")
+        with pytest.raises(EventIdConflictError, match="topic 't'"):
+            add_event(session, "other", {"a": 1, "b": 2}, event_id="e1")
+        add_event(session, "t", {"n": 2}, event_id="e2")  # the transaction goes on
+        session.commit()
+        # Within one transaction too, before anything committed.
+        add_event(session, "t", {"n": 3}, event_id="e3")
+        with pytest.raises(EventIdConflictError):
+            add_event(session, "t", {"n": 4}, event_id="e3")
         session.commit()
     stored = rows(app)
-    assert len(stored) == 1
-    assert json.loads(stored[0]["payload"]) == {"a": 1}
+    assert [(text(r["event_id"]), r["topic"], json.loads(r["payload"])) for r in stored] == [
+        ("e1", "t", {"a": 1, "b": 2}),
+        ("e2", "t", {"n": 2}),
+        ("e3", "t", {"n": 3}),
+    ]
+
+
+def test_an_event_id_added_by_two_transactions_at_once_is_one_event_or_an_error(
+    app: Flask,
+) -> None:
+    """Two transactions add one id with different payloads: the second waits on
+    the first's row (its unique index entry, or SQLite's write lock), then
+    raises: it never returns the id as if its own event had been written."""
+    with app.app_context():
+        engine = outbox_app.db.engine
+    outcome: list[BaseException | str] = []
+
+    def second() -> None:
+        with app.app_context(), orm.Session(engine) as b:
+            try:
+                outcome.append(add_event(b, "t", {"txn": "B"}, event_id="shared"))
+                b.commit()
+            except BaseException as exc:
+                outcome.append(exc)
+
+    with app.app_context(), orm.Session(engine) as a:
+        add_event(a, "t", {"txn": "A"}, event_id="shared")
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.3)  # let B meet A's uncommitted row (not an assertion)
+        a.commit()
+    thread.join(30)
+    [second_outcome] = outcome
+    assert isinstance(second_outcome, EventIdConflictError), second_outcome
+    [stored] = rows(app)
+    assert json.loads(stored["payload"]) == {"txn": "A"}
+
+
+def crash_then_resume(app: Flask, url: str, clock: Clock, body: dict[str, t.Any]) -> t.Any:
+    """POST ``body`` to the leased ``/resumable`` route in a process that commits
+    its first events and is SIGKILLed, then again here once its lease has run
+    out (the test's clock moves past it): the resumed attempt's response."""
+    child = (
+        "import json, sys; from tests import outbox_app; "
+        "outbox_app.create_app(sys.argv[1]).test_client().post("
+        "'/resumable', json=json.loads(sys.argv[2]), headers={'Idempotency-Key': 'resume-1'})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUTBOX_CRASH_AFTER_COMMIT": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-c", child, url, json.dumps(body)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    clock.advance(seconds=60)  # past the route's 5 s lease
+    return app.test_client().post("/resumable", json=body, headers={"Idempotency-Key": "resume-1"})
+
+
+def ev(topic: str, what: str, name: str | None = None) -> dict[str, t.Any]:
+    return {"topic": topic, "payload": {"order": 1, "what": what}, "name": name}
+
+
+def events(app: Flask) -> list[tuple[str, str, str]]:
+    """(event id, topic, what) of every outbox row, in write order."""
+    return [(text(r["event_id"]), r["topic"], json.loads(r["payload"])["what"]) for r in rows(app)]
+
+
+def test_a_resumed_view_that_emits_another_event_first_writes_it(
+    app: Flask, database_url: str, clock: Clock
+) -> None:
+    """The first attempt commits "created" and dies; the resumed one skips that
+    phase and emits "confirmed" on the same topic. Ids were positions: it got
+    "created"'s id back and "confirmed" was never written."""
+    body = {
+        "crashing": [ev("orders", "created")],
+        "resumed": {"then": [ev("orders", "confirmed")]},
+    }
+    response = crash_then_resume(app, database_url, clock, body)
+    assert response.status_code == 201, response.get_data(as_text=True)
+    stored = events(app)
+    assert [(topic, what) for _, topic, what in stored] == [
+        ("orders", "created"),
+        ("orders", "confirmed"),
+    ]
+    assert response.get_json()["events"] == [stored[1][0]]
+    assert stored[0][0] != stored[1][0]
+
+
+def test_a_resumed_view_that_emits_its_events_in_another_order_writes_each_once(
+    app: Flask, database_url: str, clock: Clock
+) -> None:
+    """The same two events in the other order (iterating a set: the hash seed
+    differs per process) keep their ids: two rows, not four."""
+    first, second = ev("order.created", "o"), ev("invoice.created", "i")
+    body = {"crashing": [first, second], "resumed": {"first": [second, first]}}
+    response = crash_then_resume(app, database_url, clock, body)
+    assert response.status_code == 201, response.get_data(as_text=True)
+    stored = events(app)
+    assert [(topic, what) for _, topic, what in stored] == [
+        ("order.created", "o"),
+        ("invoice.created", "i"),
+    ]
+    assert response.get_json()["events"] == [stored[1][0], stored[0][0]]
+
+
+def test_a_resumed_view_re_emits_a_committed_event_once_and_goes_on(
+    app: Flask, database_url: str, clock: Clock
+) -> None:
+    """The resumed attempt emits the committed events again (one named, one
+    not), then a new one: no failure, no second row, the same ids."""
+    a, b = ev("orders", "created", name="created"), ev("orders", "paid")
+    body = {"crashing": [a, b], "resumed": {"first": [a, b], "then": [ev("orders", "shipped")]}}
+    response = crash_then_resume(app, database_url, clock, body)
+    assert response.status_code == 201, response.get_data(as_text=True)
+    stored = events(app)
+    assert [what for _, _, what in stored] == ["created", "paid", "shipped"]
+    assert response.get_json()["events"] == [e[0] for e in stored]
+
+
+def test_a_name_reused_for_another_payload_on_resume_raises_and_writes_nothing(
+    app: Flask, database_url: str, clock: Clock
+) -> None:
+    """A named event whose payload changed between attempts is not silently
+    taken for the committed one: the resumed attempt fails and adds nothing."""
+    body = {
+        "crashing": [ev("orders", "created", name="created")],
+        "resumed": {"first": [ev("orders", "created-v2", name="created")]},
+    }
+    app.testing = True  # the view's error reaches the test
+    with pytest.raises(EventIdConflictError, match="already names another event"):
+        crash_then_resume(app, database_url, clock, body)
+    assert [what for _, _, what in events(app)] == ["created"]
+
+
+def test_event_names_are_checked(app: Flask) -> None:
+    with app.test_request_context("/"), pytest.raises(ValueError, match="event name"):
+        outbox_app.idem.emit("t", {}, name="")
 
 
 def test_requests_sharing_an_app_context_each_count_their_emits_from_zero(
     app: Flask, clock: Clock
 ) -> None:
-    """The n-th emit of a request is ``event:<topic>:<n>`` counted within that
-    request, also when a test or a script sends several requests in one app
-    context (they share ``g``)."""
+    """An event without a name is named by its topic, its payload and how many
+    identical events the attempt emitted before it, counted within the request,
+    also when a test or a script sends several requests in one app context
+    (they share ``g``)."""
     with app.app_context():
-        events = {key: post(app, key=key, twice=True).get_json()["events"] for key in ("a", "b")}
+        ids = {key: post(app, key=key, same_twice=True).get_json()["events"] for key in "ab"}
     with app.app_context(), outbox_app.db.engine.connect() as conn:
         records = record_table(outbox_app.db.metadata)
         scopes = {
             text(k): text(s) for k, s in conn.execute(sa.select(records.c.key, records.c.scope))
         }
-    for key, ids in events.items():
-        scope = scopes[key]
-        assert ids == [
-            derive_scoped_key(scope, key, f"event:order.created:{n}", operation=clock().isoformat())
+    for order, key in enumerate("ab", start=1):
+        content = json.dumps({"amount": 5, "order": order}, separators=(",", ":"))
+        steps = [
+            "event#"
+            + hashlib.sha256(json.dumps(["order.created", content, n]).encode()).hexdigest()
             for n in (0, 1)
         ]
+        operation = clock().isoformat()
+        assert ids[key] == [
+            derive_scoped_key(scopes[key], key, step, operation=operation) for step in steps
+        ]
+    assert len(rows(app)) == 4
 
 
 def text(value: str | bytes) -> str:
@@ -365,10 +534,15 @@ def relay_command(url: str, out: Path, *options: str) -> tuple[dict[str, str], l
     return env, [sys.executable, "-m", "flask", "--app", app, "idempotency", "relay", *options]
 
 
-def test_a_relay_killed_after_publishing_publishes_again(database_url: str, tmp_path: Path) -> None:
-    """At least once: SIGKILL between the publish and the commit that marks it."""
+def test_a_relay_killed_after_publishing_publishes_again(
+    database_url: str, tmp_path: Path, clock: Clock
+) -> None:
+    """At least once: SIGKILL between the publish and the commit that marks it.
+    The dead relay's rows stay leased (no other relay takes them, though no
+    transaction or lock of the dead one is left); once the lease has run out
+    the next relay publishes them again."""
     pg_url = database_url
-    app = outbox_app.create_app(pg_url)
+    app = outbox_app.create_app(pg_url, clock=clock)
     reset(pg_url)
     with app.app_context():
         add_event(outbox_app.db.session, "t", {"n": 1}, event_id="only")
@@ -386,19 +560,18 @@ def test_a_relay_killed_after_publishing_publishes_again(database_url: str, tmp_
     )
     assert killed.returncode == -9, killed.stderr
     assert [json.loads(line)["event_id"] for line in out.read_text().splitlines()] == ["only"]
-    assert rows(app)[0]["published_at"] is None
-    if pg_url.startswith("sqlite"):
-        # SQLite's relay publishes outside a transaction, its rows leased: the
-        # batch of a dead relay is taken again when the lease runs out.
-        from flask_idempotency.relay import SQLITE_PUBLISH_LEASE
-
-        leased_until = as_utc(rows(app)[0]["next_attempt_at"])
-        left = leased_until - dt.datetime.now(dt.timezone.utc)
-        assert SQLITE_PUBLISH_LEASE - dt.timedelta(minutes=1) < left <= SQLITE_PUBLISH_LEASE
-        run_sql(pg_url, "UPDATE idempotency_outbox SET next_attempt_at = NULL")  # time passes
-    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0, again.stderr
-    assert "published 1" in again.stdout
+    [row] = rows(app)
+    assert row["published_at"] is None
+    assert row["attempts"] == 0
+    leased_until = as_utc(row["next_attempt_at"])
+    assert leased_until is not None
+    assert (
+        dt.timedelta(0) < leased_until - dt.datetime.now(dt.timezone.utc) <= dt.timedelta(minutes=1)
+    )  # IDEMPOTENCY_OUTBOX_LEASE's default
+    publisher = outbox_app.FilePublisher(str(out))
+    assert relay_once(app, publisher) == 0  # still the dead relay's
+    clock.advance(minutes=2)  # its lease runs out
+    assert relay_once(app, publisher) == 1
     assert [json.loads(line)["event_id"] for line in out.read_text().splitlines()] == [
         "only",
         "only",

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import POSTGRES_ENV, reset_tables, run_sql
-from tests.live import LiveServer, concurrently
+from tests.live import MERCHANT, LiveServer, concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,9 @@ def test_concurrent_duplicates_run_the_view_once(test_server: LiveServer, pg_url
 
 def test_concurrent_duplicates_on_the_example_app(example_server: LiveServer, pg_url: str) -> None:
     key = str(uuid.uuid4())
-    replies = concurrently(20, lambda: example_server.post("/payments", CHARGE, key))
+    replies = concurrently(
+        20, lambda: example_server.post("/payments", CHARGE, key, headers=MERCHANT)
+    )
     assert {r.status for r in replies} == {201}
     assert sum(not r.replayed for r in replies) == 1
     assert len({r.body for r in replies}) == 1
@@ -109,7 +111,9 @@ def test_crash_after_commit_before_response_then_retry_replays(
 ) -> None:
     key = str(uuid.uuid4())
     with pytest.raises((ConnectionError, OSError)):
-        example_server.post("/payments", CHARGE, key, headers={"X-Test-Crash": "after-commit"})
+        example_server.post(
+            "/payments", CHARGE, key, headers={**MERCHANT, "X-Test-Crash": "after-commit"}
+        )
     assert example_server.wait_dead() != 0  # really killed
     # The commit happened: the charge and the completed record are durable.
     assert ledger_rows(pg_url) == 1
@@ -117,7 +121,7 @@ def test_crash_after_commit_before_response_then_retry_replays(
 
     restarted = LiveServer("example", pg_url).start()
     try:
-        retry = restarted.post("/payments", CHARGE, key)
+        retry = restarted.post("/payments", CHARGE, key, headers=MERCHANT)
         assert retry.status == 201
         assert retry.replayed
         assert retry.json()["amount"] == 1250
@@ -132,7 +136,9 @@ def test_crash_before_commit_leaves_nothing_and_retry_runs(
 ) -> None:
     key = str(uuid.uuid4())
     with pytest.raises((ConnectionError, OSError)):
-        example_server.post("/payments", CHARGE, key, headers={"X-Test-Crash": "before-commit"})
+        example_server.post(
+            "/payments", CHARGE, key, headers={**MERCHANT, "X-Test-Crash": "before-commit"}
+        )
     assert example_server.wait_dead() != 0
     # PostgreSQL rolled the dead connection's transaction back: no claim, no charge.
     assert ledger_rows(pg_url) == 0
@@ -140,10 +146,10 @@ def test_crash_before_commit_leaves_nothing_and_retry_runs(
 
     restarted = LiveServer("example", pg_url).start()
     try:
-        retry = restarted.post("/payments", CHARGE, key)
+        retry = restarted.post("/payments", CHARGE, key, headers=MERCHANT)
         assert retry.status == 201
         assert not retry.replayed
-        assert restarted.post("/payments", CHARGE, key).replayed
+        assert restarted.post("/payments", CHARGE, key, headers=MERCHANT).replayed
     finally:
         restarted.stop()
     assert ledger_rows(pg_url) == 1
@@ -151,13 +157,13 @@ def test_crash_before_commit_leaves_nothing_and_retry_runs(
 
 def test_reused_key_with_different_payload_is_422(example_server: LiveServer, pg_url: str) -> None:
     key = str(uuid.uuid4())
-    assert example_server.post("/payments", CHARGE, key).status == 201
-    other = example_server.post("/payments", {**CHARGE, "amount": 9999}, key)
+    assert example_server.post("/payments", CHARGE, key, headers=MERCHANT).status == 201
+    other = example_server.post("/payments", {**CHARGE, "amount": 9999}, key, headers=MERCHANT)
     assert other.status == 422
     assert other.headers["content-type"] == "application/problem+json"
     assert ledger_rows(pg_url) == 1
     # The original is still what a correct retry gets.
-    assert example_server.post("/payments", CHARGE, key).json()["amount"] == 1250
+    assert example_server.post("/payments", CHARGE, key, headers=MERCHANT).json()["amount"] == 1250
 
 
 def test_view_that_commits_itself_under_concurrency(test_server: LiveServer, pg_url: str) -> None:

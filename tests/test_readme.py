@@ -200,6 +200,25 @@ def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
     ]
 
 
+def test_exit_code_block_against_the_quickstart(tmp_path: Path) -> None:
+    """purge -q says nothing when all is well; relay --once without a publisher
+    exits 78 (misconfigured) with one line, which the block shows."""
+    shop = quickstart(tmp_path)
+    script = block_with("sh", "relay --once ||")
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=shop,
+        env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(shop)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "relay: exit 78\n"
+    [error] = done.stderr.splitlines()
+    assert error.startswith("Error: no outbox publisher"), error
+
+
 def test_migration_block(tmp_path: Path) -> None:
     shop = quickstart(tmp_path)
     source = (shop / "shop.py").read_text()

@@ -157,9 +157,9 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
 ) -> None:
     """While the broker is cut off the relay publishes nothing and loses nothing:
     each run tries one event (one connection attempt, not one per event), the
-    tried rows back off, and none is parked, even past
-    IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS failures. Healed, every event arrives once,
-    exactly as written, and every row is marked published."""
+    first pending one, again and again, and none is parked or counts an attempt,
+    however long the outage. Healed, every event arrives once, exactly as
+    written, and every row is marked published."""
     exchange, queue = names
     app = outbox_app.create_app(pg_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3)
     reset(pg_url)
@@ -170,7 +170,16 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
 
     signals.event_parked.connect(on_parked, app)
     proxy = TcpProxy(broker.upstream)
-    publisher = KombuPublisher(broker.through(proxy), exchange=exchange, queues=[queue], timeout=5)
+    kombu_publisher = KombuPublisher(
+        broker.through(proxy), exchange=exchange, queues=[queue], timeout=5
+    )
+    tried: list[str] = []
+
+    def publish(event: t.Any) -> None:
+        tried.append(text(event.event_id))
+        kombu_publisher.publish(event)
+
+    publisher = CallablePublisher(publish)
     try:
         assert post(app, key="before", amount=1).status_code == 201
         assert relay_once(app, publisher) == 1  # up: declares the queue, publishes
@@ -179,27 +188,22 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
         proxy.cut()
         for i in range(4):
             assert post(app, key=f"down-{i}", amount=10 + i).status_code == 201
-        tried: list[int] = []
-        for _ in range(5):  # five rounds of five runs, the clock past every backoff between
-            for _ in range(5):
-                before = sum(r["attempts"] for r in rows(app))
-                assert relay_once(app, publisher) == 0
-                tried.append(sum(r["attempts"] for r in rows(app)) - before)
+        del tried[:]
+        for _ in range(25):  # runs over a long outage
+            assert relay_once(app, publisher) == 0
             clock.advance(seconds=backoff(30).total_seconds())
-        # One connection attempt per run, on the next due event; the tried ones
-        # wait out their backoff, so the fifth run of a round tries nothing.
-        assert tried == [1, 1, 1, 1, 0] * 5
-        assert waiting(broker, exchange, queue) == 1  # nothing got through
         down = rows(app)[1:]
+        first = text(down[0]["event_id"])
+        assert tried == [first] * 25  # one connection attempt per run, in order
+        assert waiting(broker, exchange, queue) == 1  # nothing got through
         assert all(r["published_at"] is None for r in down)
         assert all(r["failed_at"] is None for r in down)  # none parked
         assert parked == []
-        assert [r["attempts"] for r in down] == [5] * 4  # past MAX_ATTEMPTS, still waiting
-        assert all("BrokerUnavailable" in r["last_error"] for r in down)
-        for r in down:  # the backoff of its last failure
-            assert r["next_attempt_at"] is not None
+        assert [r["attempts"] for r in down] == [0] * 4  # an outage is not a failure
+        assert "BrokerUnavailable" in down[0]["last_error"]
+        assert [r["next_attempt_at"] for r in down] == [None] * 4  # all due
         numbers = json.loads(app.test_cli_runner().invoke(args=["idempotency", "stats"]).output)
-        assert (numbers["outbox_pending"], numbers["outbox_retrying"]) == (4, 4)
+        assert (numbers["outbox_pending"], numbers["outbox_retrying"]) == (4, 1)
         assert numbers["outbox_parked"] == 0
 
         proxy.heal()
@@ -216,7 +220,7 @@ def test_broker_down_events_wait_and_flow_when_it_returns(
         assert len({m["event_id"] for m in got}) == 5
     finally:
         proxy.close()  # first: a connection still hanging in it fails at once
-        publisher.close()
+        kombu_publisher.close()
         delete_queue(broker, exchange, queue)
         with app.app_context():
             outbox_app.db.engine.dispose()
@@ -226,8 +230,9 @@ def test_an_unreachable_broker_ends_the_batch_and_never_parks(
     database_url: str, clock: Clock
 ) -> None:
     """On every engine: BrokerUnavailable from a publisher ends the batch (the
-    events after it are not tried, and keep no attempt), backs the event off,
-    and never parks it; any other failure still parks after MAX_ATTEMPTS."""
+    events after it are not tried), leaves the event due with its attempts
+    unchanged (an outage is not the event's failure), and never parks it; any
+    other failure still parks after MAX_ATTEMPTS."""
     app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2)
     reset(database_url)
     with app.app_context():
@@ -251,10 +256,11 @@ def test_an_unreachable_broker_ends_the_batch_and_never_parks(
     assert tried == ["a"] * 4
     stored = rows(app)
     assert [(r["attempts"], r["failed_at"] is None) for r in stored] == [
-        (4, True),
+        (0, True),
         (0, True),
         (0, True),
     ]
+    assert [r["next_attempt_at"] for r in stored] == [None] * 3
     assert stored[0]["last_error"] == "BrokerUnavailable: connection refused"
     down["on"] = False
     assert relay_once(app, publisher) == 2  # a and b; c refused
@@ -330,7 +336,7 @@ def test_a_hung_broker_times_out_instead_of_holding_the_relay(
         assert returned == [0]  # it returned: the confirm timed out
         second = rows(app)[1]
         assert second["published_at"] is None
-        assert second["attempts"] == 1
+        assert second["attempts"] == 0  # the broker's failure, not the event's
         assert "BrokerUnavailable" in second["last_error"]
         proxy.heal()
         clock.advance(seconds=2)
@@ -362,8 +368,9 @@ def test_a_relay_killed_after_publishing_and_the_inbox_does_the_work_once(
     broker: Broker, pg_url: str, names: tuple[str, str]
 ) -> None:
     """SIGKILL after the broker took the first event and before the relay marked
-    it: the next relay publishes it again (at least once), and the inbox
-    consumer reading the broker does its work once per event."""
+    it: once the dead relay's lease (1 s here) has run out, the next relay
+    publishes it again (at least once), and the inbox consumer reading the
+    broker does its work once per event."""
     exchange, queue = names
     app = outbox_app.create_app(pg_url)
     reset(pg_url)
@@ -373,12 +380,20 @@ def test_a_relay_killed_after_publishing_and_the_inbox_does_the_work_once(
         for i in range(3):
             add_event(outbox_app.db.session, "order.created", {"n": i}, event_id=f"evt-{i}")
         outbox_app.db.session.commit()
-    env = {"OUTBOX_BROKER_URL": broker.url, "OUTBOX_EXCHANGE": exchange, "OUTBOX_QUEUE": queue}
+    env = {
+        "OUTBOX_BROKER_URL": broker.url,
+        "OUTBOX_EXCHANGE": exchange,
+        "OUTBOX_QUEUE": queue,
+        "OUTBOX_TEST_CONFIG": json.dumps({"IDEMPOTENCY_OUTBOX_LEASE": 1}),
+    }
     try:
         killed = relay_process(pg_url, "broker_from_env", env, "--once", kill=True)
         assert killed.returncode == -9, killed.stderr
         assert waiting(broker, exchange, queue) == 1  # the broker has evt-0
         assert all(r["published_at"] is None for r in rows(app))  # the mark died with it
+        leases = [r["next_attempt_at"] for r in rows(app)]
+        while dt.datetime.now(dt.timezone.utc) <= max(leases):  # the lease runs out
+            time.sleep(0.1)
 
         again = relay_process(pg_url, "broker_from_env", env, "--once")
         assert again.returncode == 0, again.stderr
