@@ -34,6 +34,7 @@ def create_app() -> Flask:
     def charge() -> tuple[dict[str, t.Any], int]:
         time.sleep(work)  # the claim is in, uncommitted: the view at work
         entry = example.LedgerEntry(
+            merchant="bench",
             customer_id=example.idem.payload["customer_id"],
             amount=example.idem.payload["amount"],
             currency=example.idem.payload["currency"],

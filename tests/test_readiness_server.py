@@ -224,7 +224,11 @@ def _charge(port: int, results: list[t.Any]) -> None:
             "POST",
             "/payments",
             body=body,
-            headers={"Content-Type": "application/json", "Idempotency-Key": str(uuid.uuid4())},
+            headers={
+                "Content-Type": "application/json",
+                "Idempotency-Key": str(uuid.uuid4()),
+                "X-Merchant": "m1",
+            },
         )
         results.append(conn.getresponse().status)
     except OSError as exc:
