@@ -306,3 +306,35 @@ def test_the_bound_rides_in_the_claims_one_round_trip(
                 session.rollback()
         finally:
             engine.dispose()
+
+
+def test_a_new_keys_request_costs_the_same_exchanges_with_the_bound(pg_url: str) -> None:
+    """A whole request, not only the claim: with the bound on, a new key's POST
+    exchanges as many messages with PostgreSQL as without it (on psycopg 3 the
+    claim then travels as one client-bound string instead of a pipeline)."""
+    from bench.wire import CountingProxy
+    from tests import testapp
+
+    reset_tables(pg_url)
+    exchanges = {}
+    for bound in (None, 5):
+        config = {} if bound is None else {"IDEMPOTENCY_CLAIM_IDLE_TIMEOUT": bound}
+        with CountingProxy(pg_url) as proxy:
+            app = testapp.create_app(proxy.url(), IDEMPOTENCY_SCOPE=lambda: "s", **config)
+            client = app.test_client()
+            try:
+                counted = []
+                for n in range(10):  # the first ones warm the pool and psycopg's prepares
+                    proxy.reset()
+                    response = client.post(
+                        "/charges",
+                        json={"amount": 1, "currency": "EUR"},
+                        headers={"Idempotency-Key": f"{bound}-{n}-{uuid.uuid4()}"},
+                    )
+                    assert response.status_code == 201, response.data
+                    counted.append(proxy.exchanges)
+                exchanges[bound] = counted[-3:]
+            finally:
+                with app.app_context():
+                    testapp.db.engine.dispose()
+    assert exchanges[5] == exchanges[None]
