@@ -339,14 +339,15 @@ class ReadinessServer:
         self._httpd.socket.close()
 
 
-_servers: dict[tuple[int, str, int, str], ReadinessServer] = {}
+# Keyed by the app itself, not its id(): an id is reused once its object is gone.
+_servers: dict[tuple[t.Any, str, int, str], ReadinessServer] = {}
 _servers_lock = threading.Lock()
 
 
 def serve(app: t.Any, check: Check, *, host: str, port: int, path: str) -> ReadinessServer:
     """The readiness server of ``app`` on ``host:port`` in this process, started on
     the first call (and again in a forked child)."""
-    key = (id(app), host, port, path)
+    key = (app, host, port, path)
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and server.running:
