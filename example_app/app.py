@@ -158,15 +158,25 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
             "pool_pre_ping": True,  # replace connections that died while pooled
             "pool_timeout": 5,  # wait at most 5 s for a pooled connection
             "connect_args": {
-                "connect_timeout": 3,  # seconds to connect and log in
-                "keepalives": 1,  # detect a silent peer on an idle connection:
-                "keepalives_idle": 5,  # first probe after 5 s of silence,
-                "keepalives_interval": 2,  # then every 2 s,
-                "keepalives_count": 3,  # dead after 3 unanswered probes
-                "tcp_user_timeout": 10_000,  # ms: sent data unacknowledged -> dead
-                # Above IDEMPOTENCY_WAIT (10 s), so a duplicate waiting for the
-                # first request still gets its 409 or replay, not a cancel.
-                "options": f"{options} -c statement_timeout=15000".strip(),
+                "connect_timeout": 2,  # seconds to connect and log in (libpq's least)
+                # A silent database: these end the wait, not a slow query (whose
+                # server still acknowledges and answers probes).
+                "tcp_user_timeout": 2_000,  # ms: sent data unacknowledged -> dead
+                "keepalives": 1,  # awaiting a reply: probe the peer
+                "keepalives_idle": 1,  # after 1 s of silence,
+                "keepalives_interval": 1,  # then every 1 s;
+                "keepalives_count": 2,  # dead when unanswered (tcp_user_timeout caps it)
+                # statement_timeout: above IDEMPOTENCY_WAIT (10 s), so a duplicate
+                # waiting for the first request still gets its 409 or replay, not a
+                # cancel. The tcp_ settings are the server's side of the
+                # connection: it drops a session whose host went silent (cut off,
+                # powered off) within about 5 s, and with it whatever that
+                # session held; a live host's kernel answers the probes.
+                "options": (
+                    f"{options} -c statement_timeout=15000 -c tcp_keepalives_idle=2"
+                    " -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3"
+                    " -c tcp_user_timeout=5000"
+                ).strip(),
             },
         }
     if backend in ("mysql", "mariadb") and driver in ("pymysql", "mysqldb"):
@@ -192,6 +202,10 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
         "EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL
     )
     app.config["IDEMPOTENCY_REQUIRED"] = True
+    # PostgreSQL ends a claim's transaction left idle this long (its host cut
+    # off mid-request), so the retry on another host does not wait behind it.
+    # Above the longest pause a view makes between two statements (these make none).
+    app.config["IDEMPOTENCY_CLAIM_IDLE_TIMEOUT"] = 5
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     if config:
         app.config.update(config)

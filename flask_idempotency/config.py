@@ -66,6 +66,15 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     interval of the lease recovery job
 ``IDEMPOTENCY_JOB_LOCK`` (default: 2 minutes)
     how long a job run holds its lock before renewing; a dead runner's lock frees after
+``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT`` (default: ``None``)
+    PostgreSQL: how long a transaction that holds a claim may sit idle (the app sending
+    nothing) before the server ends it, with its session (``idle_in_transaction_session_timeout``
+    set with the claim, for the rest of its transaction, never loosening a stricter one),
+    so that a host cut off mid-request does not keep the key from its retries elsewhere.
+    Set it above the longest pause a view makes between two statements of its
+    transaction: a view paused longer answers 503 and stores nothing. A leased route's
+    claim commits at once, so its view is not bounded. ``None``: no bound of ours; must
+    be positive
 ``IDEMPOTENCY_READY_TIMEOUT`` (default: 2 seconds)
     how long ``idem.readiness()`` (and ``idem.readiness_view``) waits for its probe of
     the record's table before answering "not ready"; must be positive
@@ -132,6 +141,7 @@ DEFAULTS: dict[str, t.Any] = {
     "PURGE_EVERY": timedelta(minutes=5),
     "RECOVER_EVERY": timedelta(seconds=30),
     "JOB_LOCK": timedelta(minutes=2),
+    "CLAIM_IDLE_TIMEOUT": None,
     "READY_TIMEOUT": timedelta(seconds=2),
     "PUBLISHER": None,
     "OUTBOX_MAX_ATTEMPTS": 10,
@@ -291,6 +301,7 @@ class Settings:
     key_format: KeyFormat | None = None
     key_max_length: int = MAX_KEY_LENGTH
 
+    claim_idle_timeout: timedelta | None = None
     ready_timeout: timedelta = timedelta(seconds=2)
     outbox_max_attempts: int = 10
     outbox_lease: timedelta = timedelta(minutes=1)
@@ -339,6 +350,9 @@ class Settings:
             key_max_length=resolve_key_max_length(
                 values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
             ),
+            claim_idle_timeout=None
+            if values.get("CLAIM_IDLE_TIMEOUT") is None
+            else positive_duration(values["CLAIM_IDLE_TIMEOUT"], "IDEMPOTENCY_CLAIM_IDLE_TIMEOUT"),
             ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
             outbox_max_attempts=positive_int(
                 values.get("OUTBOX_MAX_ATTEMPTS", 10), "IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"

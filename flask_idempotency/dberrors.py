@@ -8,7 +8,9 @@ clear, retryable answer instead of an HTML 500:
   deadlock, a serialization failure. The request did nothing; a retry after the
   other transaction ends gets the right answer (409 with ``Retry-After``).
 * ``UNAVAILABLE``: the database could not be reached or dropped the connection
-  (restart, failover, network partition, too many connections, pool exhausted).
+  (restart, failover, network partition, too many connections, pool exhausted),
+  or it does not accept writes (:func:`read_only`: a standby or replica after a
+  failover, a read-only transaction default, a server or file set read-only).
   Nothing was committed by this request's failed transaction (503 with
   ``Retry-After``).
 
@@ -40,14 +42,22 @@ UNAVAILABLE = Failure.UNAVAILABLE
 RETRY_AFTER = dt.timedelta(seconds=1)
 
 
-def problem_for(failure: Failure) -> ProblemError:
+def problem_for(failure: Failure, exc: BaseException | None = None) -> ProblemError:
     """The problem+json answer for a failure: 409 ``transaction-conflict`` or 503
-    ``database-unavailable``, both with ``Retry-After``."""
+    ``database-unavailable``, both with ``Retry-After``. With ``exc``, a
+    read-only database's 503 says so in its ``detail``."""
     if failure is CONFLICT:
         return TransactionConflictError(
             "The database aborted this request's transaction because of a concurrent "
             "one (lock timeout, deadlock or serialization failure); its writes were "
             "rolled back. Retry after Retry-After, with the same Idempotency-Key.",
+            retry_after=RETRY_AFTER,
+        )
+    if exc is not None and read_only(exc):
+        return DatabaseUnavailableError(
+            "The database does not accept writes right now (it is read-only: a "
+            "standby or replica, a failover in progress, or maintenance); nothing "
+            "was stored. Retry after Retry-After with the same Idempotency-Key.",
             retry_after=RETRY_AFTER,
         )
     return DatabaseUnavailableError(
@@ -70,8 +80,18 @@ _PG_UNAVAILABLE_EXACT = {
     "57P03",  # cannot_connect_now (starting up, recovery)
     "53300",  # too_many_connections
     "57014",  # query_canceled (statement_timeout: the database did not answer in time)
+    # The server ended an idle session: idle_in_transaction_session_timeout (as
+    # IDEMPOTENCY_CLAIM_IDLE_TIMEOUT sets it), idle_session_timeout (PostgreSQL 14+).
+    "25P03",
+    "57P05",
 }
 _PG_UNAVAILABLE_CLASSES = ("08",)  # connection_exception and its subclasses
+# read_only_sql_transaction: a hot standby ("cannot execute INSERT in a read-only
+# transaction", "cannot execute LISTEN during recovery"),
+# default_transaction_read_only, SET TRANSACTION READ ONLY.
+_PG_READ_ONLY = {
+    "25006": "transactions are read-only (a standby, or default_transaction_read_only)"
+}
 
 # MySQL / MariaDB error numbers.
 _MYSQL_CONFLICT = {
@@ -92,11 +112,37 @@ _MYSQL_UNAVAILABLE = {
     2013,  # CR_SERVER_LOST
     2055,  # CR_SERVER_LOST_EXTENDED
 }
+_MYSQL_READ_ONLY = {
+    # ER_OPTION_PREVENTS_STATEMENT: "running with the --read-only option" (read_only,
+    # super_read_only; a user with READ_ONLY ADMIN or SUPER writes anyway). Only
+    # when its text names a read-only option: others (--secure-file-priv) are not.
+    1290: "the server is read-only (read_only)",
+    # ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: tx_read_only / transaction_read_only,
+    # START TRANSACTION READ ONLY.
+    1792: "transactions are read-only (transaction_read_only)",
+    # ER_OPEN_AS_READONLY, "Table 't' is read only": what MariaDB 10.11 raises
+    # under innodb_read_only.
+    1036: "the storage engine is read-only (innodb_read_only)",
+    1836: "the storage engine is read-only (innodb_read_only)",  # ER_READ_ONLY_MODE (MySQL)
+    3989: "the schema is read-only",  # ER_SCHEMA_READ_ONLY (MySQL 8.0.22+)
+}
+_MYSQL_OPTION_PREVENTS = 1290
+_MYSQL_READ_ONLY_OPTIONS = ("read-only", "read_only")
 
 # SQLite has no codes in its Python exceptions' text that outlive versions; the
 # messages are stable.
 _SQLITE_CONFLICT = ("database is locked", "database table is locked")
 _SQLITE_UNAVAILABLE = ("unable to open database file", "disk i/o error")
+# SQLITE_READONLY and its extended codes (a file opened mode=ro or not writable,
+# PRAGMA query_only, a moved or recovering database): "attempt to write a
+# readonly database". Python 3.11+ gives the code too (sqlite_errorcode).
+_SQLITE_READONLY = 8
+_SQLITE_READ_ONLY_TEXT = "readonly database"
+_SQLITE_READ_ONLY_REASON = "the database is read-only (a file opened read-only, or query_only)"
+
+_PG_MODULES = ("psycopg2", "psycopg", "asyncpg", "pg8000")
+_MYSQL_MODULES = ("pymysql", "MySQLdb", "mysql", "mariadb")
+_SQLITE_MODULES = ("sqlite3", "pysqlite2", "aiosqlite")
 
 
 def _mysql_errno(orig: BaseException) -> int | None:
@@ -104,6 +150,57 @@ def _mysql_errno(orig: BaseException) -> int | None:
     if args and isinstance(args[0], int):
         return args[0]
     return None
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    """The driver's exception inside SQLAlchemy's wrapper, or ``exc`` itself."""
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
+
+
+def _module(orig: BaseException) -> str:
+    return type(orig).__module__.split(".")[0]
+
+
+def read_only_reason(exc: BaseException) -> str | None:
+    """Why the database refused a write because it is read-only, in fixed words
+    (never the driver's text), or ``None`` when ``exc`` is anything else.
+
+    PostgreSQL: SQLSTATE 25006 (a hot standby, ``default_transaction_read_only``,
+    a read-only transaction). MySQL/MariaDB: ``read_only``/``super_read_only``
+    (1290), a read-only transaction (1792), ``innodb_read_only`` (1036 on
+    MariaDB, 1836 on MySQL), a read-only schema (3989). SQLite: "attempt to
+    write a readonly database" (a file opened ``mode=ro`` or not writable,
+    ``PRAGMA query_only``).
+    """
+    orig = _driver_error(exc)
+    module = _module(orig)
+    if module in _PG_MODULES:
+        pgcode = sqlstate(orig)
+        return _PG_READ_ONLY.get(pgcode) if isinstance(pgcode, str) else None
+    if module in _MYSQL_MODULES:
+        errno = _mysql_errno(orig)
+        if errno == _MYSQL_OPTION_PREVENTS:
+            text = str(orig).lower()
+            if not any(option in text for option in _MYSQL_READ_ONLY_OPTIONS):
+                return None
+        return _MYSQL_READ_ONLY.get(errno) if errno is not None else None
+    if module in _SQLITE_MODULES:
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            readonly = code & 0xFF == _SQLITE_READONLY  # the primary code of an extended one
+        else:
+            readonly = _SQLITE_READ_ONLY_TEXT in str(orig).lower()
+        return _SQLITE_READ_ONLY_REASON if readonly else None
+    return None
+
+
+def read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database refusing a write because it is read-only
+    (see :func:`read_only_reason`). :func:`classify` counts it as ``UNAVAILABLE``:
+    the request did nothing, and its retry succeeds once writes are accepted
+    again (here after the failover completes, or on another host)."""
+    return read_only_reason(exc) is not None
 
 
 def classify(exc: BaseException) -> Failure | None:
@@ -129,20 +226,20 @@ def classify(exc: BaseException) -> Failure | None:
 def sqlstate(exc: BaseException) -> str | None:
     """The PostgreSQL SQLSTATE of an error (SQLAlchemy's wrapper or the driver's
     own), or ``None``: psycopg2 names it ``pgcode``, psycopg 3 ``sqlstate``."""
-    orig = getattr(exc, "orig", None)
-    if not isinstance(orig, BaseException):
-        orig = exc
+    orig = _driver_error(exc)
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
 
 
 def _classify_driver_error(orig: BaseException) -> Failure | None:
-    pgcode = sqlstate(orig)
-    module = type(orig).__module__.split(".")[0]
-    if module in ("psycopg2", "psycopg", "asyncpg", "pg8000"):
+    if read_only(orig):
+        return UNAVAILABLE
+    module = _module(orig)
+    if module in _PG_MODULES:
+        pgcode = sqlstate(orig)
         if pgcode is None:
             # The drivers raise OperationalError (or a subclass: psycopg 3's
-            # ConnectionTimeout) without a SQLSTATE for failures of the
-            # connection itself: refused, reset, timed out, closed.
+            # ConnectionTimeout) without a SQLSTATE for failures of the connection
+            # itself: refused, reset, timed out, closed.
             names = {cls.__name__ for cls in type(orig).__mro__}
             return UNAVAILABLE if names & {"OperationalError", "InterfaceError"} else None
         if pgcode in _PG_CONFLICT:
@@ -150,7 +247,7 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
         if pgcode in _PG_UNAVAILABLE_EXACT or pgcode.startswith(_PG_UNAVAILABLE_CLASSES):
             return UNAVAILABLE
         return None
-    if module in ("pymysql", "MySQLdb", "mysql", "mariadb"):
+    if module in _MYSQL_MODULES:
         errno = _mysql_errno(orig)
         if errno in _MYSQL_CONFLICT:
             return CONFLICT
@@ -159,7 +256,7 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
         if errno == 0 and type(orig).__name__ == "InterfaceError":
             return UNAVAILABLE  # pymysql: the connection is already closed
         return None
-    if module in ("sqlite3", "pysqlite2", "aiosqlite"):
+    if module in _SQLITE_MODULES:
         text = str(orig).lower()
         if any(m in text for m in _SQLITE_CONFLICT):
             return CONFLICT
@@ -169,18 +266,30 @@ def _classify_driver_error(orig: BaseException) -> Failure | None:
     return None
 
 
+def describe(exc: BaseException) -> str | None:
+    """One log line's worth for a database failure a retry can outlive: ``"database
+    read-only (why): <summary>"``, ``"database unavailable: <summary>"`` or
+    ``"database conflict: <summary>"``; ``None`` for any other error (a bug,
+    whose traceback matters)."""
+    failure = classify(exc)
+    if failure is None:
+        return None
+    reason = read_only_reason(exc)
+    kind = f"read-only ({reason})" if reason is not None else failure.value
+    return f"database {kind}: {summary(exc)}"
+
+
 def summary(exc: BaseException) -> str:
     """``DriverClass [code]: first line of the driver's message``, for one log line.
 
     SQLAlchemy's own text of a ``DBAPIError`` carries the statement and its
     parameters, which can hold customer data; the driver's first line does not.
     """
-    orig = getattr(exc, "orig", None)
-    if not isinstance(orig, BaseException):
-        orig = exc
-    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
-    if code is None and type(orig).__module__.split(".")[0] in ("pymysql", "MySQLdb", "mysql"):
-        code = _mysql_errno(orig)
+    orig = _driver_error(exc)
+    if _module(orig) in _MYSQL_MODULES:
+        code = _mysql_errno(orig)  # PyMySQL 1.2 has a sqlstate too; the number says more
+    else:
+        code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
     name = type(orig).__name__ + (f" [{code}]" if code else "")
     text = str(orig).strip()
     return f"{name}: {text.splitlines()[0]}" if text else name

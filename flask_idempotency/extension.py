@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 
 from . import config, dberrors, health, outbox, session_guard
 from .cli import idempotency_cli
-from .errors import DatabaseUnavailableError, MissingKeyError, ProblemError
+from .errors import MissingKeyError, ProblemError
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Clock, Flow, RequestState
 from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
@@ -145,7 +145,7 @@ class Idempotency:
         inbox_table(db.metadata)
         state = AppState(
             db=db,
-            store=Store(table),
+            store=Store(table, claim_idle=settings.claim_idle_timeout),
             settings=settings,
             clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),
@@ -379,18 +379,22 @@ class Idempotency:
     ) -> tuple[bool, dict[str, t.Any]]:
         """Whether this process can use the record's database now, and why not.
 
-        Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine
-        in a background thread and waits for it at most ``timeout`` (default
-        ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from the probe's start, so it
-        answers in time even when the database hangs. At most one probe per app
-        and process is in flight: while one hangs, every call answers
-        ``(False, ...)`` without starting another, until it returns.
+        Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine,
+        then checks that the database accepts writes (see
+        :mod:`flask_idempotency.health`), in a background thread, and waits for
+        it at most ``timeout`` (default ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from
+        the probe's start, so it answers in time even when the database hangs.
+        At most one probe per app and process is in flight: while one hangs,
+        every call answers ``(False, ...)`` without starting another, until it
+        returns.
 
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
-        ``"timeout"``, ``"unavailable"``, ``"conflict"`` or ``"error"``),
-        ``table``, ``timeout_ms``, ``probe_id``, and ``duration_ms`` (or
-        ``running_ms`` while the probe is still running) and ``error`` (the
-        exception's class name) when it failed. Call it in an app context.
+        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"conflict"`` or
+        ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
+        ``duration_ms`` (or ``running_ms`` while the probe is still running),
+        ``error`` (the exception's class name) when it failed and ``reason``
+        (fixed words naming the setting) when the database is read-only. Call
+        it in an app context.
         """
         state = app_state()
         limit = (
@@ -405,7 +409,8 @@ class Idempotency:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.
 
         200 ``application/json`` with :meth:`readiness`'s details when the
-        record's table answers in time; otherwise 503 problem+json (type
+        record's table answers in time and the database accepts writes;
+        otherwise 503 problem+json (type
         ``.../database-unavailable``, ``Retry-After``) with the same details.
         Never cached. Keep a liveness check that does not touch the database
         apart from it, so an orchestrator takes the host out of rotation
@@ -413,16 +418,50 @@ class Idempotency:
         """
         ready, details = self.readiness()
         if not ready:
-            raise DatabaseUnavailableError(
-                "The record's database did not answer the readiness probe in time "
-                "or failed it; take this host out of rotation.",
-                retry_after=dberrors.RETRY_AFTER,
-                extra=details,
-                headers={"Cache-Control": "no-store"},
-            )
+            raise health.not_ready_error(details)
         response = jsonify(details)
         response.headers["Cache-Control"] = "no-store"
         return response
+
+    def serve_readiness(
+        self, app: Flask, *, port: int, host: str = "0.0.0.0", path: str = "/readyz"
+    ) -> health.ReadinessServer:
+        """Answer readiness on ``host:port`` from a thread of this process, so the
+        answer does not wait for a free worker.
+
+        When the database hangs, every worker of a host waits on it, and a
+        readiness view on the app's own port waits in the queue with the
+        requests: the load balancer learns only from its own timeout. This
+        server answers from a thread of its own, within
+        ``IDEMPOTENCY_READY_TIMEOUT``, whatever the workers are doing. ``GET
+        path`` answers as :meth:`readiness_view` does (200 JSON, or 503
+        problem+json with ``Retry-After``), from the same probe.
+
+        Call it in each serving process, after the fork: with gunicorn, from the
+        ``post_worker_init`` hook (``idem.serve_readiness(worker.wsgi,
+        port=8081)`` in ``gunicorn.conf.py``). Every worker binds the same port
+        (``SO_REUSEPORT``, Linux and the BSDs) and the kernel spreads checks
+        over them. A second call in the same process returns the running
+        server; a forked child closes the parent's socket and starts its own
+        when it calls. ``port=0`` picks a free port (``.port`` says which).
+        Threads of their own need a worker class that lets them run while a
+        request waits on the database: gunicorn's sync and gthread workers do;
+        under gevent or eventlet, the database driver must cooperate (psycopg
+        3, or psycopg2 with psycogreen).
+        """
+        if not isinstance(app, Flask):
+            raise TypeError(
+                f"serve_readiness needs the Flask app, not {type(app).__name__} (pass the app "
+                "your middleware wraps)"
+            )
+        if EXTENSION_KEY not in app.extensions:
+            raise RuntimeError("serve_readiness: call idem.init_app(app, db) first")
+
+        def check() -> tuple[bool, dict[str, t.Any]]:
+            with app.app_context():
+                return self.readiness()
+
+        return health.serve(app, check, host=host, port=port, path=path)
 
     # -- what a view may read ---------------------------------------------------
 
@@ -648,7 +687,7 @@ def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
     failure = dberrors.classify(exc)
     if failure is None:
         return None
-    problem = dberrors.problem_for(failure)
+    problem = dberrors.problem_for(failure, exc)
     try:
         session.rollback()
     except Exception:  # the connection is already broken; the original error matters
@@ -658,7 +697,7 @@ def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
         request.method,
         request.path,
         problem.code,
-        failure.value,
+        "read-only" if dberrors.read_only(exc) else failure.value,
         dberrors.summary(exc),
     )
     return problem

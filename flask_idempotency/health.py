@@ -4,22 +4,43 @@ A load balancer should stop sending requests to a host that is cut off from its
 database: every request there would hang or fail. A liveness check that does
 not touch the database cannot tell; this probe can. It runs a trivial query on
 the record's table (``SELECT 1 FROM idempotency_keys LIMIT 1``) through the
-app's own engine and pool, so it fails exactly when requests would.
+app's own engine and pool, then checks that the database accepts writes, so it
+fails exactly when a claim would:
+
+* PostgreSQL: ``pg_is_in_recovery()`` (a standby) and ``transaction_read_only``
+  (``default_transaction_read_only``, for the server, database or role), read
+  without taking a lock, so a migration's table lock does not take every host
+  out of rotation;
+* MySQL/MariaDB and SQLite: a write that touches no row (``DELETE ... WHERE
+  scope IS NULL``, rolled back), which the server refuses exactly as it would refuse
+  the claim: ``read_only`` (unless the app's user may write anyway, READ_ONLY
+  ADMIN or SUPER), ``innodb_read_only``, a read-only transaction default, a
+  SQLite file opened read-only or ``PRAGMA query_only``.
 
 The query runs in a background thread, so the answer comes within the timeout
 even when the database hangs (a network partition does not fail a query, it
 never answers it). At most one probe per app and process is in flight: while a
 hung probe is running, every check answers "not ready" at once instead of
 piling up threads and connections, until the probe returns.
+
+A readiness view on the app's own port needs a free worker to answer, and a
+host cut off from its database has none: every worker waits on the database.
+:class:`ReadinessServer` answers on a port of its own, from a thread of each
+serving process, so the answer comes within the timeout whatever the workers
+are doing (``idem.serve_readiness``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import http.server
 import itertools
+import json
 import logging
+import math
 import os
+import socket
 import threading
 import time
 import typing as t
@@ -28,6 +49,8 @@ import weakref
 import sqlalchemy as sa
 
 from . import dberrors
+from .errors import PROBLEM_JSON, DatabaseUnavailableError
+from .store import idle_bound
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -40,8 +63,9 @@ class _Probe:
     started: float  # time.monotonic()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
-    outcome: str = "running"  # "ok", a dberrors.Failure value, or "error"
+    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only" or "error"
     error: str | None = None
+    reason: str | None = None  # why a read-only database refuses writes
     duration: float = 0.0
 
 
@@ -70,7 +94,7 @@ class ReadinessProbe:
                 self._current = probe
                 threading.Thread(
                     target=_run,
-                    args=(probe, engine, table),
+                    args=(probe, engine, table, timeout),
                     name="flask-idempotency-readiness",
                     daemon=True,
                 ).start()
@@ -87,28 +111,94 @@ class ReadinessProbe:
             details["duration_ms"] = round(probe.duration * 1000, 1)
             if probe.error is not None:
                 details["error"] = probe.error
+            if probe.reason is not None:
+                details["reason"] = probe.reason
         else:
             details["database"] = "timeout"
             details["running_ms"] = round((time.monotonic() - probe.started) * 1000, 1)
         return bool(details["ready"]), details
 
 
-def _run(probe: _Probe, engine: sa.Engine, table: sa.Table) -> None:
+def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> None:
     stmt: sa.Select[t.Any] = sa.select(sa.literal_column("1")).select_from(table).limit(1)
     try:
         with engine.connect() as conn:
+            reason = _refuses_writes(conn, table, timeout)
             conn.execute(stmt).all()
-        probe.ok, probe.outcome = True, "ok"
+            conn.rollback()
+        if reason is None:
+            probe.ok, probe.outcome = True, "ok"
+        else:
+            probe.outcome, probe.reason = "read_only", reason
+            logger.warning("readiness probe of %s: read-only database: %s", table.name, reason)
     except Exception as exc:  # any failure means "not ready"; say which kind
-        failure = dberrors.classify(exc)
-        probe.outcome = failure.value if failure is not None else "error"
+        reason = dberrors.read_only_reason(exc)
+        if reason is not None:
+            probe.outcome, probe.reason = "read_only", reason
+        else:
+            failure = dberrors.classify(exc)
+            probe.outcome = failure.value if failure is not None else "error"
         # The class name only: driver messages can name hosts and users, and a
         # readiness endpoint is often reachable by more people than the logs.
         probe.error = type(exc).__name__
-        logger.warning("readiness probe of %s failed: %s", table.name, dberrors.summary(exc))
+        logger.warning(
+            "readiness probe of %s failed%s: %s",
+            table.name,
+            ": read-only database" if reason is not None else "",
+            dberrors.summary(exc),
+        )
     finally:
         probe.duration = time.monotonic() - probe.started
         probe.done.set()
+
+
+def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
+    """Why the database would refuse the claim's write, or ``None`` when it accepts
+    writes (or the engine has no check here); raises the refusal itself where
+    the check is a write. The first statement of ``conn``'s transaction, which
+    the caller rolls back."""
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        # Lock-free: a standby, or transactions read-only by default (for the
+        # server, the database or the role), which the new transaction shows.
+        # The probe's transaction then reads the record's table, whose lock a
+        # probe stranded by a partition would hold, and make an operator's
+        # ALTER TABLE (and every claim queued behind it) wait: the server ends
+        # it once it sits idle as long as the probe may take.
+        standby, read_only, _ = conn.execute(
+            sa.text(
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
+                + idle_bound(":idle")
+            ),
+            {"idle": f"{max(1, math.ceil(timeout.total_seconds()))}s"},
+        ).one()
+        if standby:
+            return "the server is a standby (pg_is_in_recovery())"
+        if read_only == "on":
+            return "transactions are read-only (default_transaction_read_only)"
+        return None
+    if dialect in ("mysql", "mariadb", "sqlite"):
+        # The server's own verdict: it refuses this write exactly as it would
+        # refuse the claim (so a user allowed to write on a read_only server
+        # passes); the refusal is raised, and the caller says why. "scope IS
+        # NULL" matches no row (the column is NOT NULL: MySQL plans an
+        # "Impossible WHERE", locking nothing), and names a key column, as
+        # sql_safe_updates wants (it refuses WHERE false).
+        conn.execute(sa.delete(table).where(table.c.scope.is_(None)))
+    return None
+
+
+def not_ready_detail(details: Details) -> str:
+    """The problem's ``detail`` for a probe that did not find the database ready."""
+    if details.get("database") == "read_only":
+        return (
+            "The record's database does not accept writes (it is read-only); every "
+            "idempotent request would fail here: take this host out of rotation."
+        )
+    return (
+        "The record's database did not answer the readiness probe in time or "
+        "failed it; take this host out of rotation."
+    )
 
 
 _probes: weakref.WeakKeyDictionary[t.Any, ReadinessProbe] = weakref.WeakKeyDictionary()
@@ -122,3 +212,156 @@ def probe_for(app: t.Any) -> ReadinessProbe:
         if probe is None:
             probe = _probes[app] = ReadinessProbe()
         return probe
+
+
+def not_ready_error(details: Details) -> DatabaseUnavailableError:
+    """The 503 problem+json a readiness check answers when not ready."""
+    return DatabaseUnavailableError(
+        not_ready_detail(details),
+        retry_after=dberrors.RETRY_AFTER,
+        extra=details,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def ready_body(details: Details) -> bytes:
+    """The 200 answer's JSON body."""
+    return json.dumps(details, separators=(",", ":"), sort_keys=True).encode()
+
+
+# -- readiness on a port of its own ------------------------------------------------------
+
+Check = t.Callable[[], tuple[bool, Details]]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _HTTPServer
+    #: Seconds a client may take to send its request: one that sends nothing does
+    #: not keep a thread for longer.
+    timeout = 10
+    server_version = "flask-idempotency-readiness"
+
+    def do_GET(self) -> None:  # the name http.server dispatches to
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(with_body=False)
+
+    def _answer(self, *, with_body: bool) -> None:
+        if self.path.split("?", 1)[0] != self.server.path:
+            self.send_error(404)
+            return
+        status, content_type, body, headers = self.server.respond()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if with_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: t.Any) -> None:
+        # Load balancers check every few seconds; a line each would drown the log.
+        logger.debug("readiness server: " + format, *args)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    # Every worker of a host binds the same port: the kernel spreads the load
+    # balancer's checks over them (SO_REUSEPORT), and any one that is alive
+    # answers, whatever its request threads are doing.
+    allow_reuse_address = True
+    allow_reuse_port = True
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], check: Check, path: str) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.check, self.path = check, path
+        super().__init__(address, _Handler)
+
+    def respond(self) -> tuple[int, str, bytes, dict[str, str]]:
+        try:
+            ready, details = self.check()
+        except Exception as exc:  # never leave a load balancer without an answer
+            logger.exception("readiness server: the check failed")
+            ready, details = (
+                False,
+                {"ready": False, "database": "error", "error": type(exc).__name__},
+            )
+        if ready:
+            return 200, "application/json", ready_body(details), {"Cache-Control": "no-store"}
+        error = not_ready_error(details)
+        body = json.dumps(error.problem(), separators=(",", ":"), sort_keys=True).encode()
+        return error.code, PROBLEM_JSON, body, error.extra_headers
+
+
+class ReadinessServer:
+    """Answers readiness over HTTP on a port of its own, from a thread of this
+    process, without a worker of the app.
+
+    ``GET`` (or ``HEAD``) on ``path`` answers as ``idem.readiness_view`` does:
+    200 JSON when ready, else 503 problem+json with ``Retry-After``, both with
+    ``Cache-Control: no-store``; any other path 404. Each check waits at most
+    ``IDEMPOTENCY_READY_TIMEOUT`` (one probe in flight per app and process).
+    """
+
+    def __init__(self, check: Check, *, host: str, port: int, path: str) -> None:
+        self._httpd = _HTTPServer((host, port), check, path)
+        self.host, self.path = host, path
+        self.pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="flask-idempotency-readiness-server",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one the OS chose, for port 0)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def running(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop answering and free the port."""
+        if self.pid == os.getpid() and self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def _abandon(self) -> None:
+        """In a forked child, which has the socket but not the thread: close the
+        socket, or the kernel would hand it checks that nobody answers."""
+        self._httpd.socket.close()
+
+
+# Keyed by the app itself, not its id(): an id is reused once its object is gone.
+_servers: dict[tuple[t.Any, str, int, str], ReadinessServer] = {}
+_servers_lock = threading.Lock()
+
+
+def serve(app: t.Any, check: Check, *, host: str, port: int, path: str) -> ReadinessServer:
+    """The readiness server of ``app`` on ``host:port`` in this process, started on
+    the first call (and again in a forked child)."""
+    key = (app, host, port, path)
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is not None and server.running:
+            return server
+        server = ReadinessServer(check, host=host, port=port, path=path)
+        _servers[key] = server
+        return server
+
+
+def _after_fork_in_child() -> None:
+    for server in _servers.values():
+        if server.pid != os.getpid():
+            server._abandon()
+    _servers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

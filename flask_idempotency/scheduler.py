@@ -38,7 +38,7 @@ import typing as t
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
-from . import signals
+from . import dberrors, signals
 from .jobs import KeepGoing, purge_expired, recover_abandoned
 from .locks import JobLocks, new_holder_id
 from .relay import Listener, RelistenBackoff
@@ -125,7 +125,17 @@ class JobScheduler:
         state, clock, ttl = self.state, self.state.clock, self.state.settings.job_lock
         with self.app.app_context():
             engine = state.db.engine
-            if not self.locks.acquire(engine, name, self.holder, ttl, clock(), every=every):
+            try:
+                acquired = self.locks.acquire(engine, name, self.holder, ttl, clock(), every=every)
+            except Exception as exc:
+                # The database refuses writes (a standby after a failover) or is
+                # away: one line per tick, not a traceback; the next tick tries again.
+                why = dberrors.describe(exc)
+                if why is None:
+                    raise
+                logger.warning("job %s not run: %s", name, why)
+                return False
+            if not acquired:
                 logger.debug("job %s is running or ran recently elsewhere; skipping", name)
                 return False
             error: Exception | None = None
@@ -134,10 +144,21 @@ class JobScheduler:
                 func(self.app, lambda: self.locks.renew(engine, name, self.holder, ttl, clock()))
             except Exception as exc:
                 error = exc
-                logger.exception("job %s failed", name)
+                why = dberrors.describe(exc)
+                if why is None:
+                    logger.exception("job %s failed", name)
+                else:
+                    logger.warning("job %s failed: %s", name, why)
             finally:
                 signals.job_finished.send(self.app, name=name, holder=self.holder, error=error)
-                self.locks.release(engine, name, self.holder, clock())
+                try:
+                    self.locks.release(engine, name, self.holder, clock())
+                except Exception as exc:
+                    # Its lock frees when it expires (IDEMPOTENCY_JOB_LOCK).
+                    why = dberrors.describe(exc)
+                    if why is None:
+                        raise
+                    logger.warning("job %s: its lock was not released: %s", name, why)
                 state.db.session.remove()
         return True
 

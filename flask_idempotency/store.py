@@ -10,6 +10,11 @@ joins the app's transaction. Dialect differences live here and nowhere else:
 * a duplicate waits for the first request's transaction, bounded by
   ``IDEMPOTENCY_WAIT``: PostgreSQL's ``lock_timeout`` (transaction-local),
   MySQL's ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout;
+* on PostgreSQL, with ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``, the claim also sets
+  ``idle_in_transaction_session_timeout`` for the rest of its transaction
+  (``SET LOCAL``, never loosening a stricter one), in the same round trip: a
+  claim whose app vanished mid-transaction (a host cut off, frozen or killed
+  without a word) is ended by the server, not held until TCP gives up;
 * on MySQL the record is read with a locking read, so that a REPEATABLE READ
   snapshot taken earlier in the transaction cannot hide the winner's row.
 
@@ -61,6 +66,25 @@ _MYSQL_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_ide
 
 # Where a batched claim keeps the app's lock_timeout while ours applies.
 _SAVED_WAIT = "flask_idempotency.saved_lock_timeout"
+
+
+def idle_bound(param: str) -> str:
+    """A select-list expression that sets ``idle_in_transaction_session_timeout``
+    to ``param`` for the rest of the transaction (``SET LOCAL``), unless a
+    stricter one is in force (the server's, the role's, the app's): it only
+    tightens. ``CASE`` evaluates its branches lazily, so ``set_config`` runs
+    only when it must; a setting of 0 (off) is not stricter."""
+    current = "current_setting('idle_in_transaction_session_timeout')::interval"
+    # Text in both places: a driver binding on the server (psycopg 3) sends one
+    # parameter, whose type the server must deduce once.
+    value = f"CAST({param} AS text)"
+    return (
+        f"CASE WHEN {current} BETWEEN interval '1 microsecond' AND CAST({value} AS interval) "
+        f"THEN NULL ELSE set_config('idle_in_transaction_session_timeout', {value}, true) END"
+    )
+
+
+_PG_SET_IDLE = sa.text(f"SELECT {idle_bound(':idle')}")
 
 
 def _millis(wait: dt.timedelta) -> str:
@@ -232,6 +256,64 @@ def _pipeline_supported(psycopg: t.Any) -> bool:
     return bool(psycopg.Pipeline.is_supported())
 
 
+def _client_batched(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+) -> dict[str, t.Any] | None:
+    """Run ``statements`` on psycopg 3 as one batch, as psycopg2 does: parameters
+    bound on the client, every statement in one simple query, one round trip;
+    the last one's first row as a dict (``None`` when it has none).
+
+    Where the claim bounds its transaction's idle time: PostgreSQL arms
+    ``idle_in_transaction_session_timeout`` when it sends ReadyForQuery, and
+    psycopg's pipeline mode follows its Sync with a Flush, whose arrival
+    disarms the timer until the next statement's ReadyForQuery. A host cut off
+    right after a pipelined claim sends no next statement: its claim would be
+    held for as long as TCP keeps the session. A simple query ends with
+    ReadyForQuery, so the timer runs. Errors are raised as :func:`_pipelined`
+    raises them.
+    """
+    dialect = connection.dialect
+    dbapi = dialect.loaded_dbapi
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    try:
+        with dbapi.ClientCursor(raw) as cursor:
+            cursor.execute(";\n".join(statements), params)
+            while cursor.nextset():  # the read is the last statement
+                pass
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            return {
+                column.name: value for column, value in zip(cursor.description, row, strict=True)
+            }
+    except dbapi.Error as exc:
+        raise _as_sqlalchemy_error(connection, statements, params, exc) from exc
+
+
+def _as_sqlalchemy_error(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any], exc: t.Any
+) -> sa_exc.DBAPIError:
+    """The driver's error as SQLAlchemy would raise it: a ``DBAPIError`` wrapping it,
+    the connection invalidated when the driver says it is gone."""
+    dialect = connection.dialect
+    gone = dialect.is_disconnect(exc, connection.connection.driver_connection, None)
+    if gone:
+        connection.invalidate(exc)
+    return t.cast(
+        sa_exc.DBAPIError,
+        sa_exc.DBAPIError.instance(
+            ";\n".join(statements),
+            params,
+            exc,
+            dialect.loaded_dbapi.Error,
+            hide_parameters=connection.engine.hide_parameters,
+            connection_invalidated=gone,
+            dialect=dialect,
+        ),
+    )
+
+
 def _pipelined(
     connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> dict[str, t.Any] | None:
@@ -266,18 +348,7 @@ def _pipelined(
             for cursor in cursors:
                 cursor.close()
     except dbapi.Error as exc:
-        gone = dialect.is_disconnect(exc, raw, None)
-        if gone:
-            connection.invalidate(exc)
-        raise sa_exc.DBAPIError.instance(
-            ";\n".join(statements),
-            params,
-            exc,
-            dbapi.Error,
-            hide_parameters=connection.engine.hide_parameters,
-            connection_invalidated=gone,
-            dialect=dialect,
-        ) from exc
+        raise _as_sqlalchemy_error(connection, statements, params, exc) from exc
 
 
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
@@ -334,8 +405,11 @@ class Store:
     Parameters named ``w_*`` are the WHERE clause; the others are column values.
     """
 
-    def __init__(self, table: sa.Table) -> None:
+    def __init__(self, table: sa.Table, *, claim_idle: dt.timedelta | None = None) -> None:
         self.table = table
+        #: ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``: on PostgreSQL, how long the server lets a
+        #: transaction that holds a claim sit idle before it ends it.
+        self.claim_idle = claim_idle
         # MySQL's max_allowed_packet, read once per engine.
         self._packet_limits: dict[t.Any, int] = {}
         c = table.c
@@ -356,7 +430,7 @@ class Store:
         # A locking read sees the latest committed row whatever the isolation level.
         self._load_locking = self._load.with_for_update(read=True)
         self._load_head_locking = self._load_head.with_for_update(read=True)
-        self._claim_sql: dict[tuple[str, bool, tuple[str, ...]], list[str]] = {}
+        self._claim_sql: dict[tuple[str, bool, bool, tuple[str, ...]], list[str]] = {}
         self._returning_cache: dict[int, tuple[t.Any, t.Any]] = {}
         self._sql_cache: dict[
             tuple[int, str, tuple[str, ...]], tuple[t.Any, str, dict[str, t.Any]]
@@ -387,9 +461,17 @@ class Store:
         serialization victim. The engine's own setting is restored afterwards,
         so the view runs unaffected. ``wait=None`` sets no bound of ours (the
         connection's own settings apply).
+
+        Every claim that is not one batch goes through here (the claim on other
+        drivers, a take-over, a claim made again after the view rolled back),
+        so on PostgreSQL it also bounds, with :attr:`claim_idle`, how long the
+        rest of the transaction may sit idle (see :func:`idle_bound`); that
+        bound stays until the transaction ends.
         """
         name = dialect_name(executor)
         previous: t.Any = None
+        if name == "postgresql" and self.claim_idle is not None:
+            executor.execute(_PG_SET_IDLE, {"idle": _millis(self.claim_idle)})
         if wait is not None:
             previous = self._set_wait(executor, name, wait)
         failed = False
@@ -587,8 +669,9 @@ class Store:
         On psycopg2 and psycopg 3 this is one round trip: setting the bound, the
         insert, restoring the bound and reading the record travel together, as
         one batch of statements on psycopg2 and in pipeline mode on psycopg 3
-        (PostgreSQL runs them in order, in the transaction). Elsewhere it is the
-        same statements one by one.
+        (PostgreSQL runs them in order, in the transaction); with
+        :attr:`claim_idle`, as one batch on psycopg 3 too (:func:`_client_batched`
+        says why). Elsewhere it is the same statements one by one.
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
@@ -603,14 +686,21 @@ class Store:
                 return False, self.load(
                     session, values["scope"], values["key"], stored_request=False
                 )
-        statements = self._claim_statements(connection.dialect, wait is not None, values)
+        idle = self.claim_idle
+        statements = self._claim_statements(
+            connection.dialect, wait is not None, idle is not None, values
+        )
         params = {**values, "w_scope": values["scope"], "w_key": values["key"]}
         if wait is not None:
             params["wait"] = _millis(wait)
+        if idle is not None:
+            params["idle"] = _millis(idle)
         try:
             if driver == "psycopg2":
                 row = connection.exec_driver_sql(";\n".join(statements), params).first()
                 found = dict(row._mapping) if row is not None else None
+            elif idle is not None:
+                found = _client_batched(connection, statements, params)  # why: see there
             else:
                 found = _pipelined(connection, statements, params)
         except sa_exc.DBAPIError as exc:
@@ -624,31 +714,38 @@ class Store:
         return False, Record.from_mapping(found)
 
     def _claim_statements(
-        self, dialect: t.Any, bounded: bool, values: dict[str, t.Any]
+        self, dialect: t.Any, bounded: bool, idle_bounded: bool, values: dict[str, t.Any]
     ) -> list[str]:
-        """The claim's statements for one round trip: the bound (if any), the
-        insert, the bound restored, the read of the record; compiled once per
-        shape (bounded or not, the columns that have a value).
+        """The claim's statements for one round trip: the bounds (if any), the
+        insert, the wait's bound restored, the read of the record; compiled once
+        per shape (bounded or not, idle-bounded or not, the columns that have a
+        value).
 
         Only used where SQLAlchemy does not rewrite statements per connection
         (:func:`_fast_driver` refuses ``schema_translate_map``).
         """
         # Columns left out of the INSERT are NULL: fewer parameters to send.
         columns = tuple(name for name, value in values.items() if value is not None)
-        cache_key = (dialect.driver, bounded, columns)
+        cache_key = (dialect.driver, bounded, idle_bounded, columns)
         statements = self._claim_sql.get(cache_key)
         if statements is not None:
             return statements
         c = self.table.c
         parts: list[str] = []
+        bounds: list[str] = []
         if bounded:
             # Keep the app's lock_timeout in a custom setting of this
             # transaction, bound ours, and put the app's back after the insert:
             # SET LOCAL semantics (set_config(..., true)), so a failure ends both.
-            parts.append(
-                f"SELECT set_config('{_SAVED_WAIT}', current_setting('lock_timeout'), true), "
-                "set_config('lock_timeout', %(wait)s, true)"
-            )
+            bounds += [
+                f"set_config('{_SAVED_WAIT}', current_setting('lock_timeout'), true)",
+                "set_config('lock_timeout', %(wait)s, true)",
+            ]
+        if idle_bounded:
+            # Kept to the transaction's end: the claim is held until then.
+            bounds.append(idle_bound("%(idle)s"))
+        if bounds:
+            parts.append("SELECT " + ", ".join(bounds))
         insert = self._inserts["postgresql"]
         parts.append(self._compiled(insert, dialect, list(columns)))
         if bounded:

@@ -89,14 +89,19 @@ def test_python_blocks_run_in_order(
     if not fresh_database.startswith("sqlite"):
         monkeypatch.setenv("DATABASE_URL", fresh_database)
     namespace: dict[str, t.Any] = {"__name__": "shop"}
+    apps: list[t.Any] = []  # every app a block made: a later block may replace `app`
     try:
         for line, _, code in blocks("python"):
             if excerpt_of(code):
                 continue  # quotes the example app; checked below, not run here
             exec(compile(code, f"README.md:{line}", "exec"), namespace)
+            if "app" in namespace and all(namespace["app"] is not a for a in apps):
+                apps.append(namespace["app"])
     finally:
-        if "app" in namespace:
-            with namespace["app"].app_context():
+        # Each app's pooled connections closed, not left to the garbage collector
+        # (psycopg 3 warns about an unclosed connection in whichever test it runs).
+        for made in apps:
+            with made.app_context():
                 namespace["db"].engine.dispose()
     # The Quickstart's default database landed where the README says.
     if fresh_database.startswith("sqlite"):
