@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import json
 import math
 import secrets
@@ -245,32 +244,29 @@ def _fast_driver(connection: sa.Connection) -> str | None:
         return None
     if connection.get_execution_options().get("schema_translate_map"):
         return None
-    if dialect.driver == "psycopg" and not _pipeline_supported(t.cast(t.Any, dialect.loaded_dbapi)):
-        return None
     return str(dialect.driver)
-
-
-@functools.cache
-def _pipeline_supported(psycopg: t.Any) -> bool:
-    """psycopg 3's pipeline mode needs libpq 14 or newer (the binary wheels ship one)."""
-    return bool(psycopg.Pipeline.is_supported())
 
 
 def _client_batched(
     connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> dict[str, t.Any] | None:
     """Run ``statements`` on psycopg 3 as one batch, as psycopg2 does: parameters
-    bound on the client, every statement in one simple query, one round trip;
-    the last one's first row as a dict (``None`` when it has none).
+    bound on the client (:class:`psycopg.ClientCursor`), every statement in one
+    simple query, one round trip; the last one's first row as a dict (``None``
+    when it has none).
 
-    Where the claim bounds its transaction's idle time: PostgreSQL arms
-    ``idle_in_transaction_session_timeout`` when it sends ReadyForQuery, and
-    psycopg's pipeline mode follows its Sync with a Flush, whose arrival
-    disarms the timer until the next statement's ReadyForQuery. A host cut off
-    right after a pipelined claim sends no next statement: its claim would be
-    held for as long as TCP keeps the session. A simple query ends with
-    ReadyForQuery, so the timer runs. Errors are raised as :func:`_pipelined`
-    raises them.
+    Not psycopg's pipeline mode, also one round trip: PostgreSQL arms
+    ``idle_in_transaction_session_timeout`` when it sends ReadyForQuery, and a
+    pipeline's Sync is followed by a Flush whose arrival disarms the timer until
+    the next statement. A host cut off right after a pipelined claim sends no
+    next statement, so its claim would be held, past the app's bound and the
+    server's own setting, for as long as TCP keeps the session. A simple query
+    ends with ReadyForQuery, and the timer runs.
+
+    The statements go to the driver's connection, inside the transaction
+    SQLAlchemy opened on it. A driver error is raised as SQLAlchemy would raise
+    it (:func:`_as_sqlalchemy_error`), so callers and :mod:`.dberrors` see one
+    kind of error on every path.
     """
     dialect = connection.dialect
     dbapi = dialect.loaded_dbapi
@@ -312,43 +308,6 @@ def _as_sqlalchemy_error(
             dialect=dialect,
         ),
     )
-
-
-def _pipelined(
-    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
-) -> dict[str, t.Any] | None:
-    """Run ``statements`` on psycopg 3 in pipeline mode: sent together, answered
-    together, in one round trip; the last one's first row as a dict (``None``
-    when it has none).
-
-    The statements go to the driver's connection, inside the transaction
-    SQLAlchemy opened on it. A driver error is raised as SQLAlchemy would raise
-    it (a :class:`~sqlalchemy.exc.DBAPIError` wrapping the driver's), with the
-    connection invalidated when the driver says it is gone, so callers and
-    :mod:`.dberrors` see one kind of error on every path.
-    """
-    dialect = connection.dialect
-    dbapi = dialect.loaded_dbapi
-    raw = connection.connection.driver_connection
-    assert raw is not None
-    cursors: list[t.Any] = []
-    try:
-        try:
-            with raw.pipeline():
-                for sql in statements:
-                    cursor = raw.cursor()
-                    cursors.append(cursor)
-                    cursor.execute(sql, params)
-            last = cursors[-1]
-            row = last.fetchone()
-            if row is None:
-                return None
-            return {column.name: value for column, value in zip(last.description, row, strict=True)}
-        finally:
-            for cursor in cursors:
-                cursor.close()
-    except dbapi.Error as exc:
-        raise _as_sqlalchemy_error(connection, statements, params, exc) from exc
 
 
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
@@ -666,12 +625,11 @@ class Store:
         insert won is read from the fencing token of the row read back (or the
         row the insert returned), never from a row count.
 
-        On psycopg2 and psycopg 3 this is one round trip: setting the bound, the
-        insert, restoring the bound and reading the record travel together, as
-        one batch of statements on psycopg2 and in pipeline mode on psycopg 3
-        (PostgreSQL runs them in order, in the transaction); with
-        :attr:`claim_idle`, as one batch on psycopg 3 too (:func:`_client_batched`
-        says why). Elsewhere it is the same statements one by one.
+        On psycopg2 and psycopg 3 this is one round trip: setting the bounds, the
+        insert, restoring the wait's bound and reading the record travel as one
+        batch of statements, parameters bound on the client (PostgreSQL runs
+        them in order, in the transaction; :func:`_client_batched` says why not
+        psycopg 3's pipeline mode). Elsewhere it is the same statements one by one.
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
@@ -699,10 +657,8 @@ class Store:
             if driver == "psycopg2":
                 row = connection.exec_driver_sql(";\n".join(statements), params).first()
                 found = dict(row._mapping) if row is not None else None
-            elif idle is not None:
-                found = _client_batched(connection, statements, params)  # why: see there
             else:
-                found = _pipelined(connection, statements, params)
+                found = _client_batched(connection, statements, params)
         except sa_exc.DBAPIError as exc:
             if stopped_waiting(exc):
                 raise ClaimWaitExceeded(str(exc.orig)) from exc

@@ -133,8 +133,9 @@ def test_a_view_paused_past_the_bound_answers_503_and_stores_nothing(
     claim_app: tuple[Flask, str], at: str
 ) -> None:
     """Paused right after the claim (on psycopg 3 the claim's round trip must leave
-    the server's timer running: a pipeline's closing Flush stops it) or after a
-    write of its own: the server ends the transaction, the client gets 503."""
+    the server's timer running, which psycopg's pipeline mode, with its closing
+    Flush, does not) or after a write of its own: the server ends the
+    transaction, the client gets 503."""
     app, url = claim_app
     client = app.test_client()
     key = f"paused-{uuid.uuid4()}"
@@ -272,8 +273,8 @@ def _post_quietly(server: LiveServer, path: str, body: t.Any, key: str) -> t.Any
 def test_the_bound_rides_in_the_claims_one_round_trip(
     pg_url: str, wait: dt.timedelta | None
 ) -> None:
-    """On psycopg2 (one batch) and psycopg 3 (pipeline mode) the idle bound adds a
-    statement to the claim's round trip, not a round trip: counted on the wire,
+    """On psycopg2 and psycopg 3 (one client-bound batch on each) the idle bound adds
+    a statement to the claim's round trip, not a round trip: counted on the wire,
     for a new key and a taken one; the bound is in force after the claim."""
     from bench.wire import CountingProxy
     from flask_idempotency.store import Store
@@ -310,8 +311,7 @@ def test_the_bound_rides_in_the_claims_one_round_trip(
 
 def test_a_new_keys_request_costs_the_same_exchanges_with_the_bound(pg_url: str) -> None:
     """A whole request, not only the claim: with the bound on, a new key's POST
-    exchanges as many messages with PostgreSQL as without it (on psycopg 3 the
-    claim then travels as one client-bound string instead of a pipeline)."""
+    exchanges as many messages with PostgreSQL as without it."""
     from bench.wire import CountingProxy
     from tests import testapp
 

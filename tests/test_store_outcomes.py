@@ -17,6 +17,7 @@ off on the engine's dialect, the path MySQL takes; and once more with every
 from __future__ import annotations
 
 import datetime as dt
+import time
 import typing as t
 import uuid
 
@@ -201,9 +202,9 @@ def test_the_claim_is_one_round_trip_on_psycopg2_and_psycopg_3(
     pg_url: str, wait: dt.timedelta | None
 ) -> None:
     """Setting the wait's bound, the insert, restoring the bound and reading the
-    record travel together: one batch on psycopg2, pipeline mode on psycopg 3.
-    Counted on the wire (exchanges: the client sends after a reply), for a key
-    that is new and for one that is taken."""
+    record travel together: one batch, parameters bound on the client, on each
+    driver. Counted on the wire (exchanges: the client sends after a reply), for
+    a key that is new and for one that is taken."""
     table = testapp.db.metadata.tables.get("idempotency_keys")
     if table is None:
         reset_tables(pg_url)
@@ -227,3 +228,33 @@ def test_the_claim_is_one_round_trip_on_psycopg2_and_psycopg_3(
                 session.rollback()
         finally:
             engine.dispose()
+
+
+def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) -> None:
+    """A claim whose host goes quiet right after it (a partition, a frozen
+    process) is ended by the server's ``idle_in_transaction_session_timeout``,
+    whatever the driver: psycopg 3's pipeline mode, once used for the claim,
+    ends with a Flush that disarms the server's idle timer until the next
+    statement, which such a host never sends; its claim stayed held."""
+    reset_tables(pg_url)
+    store = Store(testapp.db.metadata.tables["idempotency_keys"])
+    url = sa.make_url(pg_url)
+    options = f"{url.query.get('options', '')} -c idle_in_transaction_session_timeout=500"
+    engine = sa.create_engine(
+        url.update_query_dict({"options": options.strip()}), poolclass=sa.NullPool
+    )
+    try:
+        now = dt.datetime.now(dt.timezone.utc)
+        values = _values(str(uuid.uuid4()), now)
+        with Session(engine) as session:
+            assert store.claim(session, values, dt.timedelta(seconds=5)) == (True, None)
+            time.sleep(2)  # quiet: the server's timer must end the transaction
+            with pytest.raises(sa.exc.DBAPIError):
+                session.execute(sa.text("SELECT 1"))
+            session.rollback()
+        # The claim went with it: the key is free for the retry elsewhere.
+        with Session(engine) as session:
+            assert store.claim(session, _values(values["key"], now), None) == (True, None)
+            session.rollback()
+    finally:
+        engine.dispose()
