@@ -23,7 +23,6 @@ import os
 import tempfile
 import typing as t
 import uuid
-import weakref
 from pathlib import Path
 
 import pytest
@@ -222,8 +221,10 @@ def reset_tables(url: str) -> None:
         engine.dispose()
 
 
-#: Engines that opened a connection during the current test.
-_engines_used: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+#: Engines that opened a connection during the current test, kept alive until
+#: its end: an engine a test made and dropped (``table.create(create_engine(url))``)
+#: would otherwise leave its pooled connection to the garbage collector mid-test.
+_engines_used: set[sa.Engine] = set()
 
 
 @event.listens_for(sa.Engine, "engine_connect")
@@ -237,8 +238,9 @@ def _close_pooled_connections() -> t.Iterator[None]:
 
     Tests make apps (and so engines) freely; an engine dropped with connections
     in its pool leaves them to the garbage collector, which psycopg 3 reports as
-    a ResourceWarning (an error here) in whichever test runs then. Disposing
-    only empties the pool: an engine a later test uses again reconnects.
+    a ResourceWarning (an error here) in whichever test runs then. Each engine
+    is held until the test ends, then disposed. Disposing only empties the pool:
+    an engine a later test uses again reconnects.
     """
     yield
     for engine in list(_engines_used):
