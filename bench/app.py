@@ -16,10 +16,11 @@ session, and answers 201 with the same JSON body (``{"id": ...}``):
 * ``POST /ext-nowait``: ``@idem.idempotent(wait=None)``, no bound of ours.
 * ``POST /ext-optimistic``: ``@idem.idempotent(optimistic=True)``, only where the
   extension has that option (:data:`OPTIMISTIC_MISSING` says why not otherwise).
-* On psycopg 3 only, ``/ext`` with the claim sent another way
-  (:mod:`bench.claim_paths`): ``POST /ext-serial`` (the pipeline's statements one
-  by one), ``POST /ext-client-batch`` (one string through ``psycopg.ClientCursor``),
-  ``POST /ext-generic`` (the extension's path without a pipeline).
+* On psycopg 3 only, ``/ext`` with the claim sent another way than the
+  extension's one string through ``psycopg.ClientCursor``
+  (:mod:`bench.claim_paths`): ``POST /ext-pipeline`` (the same statements in
+  psycopg's pipeline mode), ``POST /ext-serial`` (one by one), ``POST
+  /ext-generic`` (the extension's path where it has no batch).
 
 ``gunicorn 'bench.app:create_app()'`` serves it; the database URL comes from
 ``BENCH_DATABASE_URL``.
@@ -198,7 +199,7 @@ else:
 
 #: The same route as ``/ext``, claiming another way: on psycopg 3 apps only.
 claim_bp = Blueprint("claim", __name__)
-for _path in (claim_paths.SERIAL, claim_paths.CLIENT_BATCH, claim_paths.GENERIC):
+for _path in (claim_paths.PIPELINE, claim_paths.SERIAL, claim_paths.GENERIC):
     claim_bp.add_url_rule(
         f"/ext-{_path}",
         f"ext_{_path.replace('-', '_')}",

@@ -2,21 +2,28 @@
 
 The extension claims in one round trip on psycopg 3: its four statements (the
 ``lock_timeout`` bound, the insert, the bound restored, the read of the record)
-go in pipeline mode (``flask_idempotency.store._pipelined``). To show what that
-buys, the benchmark app on psycopg 3 has routes that claim another way, chosen
-per request by the route:
+go as one ``;``-joined string through :class:`psycopg.ClientCursor`
+(``flask_idempotency.store._client_batched``): psycopg quotes the values into the
+text and sends it as one simple query, as psycopg2 does. To show what that costs
+and buys, the benchmark app on psycopg 3 has routes that claim another way,
+chosen per request by the route:
 
-* ``serial``: the same four statements, on the same kind of cursor, sent one at a
-  time, each waiting for its answer: the pipeline taken away, nothing else;
-* ``client-batch``: the four statements as one string through
-  :class:`psycopg.ClientCursor`: psycopg quotes the values into the text and
-  sends it as one simple query, one round trip (what psycopg2 does);
-* ``generic``: ``store._pipeline_supported`` answers ``False``, so the extension
-  takes its path for drivers it has no batch for: each statement executed by
+* ``pipeline``: the same four statements in psycopg's pipeline mode, each on a
+  regular cursor (bound on the server, prepared by psycopg after five
+  executions), all sent before one ``Sync``: one round trip too. The extension
+  used it before; it no longer does because the pipeline's closing ``Flush``
+  disarms PostgreSQL's ``idle_in_transaction_session_timeout`` until the next
+  statement, so a claim whose host went quiet right after it would be held past
+  the server's own setting. It needs libpq 14 or newer (the binary wheels ship
+  one); without it the route fails;
+* ``serial``: the same four statements, on a regular cursor, sent one at a time,
+  each waiting for its answer: four round trips;
+* ``generic``: ``store._fast_driver`` answers ``None``, so the extension takes
+  its path for drivers it has no batch for: each statement executed by
   SQLAlchemy, compiled per execution, the request's other statements too.
 
-:func:`install` puts dispatchers in place of ``store._pipelined`` and
-``store._pipeline_supported``: they run the route's way, and the extension's own
+:func:`install` puts dispatchers in place of ``store._client_batched`` and
+``store._fast_driver``: they run the route's way, and the extension's own
 function for every other request, so ``/ext`` on the same app claims as the
 extension does (through one more function call). Nothing here changes the
 package: its module attributes are replaced in the benchmark's processes only.
@@ -31,14 +38,13 @@ import typing as t
 
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy import exc as sa_exc
 
 from flask_idempotency import store
 
-PIPELINE, SERIAL, CLIENT_BATCH, GENERIC = "pipeline", "serial", "client-batch", "generic"
+EXT, PIPELINE, SERIAL, GENERIC = "ext", "pipeline", "serial", "generic"
 
-#: The current request's way to claim; the extension's pipeline unless a route says.
-_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("bench_claim_path", default=PIPELINE)
+#: The current request's way to claim; the extension's own unless a route says.
+_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("bench_claim_path", default=EXT)
 
 Runner = t.Callable[[sa.Connection, list[str], dict[str, t.Any]], "dict[str, t.Any] | None"]
 View = t.Callable[..., t.Any]
@@ -60,21 +66,15 @@ def claiming(path: str, view: View) -> View:
 
 @contextlib.contextmanager
 def _as_sqlalchemy_error(
-    connection: sa.Connection, sql: str, params: dict[str, t.Any]
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> t.Iterator[None]:
-    """A driver error raised as SQLAlchemy raises it, as the extension's own path does,
-    so the flow above sees the same kind of error on every path."""
-    dialect = connection.dialect
+    """A driver error raised as the extension's own path raises it
+    (``store._as_sqlalchemy_error``), so the flow above sees the same kind of
+    error on every path."""
     try:
         yield
     except psycopg.Error as exc:
-        raw = connection.connection.driver_connection
-        gone = dialect.is_disconnect(t.cast(t.Any, exc), raw, None)
-        if gone:
-            connection.invalidate(exc)
-        raise sa_exc.DBAPIError.instance(
-            sql, params, exc, psycopg.Error, connection_invalidated=gone, dialect=dialect
-        ) from exc
+        raise store._as_sqlalchemy_error(connection, statements, params, exc) from exc
 
 
 def _first_row(cursor: psycopg.Cursor[t.Any]) -> dict[str, t.Any] | None:
@@ -90,15 +90,36 @@ def _driver_connection(connection: sa.Connection) -> psycopg.Connection[t.Any]:
     return raw
 
 
+def pipeline(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+) -> dict[str, t.Any] | None:
+    """The claim's statements in psycopg's pipeline mode, each on a cursor of its
+    own, sent together and answered together (one round trip); the last one's
+    first row, as the extension's batch gives it."""
+    raw = _driver_connection(connection)
+    cursors: list[psycopg.Cursor[t.Any]] = []
+    with _as_sqlalchemy_error(connection, statements, params):
+        try:
+            with raw.pipeline():
+                for sql in statements:
+                    cursor = raw.cursor()
+                    cursors.append(cursor)
+                    cursor.execute(sql, params)
+            return _first_row(cursors[-1])
+        finally:
+            for cursor in cursors:
+                cursor.close()
+
+
 def serial(
     connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> dict[str, t.Any] | None:
     """The claim's statements one by one, each its own round trip; the last one's
-    first row, as the pipeline gives it."""
+    first row, as the extension's batch gives it."""
     raw = _driver_connection(connection)
     last = len(statements) - 1
     found = None
-    with _as_sqlalchemy_error(connection, ";\n".join(statements), params):
+    with _as_sqlalchemy_error(connection, statements, params):
         for i, sql in enumerate(statements):
             with raw.cursor() as cursor:
                 cursor.execute(sql, params)
@@ -107,21 +128,7 @@ def serial(
     return found
 
 
-def client_batch(
-    connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
-) -> dict[str, t.Any] | None:
-    """The claim's statements as one multi-statement string, the values bound by
-    psycopg on the client, sent as one simple query; the last one's first row."""
-    raw = _driver_connection(connection)
-    sql = ";\n".join(statements)
-    with _as_sqlalchemy_error(connection, sql, params), psycopg.ClientCursor(raw) as cursor:
-        cursor.execute(sql, params)
-        while cursor.nextset():  # one result per statement: the read's is the last
-            pass
-        return _first_row(cursor)
-
-
-_RUNNERS: dict[str, Runner] = {SERIAL: serial, CLIENT_BATCH: client_batch}
+_RUNNERS: dict[str, Runner] = {PIPELINE: pipeline, SERIAL: serial}
 _INSTALLED: dict[str, t.Any] = {}
 
 
@@ -129,17 +136,19 @@ def install() -> None:
     """Route the claim through :data:`_PATH` (once per process)."""
     if _INSTALLED:
         return
-    pipelined = _INSTALLED["pipelined"] = store._pipelined
-    supported = _INSTALLED["supported"] = store._pipeline_supported
+    batched = _INSTALLED["client_batched"] = store._client_batched
+    fast_driver = _INSTALLED["fast_driver"] = store._fast_driver
 
-    def pipelined_or_other(
+    def batched_or_other(
         connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
     ) -> dict[str, t.Any] | None:
-        return _RUNNERS.get(_PATH.get(), pipelined)(connection, statements, params)
+        return _RUNNERS.get(_PATH.get(), batched)(connection, statements, params)
 
-    def supported_unless_generic(*args: t.Any) -> bool:
-        # Whatever the extension passes (the driver's module): only forwarded.
-        return _PATH.get() != GENERIC and bool(supported(*args))
+    def fast_unless_generic(connection: sa.Connection) -> str | None:
+        driver = fast_driver(connection)
+        if driver == "psycopg" and _PATH.get() == GENERIC:
+            return None  # the generic path, for psycopg 3 on a generic route only
+        return driver
 
-    store._pipelined = pipelined_or_other
-    store._pipeline_supported = supported_unless_generic
+    store._client_batched = batched_or_other
+    store._fast_driver = fast_unless_generic

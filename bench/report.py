@@ -229,10 +229,10 @@ def engine_section(result: EngineResult) -> str:
 # -- the claim on psycopg 3 -------------------------------------------------------------
 
 CLAIM_HOW = {
-    "ext": "pipeline mode (the extension)",
+    "ext": "one string, psycopg.ClientCursor (the extension)",
+    "ext-pipeline": "pipeline mode, bound on the server",
     "ext-serial": "one by one, a round trip each",
-    "ext-client-batch": "one string, psycopg.ClientCursor",
-    "ext-generic": "the generic path (no pipeline)",
+    "ext-generic": "the generic path (no batch)",
 }
 
 
@@ -243,7 +243,7 @@ def _trips(result: EngineResult | None, name: str) -> float | None:
 
 
 def claim_table(result: EngineResult) -> str:
-    """The claim paths side by side: figures, and ratios to the extension's pipeline."""
+    """The claim paths side by side: figures, and ratios to the extension's own (``ext``)."""
     lines = [
         "| claim sent | variant | round trips/req | req/s | p50 ms | p99 ms | CPU ms/req "
         "| req/s vs ext | p50 vs ext | p99 vs ext | CPU/req vs ext |",
@@ -264,7 +264,7 @@ FIELDS = (("rate", 0), ("p50_ms", 2), ("p99_ms", 2), ("cpu_ms", 2))
 
 
 def _change(ratio: float | None, more: str, less: str, detail: str = "") -> str:
-    """``ratio`` (a figure over the pipeline's) as words: within 2% is no difference."""
+    """``ratio`` (a figure over ``ext``'s) as words: within 2% is no difference."""
     if ratio is None:
         return "not measured"
     if abs(ratio - 1) < 0.02:
@@ -272,27 +272,46 @@ def _change(ratio: float | None, more: str, less: str, detail: str = "") -> str:
     return f"{abs(ratio - 1):.0%} {more if ratio > 1 else less} ({ratio:.3f}{detail})"
 
 
-def _prepared(result: EngineResult) -> str | None:
-    """Whether the claim's insert went as a prepared statement in ``ext``'s listing."""
-    if result.wire is None or "ext" not in result.wire:
+def _claim_insert(result: EngineResult, name: str) -> str | None:
+    """The claim's insert as it travelled in ``name``'s listing, if it is there."""
+    if result.wire is None or name not in result.wire:
         return None
     sent = [
-        s for e in result.wire["ext"].exchanges for s in e if "INSERT INTO idempotency_keys" in s
+        s for e in result.wire[name].exchanges for s in e if "INSERT INTO idempotency_keys" in s
     ]
-    if not sent:
-        return None
-    if sent[0].startswith("[prepared "):
-        return (
-            "The claim is served by psycopg 3's automatic prepared statements: after five "
-            "executions of the same text on a connection psycopg prepares it, and from "
-            "then on the pipeline sends each statement's name and values only "
-            "(`[prepared _pg3_N]` in the listing below)."
+    return sent[0] if sent else None
+
+
+def _prepared(result: EngineResult) -> str | None:
+    """How the claim's insert travelled in ``ext``'s listing and in ``ext-pipeline``'s."""
+    said = []
+    ours = _claim_insert(result, "ext")
+    if ours is not None and not ours.startswith("["):
+        said.append(
+            "The extension's claim travels as one simple query: its text with the values "
+            "quoted into it (unmarked in the listing below), parsed and planned by the "
+            "server at every claim."
         )
-    return f"The claim's insert was sent as `{sent[0][:40]}...`, not as a prepared statement."
+    elif ours is not None:
+        said.append(f"The claim's insert in `ext` was sent as `{ours[:40]}...`.")
+    piped = _claim_insert(result, "ext-pipeline")
+    if piped is not None and piped.startswith("[prepared "):
+        said.append(
+            "In pipeline mode the claim is served by psycopg 3's automatic prepared "
+            "statements: after five executions of the same text on a connection psycopg "
+            "prepares it, and from then on the pipeline sends each statement's name and "
+            "values only (`[prepared _pg3_N]` in the listing below)."
+        )
+    elif piped is not None:
+        said.append(
+            f"The claim's insert in `ext-pipeline` was sent as `{piped[:40]}...`, "
+            "not as a prepared statement."
+        )
+    return " ".join(said) or None
 
 
-def _against_pipeline(result: EngineResult, name: str) -> str:
-    """``name``'s figures against ``ext``'s (the pipeline) in the same rounds, in words."""
+def _against_ext(result: EngineResult, name: str) -> str:
+    """``name``'s figures against ``ext``'s (the extension's) in the same rounds, in words."""
     ratio = functools.partial(result.field_ratio, name, "ext")
     rounds = result.field_ratios(name, "ext", "rate")
     spread = f"; {min(rounds):.2f} to {max(rounds):.2f} round by round" if rounds else ""
@@ -312,17 +331,17 @@ NETWORK_RTT_MS = 0.5
 def _over_a_network(result: EngineResult) -> str | None:
     """What the round trips saved are worth once the database is on another host,
     beside the CPU the ways differ by, from the figures measured."""
-    pipeline, serial = _trips(result, "ext"), _trips(result, "ext-serial")
+    ours, serial = _trips(result, "ext"), _trips(result, "ext-serial")
     cpu = result.median("ext", "cpu_ms")
     cpu_serial = result.median("ext-serial", "cpu_ms")
-    if pipeline is None or serial is None or math.isnan(cpu) or math.isnan(cpu_serial):
+    if ours is None or serial is None or math.isnan(cpu) or math.isnan(cpu_serial):
         return None
     return (
         "Here the database is on the same machine (loopback: no network time in a round "
         "trip, only the switch between processes), so the round trips weigh little beside "
         "the CPU, which other work shares. With the database on another host, each round "
         "trip adds the network's round trip time to every request: at "
-        f"{NETWORK_RTT_MS} ms, one by one adds {(serial - pipeline) * NETWORK_RTT_MS:.1f} ms "
+        f"{NETWORK_RTT_MS} ms, one by one adds {(serial - ours) * NETWORK_RTT_MS:.1f} ms "
         "to each request's latency, "
         f"against a CPU difference of {cpu_serial - cpu:+.2f} ms per request measured here."
     )
@@ -345,30 +364,30 @@ def claim_section(results: list[EngineResult]) -> str | None:
             for n in names
         ),
     ]
-    pipeline, reference = _trips(psycopg, "ext"), _trips(psycopg2, "ext")
-    serial, batch = _trips(psycopg, "ext-serial"), _trips(psycopg, "ext-client-batch")
+    ours, reference = _trips(psycopg, "ext"), _trips(psycopg2, "ext")
+    piped, serial = _trips(psycopg, "ext-pipeline"), _trips(psycopg, "ext-serial")
     said = []
-    if pipeline is not None and reference is not None:
-        same = "as many as" if abs(pipeline - reference) < 0.005 else "against"
+    if ours is not None and reference is not None:
+        same = "as many as" if abs(ours - reference) < 0.005 else "against"
         said.append(
-            f"The extension sends the claim in pipeline mode: `ext` takes {pipeline:.2f} "
-            f"round trips per request on psycopg 3, {same} {reference:.2f} with psycopg2's "
-            "batch, the reference."
+            "The extension sends the claim as one string through `psycopg.ClientCursor`: "
+            f"`ext` takes {ours:.2f} round trips per request on psycopg 3, {same} "
+            f"{reference:.2f} with psycopg2's batch, the reference."
         )
-    if serial is not None and pipeline is not None:
+    if piped is not None:
         said.append(
-            f"One by one the same statements take {serial:.2f} ({serial - pipeline:+.2f}): "
-            f"{_against_pipeline(psycopg, 'ext-serial')}."
+            f"The same statements in pipeline mode (`ext-pipeline`) take {piped:.2f} round "
+            f"trips: {_against_ext(psycopg, 'ext-pipeline')}."
         )
-    if batch is not None:
+    if serial is not None and ours is not None:
         said.append(
-            f"The one-string batch through `psycopg.ClientCursor` takes {batch:.2f} round "
-            f"trips: {_against_pipeline(psycopg, 'ext-client-batch')}."
+            f"One by one the same statements take {serial:.2f} ({serial - ours:+.2f}): "
+            f"{_against_ext(psycopg, 'ext-serial')}."
         )
     said.append(
-        f"The extension's path without a pipeline (`ext-generic`) takes "
+        f"The extension's path where it has no batch (`ext-generic`) takes "
         f"{_fmt(_trips(psycopg, 'ext-generic'), 2)} round trips: "
-        f"{_against_pipeline(psycopg, 'ext-generic')}."
+        f"{_against_ext(psycopg, 'ext-generic')}."
     )
     if network := _over_a_network(psycopg):
         said.append(network)
@@ -410,8 +429,8 @@ def _replay_after_new(psycopg2: EngineResult | None, psycopg: EngineResult) -> s
     why = (
         "psycopg 3 forgets its prepared statements at every `ROLLBACK` and deallocates them "
         "on the server (`DEALLOCATE ALL`, an exchange of its own), so the next five requests "
-        "on that connection run unprepared, and the statements sent outside a pipeline cost "
-        "one more exchange each when psycopg prepares them again. "
+        "on that connection run unprepared, and each statement bound on the server costs "
+        "one more exchange when psycopg prepares it again. "
         if deallocates
         else ""
     )
@@ -428,26 +447,34 @@ CLAIM_INTRO = """\
 The claim is four statements: bound `lock_timeout` (`IDEMPOTENCY_WAIT`), insert the
 record (`ON CONFLICT DO NOTHING`), restore the bound, read the record. psycopg2 binds
 on the client and sends them as one `;`-joined string, one round trip. psycopg 3 binds
-on the server, one statement per message, so the extension sends them in psycopg's
-pipeline mode: all four, then one `Sync`, answered together. `ext-serial` sends the
-same four one at a time; `ext-client-batch` sends them as one string through
-`psycopg.ClientCursor` (psycopg quotes the values into the text, simple query
-protocol: psycopg2's way); `ext-generic` is what the extension does where it has no
-batch (`_pipeline_supported` patched to answer False for that route only,
-`bench/claim_paths.py`): each statement through SQLAlchemy, compiled each time, the
-request's other statements too. On both drivers the transaction's `BEGIN` is an
-exchange of its own before the claim (psycopg 3 sends it with a `Sync` of its own
-and waits, pipeline or not)."""
+on the server, one statement per message, so the extension sends the four as one
+string through `psycopg.ClientCursor` instead (psycopg quotes the values into the
+text, simple query protocol: psycopg2's way), one round trip. `ext-pipeline` sends
+them in psycopg's pipeline mode, bound on the server: all four, then one `Sync`,
+answered together, one round trip too (the extension's way before; below, why not
+now). `ext-serial` sends the same four one at a time on a regular cursor (bound on
+the server); `ext-generic` is what the extension does where it has no batch
+(`_fast_driver` patched to answer None for that route only, `bench/claim_paths.py`):
+each statement through SQLAlchemy, compiled each time, the request's other
+statements too. On both drivers the transaction's `BEGIN` is an exchange of its own
+before the claim (in pipeline mode too: psycopg 3 sends it with a `Sync` of its own
+and waits)."""
 
 CLAIM_WHY = """\
-Why the pipeline and not the one string: both are one round trip. The pipeline keeps
-psycopg 3's server-side binding, as for the app's other statements: the values travel
-apart from the text, never quoted into it, and the text is the same at every claim, so
-psycopg prepares it on each connection after five executions; from then on the server
-skips parsing it (and planning it, once PostgreSQL settles on a generic plan). The one
-string is quoted by psycopg on the client, and parsed and planned by the server, at
-every claim. The figures above say what each costs on this machine; a difference
-within 2%, or within the spread between rounds on a shared machine, is none."""
+Why the one string and not the pipeline: both are one round trip, but a pipeline ends
+with a `Sync` followed by a `Flush`. PostgreSQL arms `idle_in_transaction_session_timeout`
+when it sends ReadyForQuery, and the `Flush` arriving after it disarms the timer until
+the next statement. A host cut off right after a pipelined claim sends no next
+statement, so its claim would be held past the server's own setting (and past
+`IDEMPOTENCY_CLAIM_IDLE_TIMEOUT`), for as long as TCP keeps the session. The one
+string is a simple query: it ends with ReadyForQuery, and the timer runs. What the
+pipeline would keep is psycopg 3's server-side binding: the values travel apart from
+the text, and the text is the same at every claim, so psycopg prepares it on each
+connection after five executions and the server skips parsing it (and planning it,
+once PostgreSQL settles on a generic plan). The one string is quoted by psycopg on the
+client, and parsed and planned by the server, at every claim. The figures above say
+what that costs on this machine (`ext-pipeline / ext`); a difference within 2%, or
+within the spread between rounds on a shared machine, is none."""
 
 
 EXPLANATION = """\
@@ -477,7 +504,8 @@ default rollback-journal mode, which lets one writer at a time).
 * **round trips/req**: PostgreSQL only, in a separate phase: the app in process, one
   request at a time, through a counting TCP proxy (`bench/wire.py`) that reads the
   client's side of the protocol and counts each time the client sends a request after
-  a reply: a simple query (psycopg2, which sends `BEGIN` as an exchange of its own), a
+  a reply: a simple query (psycopg2, which sends `BEGIN` as an exchange of its own, and
+  the extension's claim on psycopg 3), a
   statement psycopg 3 binds on the server (`Parse`/`Bind`/`Execute` up to its
   `Sync`), or a psycopg 3 pipeline (several statements before one `Sync`: the server
   answers nothing before it). Connection setup is left out (warm-up requests first,
@@ -502,7 +530,8 @@ default rollback-journal mode, which lets one writer at a time).
 
 LISTING_LEGEND = """\
 Each line is one exchange; a `+` line was sent in the same exchange as the line above
-it (a psycopg2 batch, or a psycopg 3 pipeline). An unmarked statement is a simple query
+it (a `;`-joined simple query, as psycopg2 sends a batch and the extension its claim
+on psycopg 3, or a psycopg 3 pipeline). An unmarked statement is a simple query
 (`Q`: its text, with the values in it). psycopg 3's statements are marked with how they
 travelled: `[parse]` parsed, bound and executed (the values sent apart, as `$n`),
 `[prepare _pg3_N]` prepared under a name, `[prepared _pg3_N]` executed from a

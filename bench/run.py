@@ -266,7 +266,12 @@ def _drivers() -> str:
         import psycopg
 
         libpq = psycopg.pq.version()
-        pipeline = "pipeline mode available" if psycopg.Pipeline.is_supported() else "no pipeline"
+        # Only the benchmark's ext-pipeline variant uses pipeline mode (libpq 14+).
+        pipeline = (
+            "pipeline mode available, for ext-pipeline"
+            if psycopg.Pipeline.is_supported()
+            else "no pipeline mode: ext-pipeline cannot run"
+        )
         versions.append(f"libpq {libpq // 10000}.{libpq % 100} under psycopg 3 ({pipeline})")
     return "drivers: " + ", ".join(versions) if versions else "drivers: none"
 

@@ -74,22 +74,22 @@ VARIANTS = (
     Variant(
         "ext-replay", "/ext", "fixed", "@idem.idempotent(), a completed key: every request replays"
     ),
-    # The claim sent other ways than the extension's pipeline (bench/claim_paths.py).
+    # The claim sent other ways than the extension's one string (bench/claim_paths.py).
     Variant(
-        "ext-serial",
-        "/ext-serial",
+        "ext-pipeline",
+        "/ext-pipeline",
         "new",
-        "ext, the claim's four statements sent one by one instead of in a pipeline "
-        "(a round trip each)",
+        "ext, the claim's four statements in psycopg's pipeline mode instead of one string "
+        "through psycopg.ClientCursor (bound on the server, one Sync, one round trip)",
         key_table="idempotency_keys",
         engines=("psycopg",),
     ),
     Variant(
-        "ext-client-batch",
-        "/ext-client-batch",
+        "ext-serial",
+        "/ext-serial",
         "new",
-        "ext, the claim's four statements as one string through psycopg.ClientCursor "
-        "(values quoted by psycopg, one simple query)",
+        "ext, the claim's four statements sent one by one instead of as one string "
+        "(a round trip each)",
         key_table="idempotency_keys",
         engines=("psycopg",),
     ),
@@ -97,7 +97,7 @@ VARIANTS = (
         "ext-generic",
         "/ext-generic",
         "new",
-        "ext on the extension's path without a pipeline (`_pipeline_supported` False): "
+        "ext on the extension's path where it has no batch (`_fast_driver` None): "
         "each statement through SQLAlchemy",
         key_table="idempotency_keys",
         engines=("psycopg",),
@@ -105,7 +105,7 @@ VARIANTS = (
 )
 
 #: The variants that compare ways to send the claim, the extension's first.
-CLAIM_PATHS = ("ext", "ext-serial", "ext-client-batch", "ext-generic")
+CLAIM_PATHS = ("ext", "ext-pipeline", "ext-serial", "ext-generic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ RATIOS = (
     Ratio("ext-replay", "ext", 1.0, strict=True),
     Ratio("floor-replay", "floor"),
     Ratio("no-key", "plain", 0.97),
+    Ratio("ext-pipeline", "ext", engines=("psycopg",)),
     Ratio("ext-serial", "ext", engines=("psycopg",)),
-    Ratio("ext-client-batch", "ext", engines=("psycopg",)),
     Ratio("ext-generic", "ext", engines=("psycopg",)),
 )

@@ -10,7 +10,8 @@ for both drivers:
 
 * psycopg2 speaks the simple query protocol: each statement (or ``;``-joined
   batch) is one ``Q`` message and one exchange, and so is its ``BEGIN`` (sent on
-  its own before the transaction's first statement) and ``COMMIT``;
+  its own before the transaction's first statement) and ``COMMIT``; so does
+  psycopg 3's ``ClientCursor``, which the extension's claim goes through;
 * psycopg 3 binds on the server (the extended protocol): a statement is
   ``Parse``/``Bind``/``Describe``/``Execute`` closed by a ``Sync``, one exchange;
   in pipeline mode several statements travel before one ``Sync``, and the server

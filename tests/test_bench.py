@@ -91,8 +91,8 @@ def test_harness_runs_every_variant(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_harness_on_both_postgresql_drivers(tmp_path: Path) -> None:
     """Both PostgreSQL engines: every variant answered, and the round trips are
-    the claim's: the pipeline and the one-string batch as few as psycopg2's batch,
-    one by one three more, and the comparison written out."""
+    the claim's: the extension's one string and the pipeline as few as psycopg2's
+    batch, one by one three more, and the comparison written out."""
     # The suite's PostgreSQL, in a schema of the run's own.
     configured = os.environ.get(POSTGRES_ENV) or postgres_url()
     env = {**os.environ, POSTGRES_ENV: configured}
@@ -109,14 +109,14 @@ def test_harness_on_both_postgresql_drivers(tmp_path: Path) -> None:
 
     reference = trips("postgresql", "ext")
     assert trips("psycopg", "ext") == reference
-    assert trips("psycopg", "ext-client-batch") == reference
+    assert trips("psycopg", "ext-pipeline") == reference
     assert trips("psycopg", "ext-serial") == reference + 3  # four statements, not one batch
     assert trips("psycopg", "ext-generic") > reference  # a statement per round trip
     assert trips("psycopg", "ext-nowait") == trips("postgresql", "ext-nowait")
     claims = sections["The claim on psycopg 3"]
     compared = [row[1] for row in claims.values() if row[0] in CLAIM_HOW.values()]
     assert compared == list(CLAIM_PATHS)
-    assert "ext-client-batch / ext" in text
+    assert "ext-pipeline / ext" in text
     listing = text[text.index("## Statements of one request on the wire (psycopg)") :]
     assert "[prepared _pg3_" in listing or "[parse]" in listing
 
