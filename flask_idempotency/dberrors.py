@@ -78,14 +78,20 @@ _PG_UNAVAILABLE_EXACT = {
     "57P01",  # admin_shutdown
     "57P02",  # crash_shutdown
     "57P03",  # cannot_connect_now (starting up, recovery)
-    "53300",  # too_many_connections
+    "57P04",  # database_dropped
     "57014",  # query_canceled (statement_timeout: the database did not answer in time)
     # The server ended an idle session: idle_in_transaction_session_timeout (as
     # IDEMPOTENCY_CLAIM_IDLE_TIMEOUT sets it), idle_session_timeout (PostgreSQL 14+).
     "25P03",
     "57P05",
 }
-_PG_UNAVAILABLE_CLASSES = ("08",)  # connection_exception and its subclasses
+_PG_UNAVAILABLE_CLASSES = (
+    "08",  # connection_exception and its subclasses
+    # insufficient_resources: disk_full (53100), out_of_memory (53200),
+    # too_many_connections (53300), configuration_limit_exceeded (53400)
+    "53",
+    "58",  # system_error, io_error (58030): the server's disk or OS failed it
+)
 # read_only_sql_transaction: a hot standby ("cannot execute INSERT in a read-only
 # transaction", "cannot execute LISTEN during recovery"),
 # default_transaction_read_only, SET TRANSACTION READ ONLY.
@@ -102,6 +108,13 @@ _MYSQL_CONFLICT = {
 _MYSQL_UNAVAILABLE = {
     1040,  # ER_CON_COUNT_ERROR: too many connections
     1053,  # ER_SERVER_SHUTDOWN
+    1317,  # ER_QUERY_INTERRUPTED: KILL QUERY (an operator, pt-kill) ended the statement
+    1021,  # ER_DISK_FULL
+    1114,  # ER_RECORD_FILE_FULL: "The table is full" (disk, or innodb_data_file_path)
+    1041,  # ER_OUT_OF_RESOURCES
+    1037,  # ER_OUTOFMEMORY
+    1038,  # ER_OUT_OF_SORTMEMORY
+    4031,  # ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8: the server closed an idle session)
     1927,  # ER_CONNECTION_KILLED (MariaDB)
     1969,  # ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
     3024,  # ER_QUERY_TIMEOUT (MySQL max_execution_time)
@@ -132,7 +145,11 @@ _MYSQL_READ_ONLY_OPTIONS = ("read-only", "read_only")
 # SQLite has no codes in its Python exceptions' text that outlive versions; the
 # messages are stable.
 _SQLITE_CONFLICT = ("database is locked", "database table is locked")
-_SQLITE_UNAVAILABLE = ("unable to open database file", "disk i/o error")
+_SQLITE_UNAVAILABLE = (
+    "unable to open database file",
+    "disk i/o error",
+    "database or disk is full",
+)
 # SQLITE_READONLY and its extended codes (a file opened mode=ro or not writable,
 # PRAGMA query_only, a moved or recovering database): "attempt to write a
 # readonly database". Python 3.11+ gives the code too (sqlite_errorcode).
