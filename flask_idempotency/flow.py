@@ -58,6 +58,11 @@ logger = logging.getLogger("flask_idempotency")
 _CLAIM_ROUNDS = 5
 # A claim that waited longer than this on another request re-stamps its times.
 _RESTAMP_AFTER = dt.timedelta(seconds=1)
+# How long an interrupted request waits for PostgreSQL to settle a COMMIT whose
+# answer it never got. Short: gunicorn follows a worker timeout's SystemExit
+# with SIGKILL about a second later; past it the outcome is unknown, and the
+# record stays under its lease (never freed for a second run).
+_COMMIT_OUTCOME_WAIT = dt.timedelta(seconds=1)
 Clock = t.Callable[[], dt.datetime]
 
 
@@ -423,8 +428,7 @@ class Flow:
                     state.scope,
                     type(exc).__name__,
                 )
-                failure = FailedAfterCommitError()
-                self._complete(state, app, t.cast(Response, failure.get_response()))
+                self._record_failure_after_commit(state, app)
                 raise
             self._release(state)
             raise
@@ -465,6 +469,11 @@ class Flow:
             self.session.rollback()
             bind = self.session.get_bind()
             engine = bind.engine if isinstance(bind, sa.Connection) else bind
+            transaction = state.guard.pending_transaction
+            if transaction is not None:
+                # PostgreSQL knows: committed, aborted, or still in progress
+                # (its COMMIT may be in flight: unknown, never "not landed").
+                return self.store.commit_outcome(engine, transaction, _COMMIT_OUTCOME_WAIT)
             record = self.store.load_committed(engine, state.scope, state.key)
         except Exception as exc:  # the interruption is the error to report
             logger.warning(
@@ -476,12 +485,33 @@ class Flow:
             return None
         return state.guard.commit_landed(record)
 
+    def _record_failure_after_commit(self, state: RequestState, app: t.Any) -> None:
+        """Record a 500 ``failed-after-commit`` for an operation whose view
+        committed work of its own and then did not finish: what the view had not
+        committed is rolled back, and every retry gets this answer (the
+        operation may not run again). If even that cannot be stored (the
+        database is gone too), the record stays in progress under its lease."""
+        failure = FailedAfterCommitError()
+        self._complete(state, app, t.cast(Response, failure.get_response()), failure=True)
+
     def _complete(
-        self, state: RequestState, app: t.Any, response: Response, *, rollback_first: bool = True
+        self,
+        state: RequestState,
+        app: t.Any,
+        response: Response,
+        *,
+        rollback_first: bool = True,
+        failure: bool = False,
     ) -> None:
         """Store ``response`` on the record, fenced by the token, and commit it with
         the view's writes (or, ``rollback_first``, after rolling back what the
-        view had not committed)."""
+        view had not committed).
+
+        Interrupted (any ``BaseException``: gunicorn's worker timeout raises
+        ``SystemExit`` wherever the worker is) once the view has committed work
+        of its own, a ``failed-after-commit`` answer is recorded instead before
+        the exception goes on (unless ``failure``: this is that recording), so
+        that no retry runs the view again; otherwise the key is released."""
         guard = state.guard
         assert guard is not None
         assert state.scope is not None
@@ -523,7 +553,21 @@ class Flow:
             session.commit()
         except LeaseLostError:
             raise
-        except BaseException:
+        except BaseException as exc:
+            if guard.view_committed and not failure:
+                logger.warning(
+                    "%r in scope %r: storing the answer failed (%s) after the view "
+                    "committed; recording the failure",
+                    key,
+                    scope,
+                    type(exc).__name__,
+                )
+                try:
+                    self._record_failure_after_commit(state, app)
+                except BaseException as second:
+                    if second is not exc and not isinstance(second, Exception):
+                        raise  # a second interruption: it goes on, not the first
+                raise
             self._release(state)
             raise
         signals.record_completed.send(

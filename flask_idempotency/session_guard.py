@@ -185,6 +185,11 @@ class ClaimGuard(SessionWatcher):
         #: (the record shows its lease end) or not (:meth:`commit_landed`).
         self._lease_written = lease_end
         self.pending_lease: dt.datetime | None = None
+        #: PostgreSQL: the id of the transaction the commit under way ends, by
+        #: which the database itself says whether it committed (``None``
+        #: elsewhere): a record read back cannot tell a ``COMMIT`` that never
+        #: arrives from one still on its way.
+        self.pending_transaction: int | None = None
 
     # -- what the flow asks ----------------------------------------------------------
 
@@ -226,7 +231,11 @@ class ClaimGuard(SessionWatcher):
             # record); fenced, and locking the record until the commit.
             locked_until = self._clock() + self._lease
             self.pending_lease = locked_until
-            if not self.store.renew_lease(session, self.scope, self.key, self.token, locked_until):
+            self.pending_transaction = None
+            renewed, self.pending_transaction = self.store.renew_lease_before_commit(
+                session, self.scope, self.key, self.token, locked_until
+            )
+            if not renewed:
                 self.claim = Claim.LOST
                 raise lost_error()
 

@@ -32,6 +32,7 @@ import datetime as dt
 import json
 import math
 import secrets
+import time
 import typing as t
 
 import sqlalchemy as sa
@@ -84,6 +85,14 @@ def idle_bound(param: str) -> str:
 
 
 _PG_SET_IDLE = sa.text(f"SELECT {idle_bound(':idle')}")
+
+
+# Whether a transaction committed (PostgreSQL 10+), and the end of one still open
+# whose client gave up on it (backend_xid is the 32-bit xid of the 64-bit id).
+_PG_TRANSACTION_STATUS = sa.text("SELECT txid_status(:xid)")
+_PG_END_TRANSACTION = sa.text(
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_xid::text = :xid"
+)
 
 
 def _millis(wait: dt.timedelta) -> str:
@@ -232,6 +241,29 @@ _PG_NOW = sa.text("SELECT clock_timestamp()")
 _MYSQL_NOW = sa.text("SELECT UTC_TIMESTAMP(6)")
 # SQLite's 'now' is UTC; %f gives milliseconds (the finest it keeps).
 _SQLITE_NOW = sa.text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+
+
+def refuse_autocommit(connection: sa.Connection) -> None:
+    """Refuse a connection in autocommit mode (``isolation_level="AUTOCOMMIT"`` on
+    the engine, the session's bind or its execution options): each statement
+    would commit on its own, so the claim could not commit or roll back with
+    the view's rows, and a failed view would leave them committed under a
+    record in progress."""
+    autocommits = getattr(connection, "_is_autocommit_isolation", None)
+    if autocommits is not None:
+        refused = bool(autocommits())
+    else:  # an SQLAlchemy without the check: the levels set on the connection
+        level = connection.get_execution_options().get("isolation_level") or getattr(
+            connection.dialect, "_on_connect_isolation_level", None
+        )
+        refused = level == "AUTOCOMMIT"
+    if refused:
+        raise RuntimeError(
+            "Flask-Idempotency needs a transactional session: the session's connection "
+            "is in AUTOCOMMIT mode (isolation_level='AUTOCOMMIT'), where the claim and "
+            "the view's rows cannot commit or roll back together. Use another "
+            "isolation level for the app's session."
+        )
 
 
 def _fast_driver(connection: sa.Connection) -> str | None:
@@ -400,6 +432,9 @@ class Store:
         self._release = sa.delete(table).where(*still_held)
         # An UPDATE of a held record; the SET clause comes from the parameters.
         self._update_held = sa.update(table).where(*still_held)
+        # PostgreSQL: the same, naming the transaction it runs in (txid_current():
+        # 64 bits, epoch included, so txid_status can judge it however old).
+        self._update_held_xid = self._update_held.returning(c.fencing_token, sa.func.txid_current())
         token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
         self._replace_expired = sa.update(table).where(
             *token_read, *expired(c, sa.bindparam("w_now"))
@@ -633,6 +668,7 @@ class Store:
         """
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
+        refuse_autocommit(connection)
         driver = _fast_driver(connection)
         if driver is None:
             with self.bounded_wait(session, wait):
@@ -857,6 +893,77 @@ class Store:
         ``False``: the record was taken over or deleted.
         """
         return self._set_held(executor, scope, key, token, {"locked_until": locked_until})
+
+    def renew_lease_before_commit(
+        self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
+    ) -> tuple[bool, int | None]:
+        """:meth:`renew_lease` in a transaction about to commit, and, on
+        PostgreSQL, that transaction's id: should the ``COMMIT`` be interrupted
+        with no answer, :meth:`commit_outcome` tells from the id whether it
+        landed (``None`` elsewhere)."""
+        connection = (
+            executor.connection(bind_arguments={"clause": self.table})
+            if isinstance(executor, Session)
+            else executor
+        )
+        if connection.dialect.name != "postgresql":
+            return self.renew_lease(connection, scope, key, token, locked_until), None
+        params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
+        stmt = self._update_held_xid
+        compiled = self._precompiled(connection, stmt, params)
+        if compiled is None:
+            row = connection.execute(stmt, params).first()
+        else:
+            sql, constants = compiled
+            row = connection.exec_driver_sql(sql, {**constants, **params}).first()
+        if row is None:
+            return False, None
+        return True, int(row[1])
+
+    def commit_outcome(
+        self, engine: sa.Engine, transaction: int, wait: dt.timedelta
+    ) -> bool | None:
+        """Whether PostgreSQL transaction ``transaction`` (from
+        :meth:`renew_lease_before_commit`) committed: ``True`` or ``False``,
+        or ``None`` when that cannot be known within ``wait``.
+
+        ``txid_status`` is PostgreSQL's answer to exactly this question (a
+        connection lost during ``COMMIT``). A transaction still in progress
+        after half of ``wait`` has a ``COMMIT`` that may yet arrive (held in a
+        network buffer or a proxy) while its client has given up on it: its
+        backend is terminated (allowed for the app's own role), so that it
+        can never commit later, and the status read again. Read on a
+        connection of its own.
+        """
+        deadline = time.monotonic() + wait.total_seconds()
+        with engine.connect() as conn:
+            status = self._settle(conn, transaction, deadline - wait.total_seconds() / 2)
+            if status == "in progress":
+                try:
+                    conn.execute(_PG_END_TRANSACTION, {"xid": str(transaction % 2**32)})
+                    conn.commit()
+                except sa_exc.DBAPIError:  # not allowed to: then it stays unknown
+                    conn.rollback()
+                    return None
+                status = self._settle(conn, transaction, deadline)
+        if status == "committed":
+            return True
+        if status == "aborted":
+            return False
+        return None  # too old to tell (NULL), or still in progress
+
+    @staticmethod
+    def _settle(conn: sa.Connection, transaction: int, deadline: float) -> str | None:
+        """``txid_status`` of ``transaction``, polled until it is no longer in
+        progress or ``deadline`` (a ``time.monotonic()``) passes."""
+        pause = 0.01
+        while True:
+            status = conn.execute(_PG_TRANSACTION_STATUS, {"xid": transaction}).scalar()
+            conn.rollback()
+            if status != "in progress" or time.monotonic() >= deadline:
+                return t.cast("str | None", status)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def restamp(
         self,

@@ -398,3 +398,20 @@ def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
     options = {"connect_args": {"options": "-c statement_timeout=700"}}
     app, gates = slow_app(pg_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
     assert_duplicate_gets_409_and_one_charge(app, gates)
+
+
+def test_an_autocommit_session_is_refused_before_anything_is_written(database_url: str) -> None:
+    """``isolation_level="AUTOCOMMIT"`` commits each statement on its own: the
+    claim could not roll back with a view that fails, which would leave its rows
+    committed under a record in progress. The claim refuses it, saying why,
+    before anything is written."""
+    app = testapp.create_app(
+        database_url, SQLALCHEMY_ENGINE_OPTIONS={"isolation_level": "AUTOCOMMIT"}
+    )
+    reset_tables(database_url)
+    app.testing = True  # the error itself, not Flask's page for it
+    client = app.test_client()
+    with pytest.raises(RuntimeError, match="AUTOCOMMIT"):
+        client.post("/status/502", json={}, headers={"Idempotency-Key": "auto"})
+    assert ledger_count(app) == 0
+    assert record_rows(app) == []

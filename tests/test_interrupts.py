@@ -125,6 +125,66 @@ def test_a_commit_interrupted_in_flight(
     assert len(record_rows(app)) == 1
 
 
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("where", ["storing", "committing", "after-commit"])
+@pytest.mark.parametrize("interrupt", INTERRUPTS[::2], ids=lambda e: type(e).__name__)
+def test_an_interruption_while_the_answer_is_stored_after_the_views_commit(
+    database_url: str,
+    route: str,
+    where: str,
+    interrupt: BaseException,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The view committed its charge and answered; the interruption (gunicorn's
+    worker timeout lands wherever the worker is) comes while the extension
+    stores that answer: in the completing statement, in its COMMIT before it
+    is sent, or right after the COMMIT landed. The operation stays recorded,
+    never freed: retries replay the answer stored (``failed-after-commit``
+    when the answer's own commit did not land). One charge."""
+    from flask_idempotency.store import Store
+
+    app = testapp.create_app(database_url)
+    reset_tables(database_url)
+    with app.app_context():
+        dialect = testapp.db.engine.dialect
+    fired = {"done": False}
+    real_complete, real_commit = Store.complete, dialect.do_commit
+    completing = {"now": False}
+
+    def complete(self: Store, *args: t.Any, **kwargs: t.Any) -> bool:
+        if not fired["done"] and where == "storing":
+            fired["done"] = True
+            raise interrupt
+        completing["now"] = True
+        return real_complete(self, *args, **kwargs)
+
+    def do_commit(dbapi_connection: t.Any) -> None:
+        if completing["now"] and not fired["done"] and where != "storing":
+            fired["done"] = True
+            if where == "after-commit":
+                real_commit(dbapi_connection)
+            raise interrupt
+        real_commit(dbapi_connection)
+
+    monkeypatch.setattr(Store, "complete", complete)
+    monkeypatch.setattr(dialect, "do_commit", do_commit)
+    client = app.test_client()
+    headers = {"Idempotency-Key": "storing"}
+    with pytest.raises(type(interrupt)):
+        client.post(ROUTES[route], json={"amount": 3}, headers=headers)
+    assert fired["done"]
+    [record] = record_rows(app)
+    assert record["status"] == "completed"
+    for _ in range(2):
+        retry = client.post(ROUTES[route], json={"amount": 3}, headers=headers)
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        if where == "after-commit":
+            assert retry.status_code == 201  # the answer's commit landed: it is the answer
+        else:
+            assert assert_problem(retry, 500)["type"].endswith("failed-after-commit")
+    assert ledger_count(app) == 1
+
+
 # -- a real gunicorn worker timeout -------------------------------------------------
 
 

@@ -258,3 +258,48 @@ def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) 
             session.rollback()
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_the_outcome_of_a_commit_whose_answer_was_lost(driver: str) -> None:
+    """PostgreSQL says whether the transaction that renewed the lease before a
+    commit committed (``txid_status``). One still open (its ``COMMIT`` still on
+    the way) is ended, so that it can no longer land after the answer "not
+    committed" was given: a request judging its own interrupted commit never
+    frees a key whose work then commits."""
+    from tests.conftest import postgres_url
+
+    url = postgres_url(driver)
+    app = testapp.create_app(url)
+    reset_tables(url)
+    with app.app_context():
+        engine = testapp.db.engine
+        table = testapp.db.metadata.tables["idempotency_keys"]
+    store = Store(table)
+    now = dt.datetime.now(dt.UTC)
+    wait = dt.timedelta(seconds=2)
+    outcomes = {}
+    for ending in ("commit", "rollback", "left-open"):
+        key = f"in-doubt-{ending}"
+        values = _values(key, now)
+        with Session(engine) as session:
+            assert store.claim(session, values, None)[0]
+            session.commit()
+        session = Session(engine)
+        renewed, xid = store.renew_lease_before_commit(
+            session, "outcomes", key, values["fencing_token"], now + HOUR
+        )
+        assert renewed
+        assert isinstance(xid, int)
+        if ending == "commit":
+            session.commit()
+        elif ending == "rollback":
+            session.rollback()
+        outcomes[ending] = store.commit_outcome(engine, xid, wait)
+        if ending == "left-open":
+            # The late COMMIT finds its session ended by the server.
+            with pytest.raises(sa.exc.DBAPIError):
+                session.commit()
+        session.close()
+    assert outcomes == {"commit": True, "rollback": False, "left-open": False}
+    engine.dispose()
