@@ -11,7 +11,8 @@ whatever driver the configured URL names.
 
 MariaDB/MySQL runs every engine-parametrized test too, at
 ``IDEMPOTENCY_TEST_MYSQL_URL`` (default: root without a password on
-127.0.0.1:3306, database ``idempotency_test``, created if missing). When no
+127.0.0.1:3306, database ``idempotency_test``, created if missing; under
+pytest-xdist each worker has its own, the worker's name appended). When no
 server answers there, those tests are skipped with the reason, and the report
 header says so.
 """
@@ -123,6 +124,9 @@ def mysql_url() -> str | None:
     none answers. The database is created if missing."""
     if "url" not in _MYSQL:
         url = sa.make_url(os.environ.get(MYSQL_ENV) or DEFAULT_MYSQL_URL)
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        if worker:  # a database per pytest-xdist worker: tests reset their tables
+            url = url.set(database=f"{url.database}_{worker}")
         _MYSQL["shown"] = url.render_as_string(hide_password=True)
         server = sa.create_engine(url.set(database=""), connect_args={"connect_timeout": 3})
         try:
