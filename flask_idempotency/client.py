@@ -39,6 +39,7 @@ attempt; one that reaches the adapter without a key is not resent.
 from __future__ import annotations
 
 import contextlib
+import io
 import random
 import threading
 import time
@@ -290,7 +291,7 @@ def _resendable(request: requests.PreparedRequest, method: str, header: str) -> 
     if method in KEYED_METHODS and not _has_header(request.headers, header):
         return False
     body = request.body
-    if body is None or isinstance(body, bytes | str):
+    if _in_memory(body):
         return True
     # A file requests could note the position of (it rewinds it); not an
     # iterator, nor a stream whose position is unknown.
@@ -363,7 +364,8 @@ class IdempotentSession(requests.Session):
 
     Every attempt sends the same body: a ``data=`` generator or unseekable
     stream (or such a body in a prepared request) is read into memory before
-    the first attempt (seekable files are rewound). The keyless-POST check
+    the first attempt (seekable files are rewound); a bytes-like body
+    (``bytearray``, ``memoryview``, ``array``) is sent as is. The keyless-POST check
     reads the Flask app context: a call made from another thread (a pool the
     view hands work to) is not inside the view, so pass ``step=`` or
     ``idempotency_key=`` there yourself.
@@ -534,11 +536,29 @@ def _backoff(retry: Retry, consecutive: int) -> float:
     return float(max(0.0, min(retry.backoff_max, value)))
 
 
+def _in_memory(body: t.Any) -> bool:
+    """Whether ``body`` is bytes in memory, sent whole by every attempt: ``None``,
+    ``str``, or anything with the buffer protocol (``bytes``, ``bytearray``,
+    ``memoryview``, ``array.array``), which urllib3 sends as its bytes. Not one
+    with ``read`` too (an ``mmap``): urllib3 reads that as a file."""
+    if body is None or isinstance(body, bytes | str):
+        return True
+    if hasattr(body, "read"):
+        return False
+    try:
+        view = memoryview(body)  # no copy: a view of the caller's buffer
+    except TypeError:
+        return False
+    view.release()
+    return True
+
+
 def _replayable(data: t.Any) -> t.Any:
     """``data`` as a body every retry can resend: a generator or an unseekable
     stream is read into memory first (urllib3 cannot rewind them, and a retry
-    would send an empty body under the same key); anything else is unchanged."""
-    if data is None or isinstance(data, (bytes, bytearray, str, dict, list, tuple)):
+    would send an empty body under the same key); anything else is unchanged,
+    a bytes-like body too (sent as is, not copied)."""
+    if isinstance(data, (dict, list, tuple)) or _in_memory(data):
         return data
     read = getattr(data, "read", None)
     if read is not None:
@@ -551,12 +571,20 @@ def _replayable(data: t.Any) -> t.Any:
 
 
 def _read_all(data: t.Any) -> bytes:
-    """The bytes of a stream (``read()``) or of an iterable of chunks."""
+    """The bytes of a stream (``read()``) or of an iterable of chunks, each
+    ``str`` or bytes-like (an ``int`` is refused, not made into that many zero
+    bytes as ``bytes(n)`` would)."""
     read = getattr(data, "read", None)
     if read is not None:
         content = read()
-        return content.encode("utf-8") if isinstance(content, str) else bytes(content)
-    return b"".join(c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in data)
+        if isinstance(content, bytes):
+            return content
+        data = [content]
+    buffer = io.BytesIO()  # its value is taken without another copy of the whole
+    for chunk in data:
+        # TypeError for what is not bytes-like, as urllib3 would raise.
+        buffer.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    return buffer.getvalue()
 
 
 def _buffer_body(request: requests.PreparedRequest) -> None:
@@ -564,8 +592,8 @@ def _buffer_body(request: requests.PreparedRequest) -> None:
     whose position requests could not note) into memory, before the first
     attempt, so that every resend carries the same bytes under the same key."""
     body = request.body
-    if body is None or isinstance(body, bytes | str):
-        return
+    if _in_memory(body):
+        return  # bytes, str or a bytes-like buffer: sent as is by every attempt
     if isinstance(getattr(request, "_body_position", None), int):
         return  # a file: rewound before a resend, by urllib3 and the adapter
     content = _read_all(body)
