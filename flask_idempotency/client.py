@@ -327,9 +327,10 @@ class IdempotentSession(requests.Session):
     resend carries it (urllib3's retries, a resend after a cut-off body and a
     307/308 redirect all send the same prepared request):
 
-    1. an ``Idempotency-Key`` header the caller passes in ``headers=``: as is
-       (given as ``None``, requests' way to leave a header out, it counts as
-       not given);
+    1. an ``Idempotency-Key`` header the caller passes in ``headers=`` or sets in
+       the session's ``headers``: as is, its name in any case, name and value
+       ``str`` or ``bytes`` (given as ``None``, requests' way to leave a header
+       out, it counts as not given, the session's too);
     2. ``idempotency_key="..."``: that key (for operations that outlive the
        process: keep the key, send it again later);
     3. ``step="charge"``: inside an idempotent view, ``idem.derived_key("charge")``
@@ -425,20 +426,29 @@ class IdempotentSession(requests.Session):
         if args:
             raise TypeError("pass the arguments after the URL by name (params=, data=...)")
         name = method.decode() if isinstance(method, bytes) else method
-        header = self._header.lower()
-        headers = {
-            k: v
-            for k, v in dict(kwargs.pop("headers", None) or {}).items()
-            if v is not None or k.lower() != header
-        }
-        if not _has_header(headers, self._header):
+        headers = dict(kwargs.pop("headers", None) or {})
+        # The header given as None leaves it out, the session's too (requests'
+        # rule): no key given, one is made.
+        left_out = [k for k, v in headers.items() if v is None and _is_name(k, self._header)]
+        if _has_header(headers, self._header):
+            if idempotency_key is not None or step is not None:
+                raise TypeError(
+                    f"the {self._header} header and idempotency_key=/step= both name a key: "
+                    "pass one"
+                )
+        elif (
+            not left_out
+            and idempotency_key is None
+            and step is None
+            and _has_header(self.headers, self._header)
+        ):
+            pass  # the session's headers carry the caller's key: sent as is
+        else:
             key = self._key_for(name.upper(), idempotency_key, step)
             if key is not None:
+                for k in left_out:
+                    del headers[k]
                 headers[self._header] = quote_key(key)
-        elif idempotency_key is not None or step is not None:
-            raise TypeError(
-                f"the {self._header} header and idempotency_key=/step= both name a key: pass one"
-            )
         if "data" in kwargs:
             kwargs["data"] = _replayable(kwargs["data"])
         # A budget of its own, even when called from inside another call (a
@@ -603,11 +613,19 @@ def _buffer_body(request: requests.PreparedRequest) -> None:
     setattr(request, "_body_position", None)  # noqa: B010 - not in requests' stubs
 
 
-def _has_header(headers: t.Mapping[str, t.Any], name: str) -> bool:
-    """Whether ``headers`` names ``name``, in any case (a plain dict or requests'
-    case-insensitive one)."""
-    wanted = name.lower()
-    return any(k.lower() == wanted for k in headers)
+def _has_header(headers: t.Mapping[t.Any, t.Any], name: str) -> bool:
+    """Whether ``headers`` gives ``name`` a value (not ``None``): a plain dict or
+    requests' case-insensitive one, its names ``str`` or ``bytes`` (requests
+    takes both) in any case."""
+    return any(v is not None and _is_name(k, name) for k, v in headers.items())
+
+
+def _is_name(candidate: t.Any, name: str) -> bool:
+    """Whether the header name ``candidate`` (``str`` or ``bytes``) is ``name``,
+    in any case."""
+    if isinstance(candidate, bytes | bytearray):
+        candidate = bytes(candidate).decode("latin-1")
+    return isinstance(candidate, str) and candidate.lower() == name.lower()
 
 
 def _in_keyed_idempotent_request() -> bool:

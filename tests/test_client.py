@@ -74,7 +74,9 @@ class Downstream:
                         Attempt(
                             self.command,
                             self.path,
-                            self.headers.get("Idempotency-Key"),
+                            # A header sent twice is its values joined, as
+                            # a proxy would pass them on.
+                            ", ".join(self.headers.get_all("Idempotency-Key") or []) or None,
                             time.monotonic(),
                             body,
                         )
@@ -424,6 +426,55 @@ def test_an_explicit_header_is_sent_verbatim(downstream: Downstream) -> None:
     downstream.script = [503, 200]
     fast().post(downstream.url + "/charges", json={}, headers={"idempotency-key": "abc"})
     assert one_key_raw(downstream, 2) == "abc"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [b"Idempotency-Key", b"idempotency-key", "IDEMPOTENCY-KEY"],
+    ids=["bytes name", "bytes lower name", "str upper name"],
+)
+@pytest.mark.parametrize("value", [b'"order-42"', '"order-42"'], ids=["bytes value", "str value"])
+@pytest.mark.parametrize(
+    "where", ["headers=", "session.headers", "prepared", "prepared, set after"]
+)
+def test_the_callers_key_is_kept_whatever_the_header_name_is_given_as(
+    downstream: Downstream, name: str | bytes, value: str | bytes, where: str
+) -> None:
+    """requests takes header names and values as str or bytes. Before, a name
+    given as bytes was not seen: the session added a new UUID key under the
+    str name, which replaced the caller's, so the caller's own retry of the
+    operation (a second call with its key) was a second charge."""
+    downstream.script = [503, 201]
+    http = fast()
+    url = downstream.url + "/charges"
+    for _ in range(2):  # the caller's retry of the operation: the same key again
+        if where == "headers=":
+            answer = http.post(url, json={}, headers={name: value})
+        elif where == "session.headers":
+            t.cast(t.Any, http.headers)[name] = value  # requests takes bytes names
+            answer = http.post(url, json={})
+        else:
+            if where == "prepared":
+                request = prepared("POST", url, json={}, headers={name: value})
+            else:
+                request = prepared("POST", url, json={})
+                t.cast(t.Any, request.headers)[name] = value
+            answer = http.send(request)
+        assert answer.status_code in (200, 201)
+    assert downstream.keys() == ['"order-42"'] * 3
+
+
+def test_a_key_in_the_session_headers_left_out_by_none_gets_a_new_one(
+    downstream: Downstream,
+) -> None:
+    """``None`` leaves the session's header out (requests' rule), and a POST
+    without a key gets one of its own, kept across its retry."""
+    downstream.script = [503, 201]
+    http = fast()
+    t.cast(t.Any, http.headers)[b"Idempotency-Key"] = b"session-wide"
+    assert http.post(downstream.url, json={}, headers={"idempotency-key": None}).status_code == 201
+    key = one_key(downstream, 2)
+    assert str(uuid.UUID(key)) == key
 
 
 def test_a_key_in_two_places_is_refused(downstream: Downstream) -> None:
