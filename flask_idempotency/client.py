@@ -31,8 +31,9 @@ failures before the response's headers; a response cut off in its body (the
 connection lost, a read timeout) is sent again too, since the server may have
 acted on it. Every attempt of one call (urllib3's retries, those resends, the
 hops of a redirect) draws on one ``Retry``, so ``total`` and the deadline
-bound the call. Every way into the session (``request``, the verbs, ``send``
-of a prepared request) gives a POST or PATCH its key before the first
+bound the call (a redirect hop past them raises :class:`RedirectBudgetExceeded`).
+Every way into the session (``request``, the verbs, ``send`` of a prepared
+request) gives a POST or PATCH its key before the first
 attempt; one that reaches the adapter without a key is not resent.
 """
 
@@ -51,6 +52,7 @@ try:
     from requests.adapters import HTTPAdapter
     from requests.utils import rewind_body
     from urllib3.exceptions import InvalidHeader, MaxRetryError, ProtocolError, ResponseError
+    from urllib3.response import BaseHTTPResponse, HTTPResponse
     from urllib3.util.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -141,7 +143,9 @@ class IdempotentRetry(Retry):
             return new
         if new.started is None:
             new.started = time.monotonic()
-        wait = new._wait_before_next(response)
+        # A redirect hop goes at once (requests does not wait on a 3xx).
+        redirected = bool(new.history) and new.history[-1].redirect_location is not None
+        wait = 0.0 if redirected else new._wait_before_next(response)
         if time.monotonic() + wait > new.started + self.deadline:
             reason = error or ResponseError(f"the retry deadline of {self.deadline} s")
             raise MaxRetryError(_pool, url or "", reason) from reason
@@ -155,6 +159,13 @@ class IdempotentRetry(Retry):
             time.sleep(self.planned_wait)
 
 
+class RedirectBudgetExceeded(requests.TooManyRedirects, requests.exceptions.RetryError):
+    """A redirect the call's budget does not allow following: one more hop would
+    be past ``total`` (or the ``Retry``'s ``redirect`` count), or start after
+    the deadline. It is requests' error for a redirect chain cut off and its
+    error for retries run out; ``response`` is the redirect not followed."""
+
+
 class _Budget:
     """The retries one call has left (a ``Retry``, with its counts and history).
 
@@ -163,10 +174,13 @@ class _Budget:
     bound the whole call, never one attempt's share of it.
     """
 
-    __slots__ = ("retry",)
+    __slots__ = ("following", "retry")
 
     def __init__(self, retry: Retry) -> None:
         self.retry = retry
+        #: The redirect the call's next send follows (set while requests'
+        #: ``resolve_redirects`` runs): that send is a hop, counted first.
+        self.following: requests.Response | None = None
 
 
 class _Budgets(threading.local):
@@ -285,6 +299,27 @@ class _BudgetAdapter(HTTPAdapter):
                     rewind_body(request)  # a file body: from where the first attempt read it
 
 
+def _count_hop(
+    budget: _Budget, following: requests.Response, request: requests.PreparedRequest
+) -> None:
+    """Count the redirect hop ``request`` (following ``following``) in ``budget``,
+    as urllib3 counts a redirect: one of ``total`` and ``redirect``; an
+    :class:`IdempotentRetry` checks its deadline too. Raise
+    :class:`RedirectBudgetExceeded` when the hop may not start."""
+    raw = following.raw
+    if not isinstance(raw, BaseHTTPResponse):  # an adapter of another kind
+        raw = HTTPResponse(headers=dict(following.headers), status=following.status_code)
+    method = following.request.method if following.request is not None else request.method
+    try:
+        budget.retry = budget.retry.increment(method, following.url, response=raw)
+    except MaxRetryError as exc:
+        raise RedirectBudgetExceeded(
+            f"redirect to {request.url} not followed: {exc.reason}",
+            response=following,
+            request=request,
+        ) from exc
+
+
 def _resendable(request: requests.PreparedRequest, method: str, header: str) -> bool:
     """Whether sending ``request`` again is safe: a POST or PATCH only with its
     key, and any request only with a body that reads the same the second time."""
@@ -359,7 +394,8 @@ class IdempotentSession(requests.Session):
     ``backoff_max``, from the first retry on (``backoff_factor``, twice that,
     ...); at most ``total`` retries within ``deadline`` seconds, for the whole
     call: every resend, whatever its cause, and the hops of a redirect count
-    against the same ``total`` and deadline. When retries run out the last
+    against the same ``total`` and deadline (a hop past them is not started:
+    :class:`RedirectBudgetExceeded`). When retries run out the last
     response is returned (or the last connection error raised). Pass
     ``retry=`` for a ``Retry`` of your own.
 
@@ -469,8 +505,33 @@ class IdempotentSession(requests.Session):
             request.headers[self._header] = quote_key(key)
         _buffer_body(request)
         # Joined when request() or a redirect sends: one budget for the call.
-        with self._budgets.call(self._retry_policy, join=True):
+        with self._budgets.call(self._retry_policy, join=True) as budget:
+            following, budget.following = budget.following, None
+            if following is not None:
+                _count_hop(budget, following, request)
             return super().send(request, **kwargs)
+
+    def resolve_redirects(
+        self,
+        resp: requests.Response,
+        req: requests.PreparedRequest,
+        *args: t.Any,
+        **kwargs: t.Any,
+    ) -> t.Iterator[t.Any]:
+        """requests' redirect hops, each sent by :meth:`send`, which counts it in
+        the call's budget (``total``, the deadline) before it starts."""
+        hops = super().resolve_redirects(resp, req, *args, **kwargs)
+        budget = self._budgets.current
+        if budget is None or kwargs.get("yield_requests"):
+            yield from hops  # nothing sent here (requests' look at the next hop)
+            return
+        budget.following = resp
+        try:
+            for hop in hops:
+                budget.following = hop  # the response the next hop, if any, follows
+                yield hop
+        finally:
+            budget.following = None
 
     # post/put/patch restated only so that type checkers know idempotency_key=
     # and step=; each is requests' own, by way of request().

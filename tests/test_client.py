@@ -5,7 +5,7 @@ time) and answers from a script: a status with headers, ``"drop"`` (close the
 connection without an answer) or ``("sleep", seconds)`` (answer 200 late, for
 read timeouts), ``"cut"`` (201 headers and part of the body, then close) or
 ``("stall", seconds)`` (the same, going quiet before closing); once the script
-is used up it answers 200.
+is used up it answers 200. ``delay`` seconds pass before every answer.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class Downstream:
         self.script: list[Action] = list(script or [])
         #: When set, the answer to the first attempt at each path (before the script).
         self.first_at_path: Action | None = None
+        #: Seconds to wait before answering each attempt (a slow server).
+        self.delay = 0.0
         self.attempts: list[Attempt] = []
         self.lock = threading.Lock()
         outer = self
@@ -88,6 +90,7 @@ class Downstream:
                         action = outer.script.pop(0)
                     else:
                         action = 200
+                time.sleep(outer.delay)
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -630,11 +633,44 @@ def test_a_307_redirect_resends_the_post_with_its_key(downstream: Downstream) ->
 
 def test_the_hops_of_a_redirect_share_one_retry_budget(downstream: Downstream) -> None:
     """``total`` bounds the call, not each hop: before, every hop of a redirect
-    started a full budget again."""
+    started a full budget again, and a hop cost nothing (total=2 allowed four
+    attempts here). The 503, the hop and the 503 after it are two retries."""
     downstream.script = [503, (307, {"Location": "/moved"}), 503, 503, 503]
-    response = fast(total=1).post(downstream.url + "/charges", json={})
+    response = fast(total=2).post(downstream.url + "/charges", json={})
     assert response.status_code == 503
     one_key(downstream, 3)
+
+
+def test_a_redirect_loop_ends_at_total(downstream: Downstream) -> None:
+    """Before, a 307 loop sent the POST 31 times (requests' max_redirects),
+    whatever ``total``."""
+    downstream.script = [(307, {"Location": "/loop"})] * 100
+    with pytest.raises(requests.TooManyRedirects) as raised:
+        fast(total=2).post(downstream.url + "/charges", json={"amount": 1})
+    one_key(downstream, 3)
+    assert {a.body for a in downstream.attempts} == {b'{"amount": 1}'}
+    # requests' error for a redirect cut off, and its error for retries run out.
+    from flask_idempotency.client import RedirectBudgetExceeded
+
+    assert isinstance(raised.value, RedirectBudgetExceeded)
+    assert isinstance(raised.value, requests.exceptions.RetryError)
+    assert raised.value.response is not None
+    assert raised.value.response.status_code == 307
+
+
+def test_no_redirect_hop_starts_after_the_deadline(downstream: Downstream) -> None:
+    """A slow server redirecting to itself: before, the hops went on for 31
+    POSTs (9 s here) past a deadline of 1 s."""
+    downstream.delay = 0.3
+    downstream.script = [(307, {"Location": "/loop"})] * 100
+    started = time.monotonic()
+    with pytest.raises(requests.exceptions.RequestException) as raised:
+        fast(total=100, deadline=1.0).post(downstream.url + "/charges", json={})
+    assert time.monotonic() - started < 2.0
+    assert "deadline" in str(raised.value)
+    assert 2 <= len(downstream.attempts) <= 5
+    assert downstream.attempts[-1].at - started <= 1.0 + 0.1
+    one_key(downstream, len(downstream.attempts))
 
 
 def test_a_cut_off_body_is_resent_within_the_same_total(downstream: Downstream) -> None:
