@@ -116,10 +116,14 @@ class IdempotentRetry(Retry):
 
     def get_retry_after(self, response: t.Any) -> float | None:
         """``Retry-After`` in seconds; ``None`` when absent or unreadable (a value
-        like ``1.5`` or ``soon``: the backoff applies instead of an error)."""
+        like ``1.5`` or ``soon``: the backoff applies instead of an error).
+        Unreadable includes what urllib3 hands to ``int()`` or to a date
+        conversion that fails: more digits than Python converts to an int,
+        a date whose year is out of range (``ValueError``, ``OverflowError``,
+        ``OSError`` from the platform's time functions)."""
         try:
             return super().get_retry_after(response)
-        except InvalidHeader:
+        except (InvalidHeader, ValueError, OverflowError, OSError):
             return None
 
     def _wait_before_next(self, response: t.Any) -> float:

@@ -367,10 +367,17 @@ def test_a_streamed_response_is_the_caller_to_read(downstream: Downstream) -> No
     one_key(downstream, 1)
 
 
-@pytest.mark.parametrize("value", ["soon", "1.5", "-3"])
+@pytest.mark.parametrize(
+    "value",
+    ["soon", "1.5", "-3", "9" * 5000, "Fri, 31 Dec 99999 23:59:59 GMT"],
+    ids=["word", "fraction", "negative", "5000 digits", "year 99999"],
+)
 def test_an_unreadable_retry_after_falls_back_to_the_backoff(
     downstream: Downstream, value: str
 ) -> None:
+    """Also values urllib3 reads with ``int()`` or a date conversion that fail
+    with ``ValueError`` (more digits than Python converts, a year out of
+    range): before, ``post()`` raised it instead of backing off."""
     downstream.script = [(503, {"Retry-After": value}), (429, {"Retry-After": value}), 201]
     response = fast().post(downstream.url + "/charges", json={})
     assert response.status_code == 201
