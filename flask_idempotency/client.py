@@ -31,14 +31,16 @@ failures before the response's headers; a response cut off in its body (the
 connection lost, a read timeout) is sent again too, since the server may have
 acted on it. Every attempt of one call (urllib3's retries, those resends, the
 hops of a redirect) draws on one ``Retry``, so ``total`` and the deadline
-bound the call. Every way into the session (``request``, the verbs, ``send``
-of a prepared request) gives a POST or PATCH its key before the first
+bound the call (a redirect hop past them raises :class:`RedirectBudgetExceeded`).
+Every way into the session (``request``, the verbs, ``send`` of a prepared
+request) gives a POST or PATCH its key before the first
 attempt; one that reaches the adapter without a key is not resent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import random
 import threading
 import time
@@ -50,6 +52,7 @@ try:
     from requests.adapters import HTTPAdapter
     from requests.utils import rewind_body
     from urllib3.exceptions import InvalidHeader, MaxRetryError, ProtocolError, ResponseError
+    from urllib3.response import BaseHTTPResponse, HTTPResponse
     from urllib3.util.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -113,10 +116,14 @@ class IdempotentRetry(Retry):
 
     def get_retry_after(self, response: t.Any) -> float | None:
         """``Retry-After`` in seconds; ``None`` when absent or unreadable (a value
-        like ``1.5`` or ``soon``: the backoff applies instead of an error)."""
+        like ``1.5`` or ``soon``: the backoff applies instead of an error).
+        Unreadable includes what urllib3 hands to ``int()`` or to a date
+        conversion that fails: more digits than Python converts to an int,
+        a date whose year is out of range (``ValueError``, ``OverflowError``,
+        ``OSError`` from the platform's time functions)."""
         try:
             return super().get_retry_after(response)
-        except InvalidHeader:
+        except (InvalidHeader, ValueError, OverflowError, OSError):
             return None
 
     def _wait_before_next(self, response: t.Any) -> float:
@@ -140,7 +147,9 @@ class IdempotentRetry(Retry):
             return new
         if new.started is None:
             new.started = time.monotonic()
-        wait = new._wait_before_next(response)
+        # A redirect hop goes at once (requests does not wait on a 3xx).
+        redirected = bool(new.history) and new.history[-1].redirect_location is not None
+        wait = 0.0 if redirected else new._wait_before_next(response)
         if time.monotonic() + wait > new.started + self.deadline:
             reason = error or ResponseError(f"the retry deadline of {self.deadline} s")
             raise MaxRetryError(_pool, url or "", reason) from reason
@@ -154,6 +163,13 @@ class IdempotentRetry(Retry):
             time.sleep(self.planned_wait)
 
 
+class RedirectBudgetExceeded(requests.TooManyRedirects, requests.exceptions.RetryError):
+    """A redirect the call's budget does not allow following: one more hop would
+    be past ``total`` (or the ``Retry``'s ``redirect`` count), or start after
+    the deadline. It is requests' error for a redirect chain cut off and its
+    error for retries run out; ``response`` is the redirect not followed."""
+
+
 class _Budget:
     """The retries one call has left (a ``Retry``, with its counts and history).
 
@@ -162,10 +178,13 @@ class _Budget:
     bound the whole call, never one attempt's share of it.
     """
 
-    __slots__ = ("retry",)
+    __slots__ = ("following", "retry")
 
     def __init__(self, retry: Retry) -> None:
         self.retry = retry
+        #: The redirect the call's next send follows (set while requests'
+        #: ``resolve_redirects`` runs): that send is a hop, counted first.
+        self.following: requests.Response | None = None
 
 
 class _Budgets(threading.local):
@@ -284,13 +303,34 @@ class _BudgetAdapter(HTTPAdapter):
                     rewind_body(request)  # a file body: from where the first attempt read it
 
 
+def _count_hop(
+    budget: _Budget, following: requests.Response, request: requests.PreparedRequest
+) -> None:
+    """Count the redirect hop ``request`` (following ``following``) in ``budget``,
+    as urllib3 counts a redirect: one of ``total`` and ``redirect``; an
+    :class:`IdempotentRetry` checks its deadline too. Raise
+    :class:`RedirectBudgetExceeded` when the hop may not start."""
+    raw = following.raw
+    if not isinstance(raw, BaseHTTPResponse):  # an adapter of another kind
+        raw = HTTPResponse(headers=dict(following.headers), status=following.status_code)
+    method = following.request.method if following.request is not None else request.method
+    try:
+        budget.retry = budget.retry.increment(method, following.url, response=raw)
+    except MaxRetryError as exc:
+        raise RedirectBudgetExceeded(
+            f"redirect to {request.url} not followed: {exc.reason}",
+            response=following,
+            request=request,
+        ) from exc
+
+
 def _resendable(request: requests.PreparedRequest, method: str, header: str) -> bool:
     """Whether sending ``request`` again is safe: a POST or PATCH only with its
     key, and any request only with a body that reads the same the second time."""
     if method in KEYED_METHODS and not _has_header(request.headers, header):
         return False
     body = request.body
-    if body is None or isinstance(body, bytes | str):
+    if _in_memory(body):
         return True
     # A file requests could note the position of (it rewinds it); not an
     # iterator, nor a stream whose position is unknown.
@@ -326,9 +366,10 @@ class IdempotentSession(requests.Session):
     resend carries it (urllib3's retries, a resend after a cut-off body and a
     307/308 redirect all send the same prepared request):
 
-    1. an ``Idempotency-Key`` header the caller passes in ``headers=``: as is
-       (given as ``None``, requests' way to leave a header out, it counts as
-       not given);
+    1. an ``Idempotency-Key`` header the caller passes in ``headers=`` or sets in
+       the session's ``headers``: as is, its name in any case, name and value
+       ``str`` or ``bytes`` (given as ``None``, requests' way to leave a header
+       out, it counts as not given, the session's too);
     2. ``idempotency_key="..."``: that key (for operations that outlive the
        process: keep the key, send it again later);
     3. ``step="charge"``: inside an idempotent view, ``idem.derived_key("charge")``
@@ -357,13 +398,15 @@ class IdempotentSession(requests.Session):
     ``backoff_max``, from the first retry on (``backoff_factor``, twice that,
     ...); at most ``total`` retries within ``deadline`` seconds, for the whole
     call: every resend, whatever its cause, and the hops of a redirect count
-    against the same ``total`` and deadline. When retries run out the last
+    against the same ``total`` and deadline (a hop past them is not started:
+    :class:`RedirectBudgetExceeded`). When retries run out the last
     response is returned (or the last connection error raised). Pass
     ``retry=`` for a ``Retry`` of your own.
 
     Every attempt sends the same body: a ``data=`` generator or unseekable
     stream (or such a body in a prepared request) is read into memory before
-    the first attempt (seekable files are rewound). The keyless-POST check
+    the first attempt (seekable files are rewound); a bytes-like body
+    (``bytearray``, ``memoryview``, ``array``) is sent as is. The keyless-POST check
     reads the Flask app context: a call made from another thread (a pool the
     view hands work to) is not inside the view, so pass ``step=`` or
     ``idempotency_key=`` there yourself.
@@ -423,20 +466,29 @@ class IdempotentSession(requests.Session):
         if args:
             raise TypeError("pass the arguments after the URL by name (params=, data=...)")
         name = method.decode() if isinstance(method, bytes) else method
-        header = self._header.lower()
-        headers = {
-            k: v
-            for k, v in dict(kwargs.pop("headers", None) or {}).items()
-            if v is not None or k.lower() != header
-        }
-        if not _has_header(headers, self._header):
+        headers = dict(kwargs.pop("headers", None) or {})
+        # The header given as None leaves it out, the session's too (requests'
+        # rule): no key given, one is made.
+        left_out = [k for k, v in headers.items() if v is None and _is_name(k, self._header)]
+        if _has_header(headers, self._header):
+            if idempotency_key is not None or step is not None:
+                raise TypeError(
+                    f"the {self._header} header and idempotency_key=/step= both name a key: "
+                    "pass one"
+                )
+        elif (
+            not left_out
+            and idempotency_key is None
+            and step is None
+            and _has_header(self.headers, self._header)
+        ):
+            pass  # the session's headers carry the caller's key: sent as is
+        else:
             key = self._key_for(name.upper(), idempotency_key, step)
             if key is not None:
+                for k in left_out:
+                    del headers[k]
                 headers[self._header] = quote_key(key)
-        elif idempotency_key is not None or step is not None:
-            raise TypeError(
-                f"the {self._header} header and idempotency_key=/step= both name a key: pass one"
-            )
         if "data" in kwargs:
             kwargs["data"] = _replayable(kwargs["data"])
         # A budget of its own, even when called from inside another call (a
@@ -457,8 +509,33 @@ class IdempotentSession(requests.Session):
             request.headers[self._header] = quote_key(key)
         _buffer_body(request)
         # Joined when request() or a redirect sends: one budget for the call.
-        with self._budgets.call(self._retry_policy, join=True):
+        with self._budgets.call(self._retry_policy, join=True) as budget:
+            following, budget.following = budget.following, None
+            if following is not None:
+                _count_hop(budget, following, request)
             return super().send(request, **kwargs)
+
+    def resolve_redirects(
+        self,
+        resp: requests.Response,
+        req: requests.PreparedRequest,
+        *args: t.Any,
+        **kwargs: t.Any,
+    ) -> t.Iterator[t.Any]:
+        """requests' redirect hops, each sent by :meth:`send`, which counts it in
+        the call's budget (``total``, the deadline) before it starts."""
+        hops = super().resolve_redirects(resp, req, *args, **kwargs)
+        budget = self._budgets.current
+        if budget is None or kwargs.get("yield_requests"):
+            yield from hops  # nothing sent here (requests' look at the next hop)
+            return
+        budget.following = resp
+        try:
+            for hop in hops:
+                budget.following = hop  # the response the next hop, if any, follows
+                yield hop
+        finally:
+            budget.following = None
 
     # post/put/patch restated only so that type checkers know idempotency_key=
     # and step=; each is requests' own, by way of request().
@@ -534,11 +611,29 @@ def _backoff(retry: Retry, consecutive: int) -> float:
     return float(max(0.0, min(retry.backoff_max, value)))
 
 
+def _in_memory(body: t.Any) -> bool:
+    """Whether ``body`` is bytes in memory, sent whole by every attempt: ``None``,
+    ``str``, or anything with the buffer protocol (``bytes``, ``bytearray``,
+    ``memoryview``, ``array.array``), which urllib3 sends as its bytes. Not one
+    with ``read`` too (an ``mmap``): urllib3 reads that as a file."""
+    if body is None or isinstance(body, bytes | str):
+        return True
+    if hasattr(body, "read"):
+        return False
+    try:
+        view = memoryview(body)  # no copy: a view of the caller's buffer
+    except TypeError:
+        return False
+    view.release()
+    return True
+
+
 def _replayable(data: t.Any) -> t.Any:
     """``data`` as a body every retry can resend: a generator or an unseekable
     stream is read into memory first (urllib3 cannot rewind them, and a retry
-    would send an empty body under the same key); anything else is unchanged."""
-    if data is None or isinstance(data, (bytes, bytearray, str, dict, list, tuple)):
+    would send an empty body under the same key); anything else is unchanged,
+    a bytes-like body too (sent as is, not copied)."""
+    if isinstance(data, (dict, list, tuple)) or _in_memory(data):
         return data
     read = getattr(data, "read", None)
     if read is not None:
@@ -551,12 +646,20 @@ def _replayable(data: t.Any) -> t.Any:
 
 
 def _read_all(data: t.Any) -> bytes:
-    """The bytes of a stream (``read()``) or of an iterable of chunks."""
+    """The bytes of a stream (``read()``) or of an iterable of chunks, each
+    ``str`` or bytes-like (an ``int`` is refused, not made into that many zero
+    bytes as ``bytes(n)`` would)."""
     read = getattr(data, "read", None)
     if read is not None:
         content = read()
-        return content.encode("utf-8") if isinstance(content, str) else bytes(content)
-    return b"".join(c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in data)
+        if isinstance(content, bytes):
+            return content
+        data = [content]
+    buffer = io.BytesIO()  # its value is taken without another copy of the whole
+    for chunk in data:
+        # TypeError for what is not bytes-like, as urllib3 would raise.
+        buffer.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    return buffer.getvalue()
 
 
 def _buffer_body(request: requests.PreparedRequest) -> None:
@@ -564,8 +667,8 @@ def _buffer_body(request: requests.PreparedRequest) -> None:
     whose position requests could not note) into memory, before the first
     attempt, so that every resend carries the same bytes under the same key."""
     body = request.body
-    if body is None or isinstance(body, bytes | str):
-        return
+    if _in_memory(body):
+        return  # bytes, str or a bytes-like buffer: sent as is by every attempt
     if isinstance(getattr(request, "_body_position", None), int):
         return  # a file: rewound before a resend, by urllib3 and the adapter
     content = _read_all(body)
@@ -575,11 +678,19 @@ def _buffer_body(request: requests.PreparedRequest) -> None:
     setattr(request, "_body_position", None)  # noqa: B010 - not in requests' stubs
 
 
-def _has_header(headers: t.Mapping[str, t.Any], name: str) -> bool:
-    """Whether ``headers`` names ``name``, in any case (a plain dict or requests'
-    case-insensitive one)."""
-    wanted = name.lower()
-    return any(k.lower() == wanted for k in headers)
+def _has_header(headers: t.Mapping[t.Any, t.Any], name: str) -> bool:
+    """Whether ``headers`` gives ``name`` a value (not ``None``): a plain dict or
+    requests' case-insensitive one, its names ``str`` or ``bytes`` (requests
+    takes both) in any case."""
+    return any(v is not None and _is_name(k, name) for k, v in headers.items())
+
+
+def _is_name(candidate: t.Any, name: str) -> bool:
+    """Whether the header name ``candidate`` (``str`` or ``bytes``) is ``name``,
+    in any case."""
+    if isinstance(candidate, bytes | bytearray):
+        candidate = bytes(candidate).decode("latin-1")
+    return isinstance(candidate, str) and candidate.lower() == name.lower()
 
 
 def _in_keyed_idempotent_request() -> bool:

@@ -5,11 +5,12 @@ time) and answers from a script: a status with headers, ``"drop"`` (close the
 connection without an answer) or ``("sleep", seconds)`` (answer 200 late, for
 read timeouts), ``"cut"`` (201 headers and part of the body, then close) or
 ``("stall", seconds)`` (the same, going quiet before closing); once the script
-is used up it answers 200.
+is used up it answers 200. ``delay`` seconds pass before every answer.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import http.server
 import io
@@ -48,6 +49,8 @@ class Downstream:
         self.script: list[Action] = list(script or [])
         #: When set, the answer to the first attempt at each path (before the script).
         self.first_at_path: Action | None = None
+        #: Seconds to wait before answering each attempt (a slow server).
+        self.delay = 0.0
         self.attempts: list[Attempt] = []
         self.lock = threading.Lock()
         outer = self
@@ -73,7 +76,9 @@ class Downstream:
                         Attempt(
                             self.command,
                             self.path,
-                            self.headers.get("Idempotency-Key"),
+                            # A header sent twice is its values joined, as
+                            # a proxy would pass them on.
+                            ", ".join(self.headers.get_all("Idempotency-Key") or []) or None,
                             time.monotonic(),
                             body,
                         )
@@ -85,6 +90,7 @@ class Downstream:
                         action = outer.script.pop(0)
                     else:
                         action = 200
+                time.sleep(outer.delay)
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -183,6 +189,44 @@ def test_every_attempt_sends_the_same_body(
     assert answer.status_code == 200
     assert [a.body for a in downstream.attempts] == [b'{"amount": 4200}'] * 2
     assert downstream.keys() == ['"body-1"'] * 2
+
+
+_PAYLOAD = b'{"amount": 1250}'
+
+
+@pytest.mark.parametrize(
+    "make_body",
+    [bytearray, memoryview, lambda data: array.array("B", data)],
+    ids=["bytearray", "memoryview", "array"],
+)
+@pytest.mark.parametrize("way", ["post", "send"])
+def test_a_bytes_like_body_is_sent_as_given_on_every_attempt(
+    downstream: Downstream, make_body: t.Callable[[bytes], t.Any], way: str
+) -> None:
+    """requests sends a bytes-like body (the buffer protocol) as its bytes.
+    Before, the session took it for an iterable of chunks and made each byte
+    ``b`` into ``b`` zero bytes: 1266 bytes of zeros for these 16. It is sent
+    as is, not copied (a large body is not held twice), on every attempt."""
+    downstream.script = [503, 201]
+    body = make_body(_PAYLOAD)
+    http = fast()
+    if way == "post":
+        answer = http.post(downstream.url + "/charges", data=body)
+    else:
+        answer = http.send(prepared("POST", downstream.url + "/charges", data=body))
+    assert answer.status_code == 201
+    assert [a.body for a in downstream.attempts] == [_PAYLOAD] * 2
+    one_key(downstream, 2)
+    assert answer.request.body is body  # the caller's buffer, not a copy of it
+
+
+def test_a_generator_of_bytes_like_chunks_is_sent_as_their_bytes(
+    downstream: Downstream,
+) -> None:
+    downstream.script = [503, 201]
+    chunks = (c for c in [bytearray(b'{"amount": '), memoryview(b"12"), array.array("B", b"50}")])
+    assert fast().post(downstream.url, data=chunks).status_code == 201
+    assert [a.body for a in downstream.attempts] == [_PAYLOAD] * 2
 
 
 class _Unseekable(io.RawIOBase):
@@ -323,10 +367,17 @@ def test_a_streamed_response_is_the_caller_to_read(downstream: Downstream) -> No
     one_key(downstream, 1)
 
 
-@pytest.mark.parametrize("value", ["soon", "1.5", "-3"])
+@pytest.mark.parametrize(
+    "value",
+    ["soon", "1.5", "-3", "9" * 5000, "Fri, 31 Dec 99999 23:59:59 GMT"],
+    ids=["word", "fraction", "negative", "5000 digits", "year 99999"],
+)
 def test_an_unreadable_retry_after_falls_back_to_the_backoff(
     downstream: Downstream, value: str
 ) -> None:
+    """Also values urllib3 reads with ``int()`` or a date conversion that fail
+    with ``ValueError`` (more digits than Python converts, a year out of
+    range): before, ``post()`` raised it instead of backing off."""
     downstream.script = [(503, {"Retry-After": value}), (429, {"Retry-After": value}), 201]
     response = fast().post(downstream.url + "/charges", json={})
     assert response.status_code == 201
@@ -385,6 +436,55 @@ def test_an_explicit_header_is_sent_verbatim(downstream: Downstream) -> None:
     downstream.script = [503, 200]
     fast().post(downstream.url + "/charges", json={}, headers={"idempotency-key": "abc"})
     assert one_key_raw(downstream, 2) == "abc"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [b"Idempotency-Key", b"idempotency-key", "IDEMPOTENCY-KEY"],
+    ids=["bytes name", "bytes lower name", "str upper name"],
+)
+@pytest.mark.parametrize("value", [b'"order-42"', '"order-42"'], ids=["bytes value", "str value"])
+@pytest.mark.parametrize(
+    "where", ["headers=", "session.headers", "prepared", "prepared, set after"]
+)
+def test_the_callers_key_is_kept_whatever_the_header_name_is_given_as(
+    downstream: Downstream, name: str | bytes, value: str | bytes, where: str
+) -> None:
+    """requests takes header names and values as str or bytes. Before, a name
+    given as bytes was not seen: the session added a new UUID key under the
+    str name, which replaced the caller's, so the caller's own retry of the
+    operation (a second call with its key) was a second charge."""
+    downstream.script = [503, 201]
+    http = fast()
+    url = downstream.url + "/charges"
+    for _ in range(2):  # the caller's retry of the operation: the same key again
+        if where == "headers=":
+            answer = http.post(url, json={}, headers={name: value})
+        elif where == "session.headers":
+            t.cast(t.Any, http.headers)[name] = value  # requests takes bytes names
+            answer = http.post(url, json={})
+        else:
+            if where == "prepared":
+                request = prepared("POST", url, json={}, headers={name: value})
+            else:
+                request = prepared("POST", url, json={})
+                t.cast(t.Any, request.headers)[name] = value
+            answer = http.send(request)
+        assert answer.status_code in (200, 201)
+    assert downstream.keys() == ['"order-42"'] * 3
+
+
+def test_a_key_in_the_session_headers_left_out_by_none_gets_a_new_one(
+    downstream: Downstream,
+) -> None:
+    """``None`` leaves the session's header out (requests' rule), and a POST
+    without a key gets one of its own, kept across its retry."""
+    downstream.script = [503, 201]
+    http = fast()
+    t.cast(t.Any, http.headers)[b"Idempotency-Key"] = b"session-wide"
+    assert http.post(downstream.url, json={}, headers={"idempotency-key": None}).status_code == 201
+    key = one_key(downstream, 2)
+    assert str(uuid.UUID(key)) == key
 
 
 def test_a_key_in_two_places_is_refused(downstream: Downstream) -> None:
@@ -540,11 +640,44 @@ def test_a_307_redirect_resends_the_post_with_its_key(downstream: Downstream) ->
 
 def test_the_hops_of_a_redirect_share_one_retry_budget(downstream: Downstream) -> None:
     """``total`` bounds the call, not each hop: before, every hop of a redirect
-    started a full budget again."""
+    started a full budget again, and a hop cost nothing (total=2 allowed four
+    attempts here). The 503, the hop and the 503 after it are two retries."""
     downstream.script = [503, (307, {"Location": "/moved"}), 503, 503, 503]
-    response = fast(total=1).post(downstream.url + "/charges", json={})
+    response = fast(total=2).post(downstream.url + "/charges", json={})
     assert response.status_code == 503
     one_key(downstream, 3)
+
+
+def test_a_redirect_loop_ends_at_total(downstream: Downstream) -> None:
+    """Before, a 307 loop sent the POST 31 times (requests' max_redirects),
+    whatever ``total``."""
+    downstream.script = [(307, {"Location": "/loop"})] * 100
+    with pytest.raises(requests.TooManyRedirects) as raised:
+        fast(total=2).post(downstream.url + "/charges", json={"amount": 1})
+    one_key(downstream, 3)
+    assert {a.body for a in downstream.attempts} == {b'{"amount": 1}'}
+    # requests' error for a redirect cut off, and its error for retries run out.
+    from flask_idempotency.client import RedirectBudgetExceeded
+
+    assert isinstance(raised.value, RedirectBudgetExceeded)
+    assert isinstance(raised.value, requests.exceptions.RetryError)
+    assert raised.value.response is not None
+    assert raised.value.response.status_code == 307
+
+
+def test_no_redirect_hop_starts_after_the_deadline(downstream: Downstream) -> None:
+    """A slow server redirecting to itself: before, the hops went on for 31
+    POSTs (9 s here) past a deadline of 1 s."""
+    downstream.delay = 0.3
+    downstream.script = [(307, {"Location": "/loop"})] * 100
+    started = time.monotonic()
+    with pytest.raises(requests.exceptions.RequestException) as raised:
+        fast(total=100, deadline=1.0).post(downstream.url + "/charges", json={})
+    assert time.monotonic() - started < 2.0
+    assert "deadline" in str(raised.value)
+    assert 2 <= len(downstream.attempts) <= 5
+    assert downstream.attempts[-1].at - started <= 1.0 + 0.1
+    one_key(downstream, len(downstream.attempts))
 
 
 def test_a_cut_off_body_is_resent_within_the_same_total(downstream: Downstream) -> None:
