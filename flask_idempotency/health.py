@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import http
 import http.server
 import itertools
 import json
@@ -247,23 +248,76 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._answer(with_body=False)
 
-    def _answer(self, *, with_body: bool) -> None:
-        if self.path.split("?", 1)[0] != self.server.path:
-            self.send_error(404)
+    def __getattr__(self, name: str) -> t.Any:
+        # http.server dispatches a request to do_<METHOD>, and answers a method
+        # without one with its own HTML 501: every other method is a 405 here,
+        # as on the app's own readiness view.
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
+    def _not_allowed(self) -> None:
+        if not self._on_path():
             return
-        status, content_type, body, headers = self.server.respond()
+        self._send(
+            405,
+            PROBLEM_JSON,
+            _problem(405, "Method Not Allowed", "Readiness answers GET and HEAD only."),
+            {"Allow": "GET, HEAD"},
+            with_body=self.command != "HEAD",
+        )
+
+    def _on_path(self) -> bool:
+        """Whether the request is for the readiness path; a 404 problem if not."""
+        if self.path.split("?", 1)[0] == self.server.path:
+            return True
+        detail = f"Readiness is served at {self.server.path} on this port."
+        self._send(404, PROBLEM_JSON, _problem(404, "Not Found", detail), {}, with_body=True)
+        return False
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a malformed request line, a header too
+        long) as problem+json, not its HTML page."""
+        try:
+            title = http.HTTPStatus(code).phrase
+        except ValueError:
+            title = "Error"
+        self.close_connection = True
+        body = _problem(code, title, message or explain or title)
+        self._send(code, PROBLEM_JSON, body, {"Connection": "close"}, with_body=True)
+
+    def _send(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes,
+        headers: t.Mapping[str, str],
+        *,
+        with_body: bool,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
-        if with_body:
+        if with_body and self.command != "HEAD":
             self.wfile.write(body)
+
+    def _answer(self, *, with_body: bool) -> None:
+        if not self._on_path():
+            return
+        status, content_type, body, headers = self.server.respond()
+        self._send(status, content_type, body, headers, with_body=with_body)
 
     def log_message(self, format: str, *args: t.Any) -> None:
         # Load balancers check every few seconds; a line each would drown the log.
         logger.debug("readiness server: " + format, *args)
+
+
+def _problem(status: int, title: str, detail: str) -> bytes:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
@@ -302,7 +356,8 @@ class ReadinessServer:
 
     ``GET`` (or ``HEAD``) on ``path`` answers as ``idem.readiness_view`` does:
     200 JSON when ready, else 503 problem+json with ``Retry-After``, both with
-    ``Cache-Control: no-store``; any other path 404. Each check waits at most
+    ``Cache-Control: no-store``; any other path 404, any other method 405 (with
+    ``Allow: GET, HEAD``), both problem+json. Each check waits at most
     ``IDEMPOTENCY_READY_TIMEOUT`` (one probe in flight per app and process).
     """
 
