@@ -11,12 +11,15 @@ code    meaning
 1       the command ran but did not do all that was asked: no such record,
         a record that changed while you confirmed, a relay run in which an
         event failed (it is retried later), an abort at the prompt
-2       usage error: a bad option or argument (a malformed key or scope)
+2       usage error: a bad option or argument (a malformed key or scope);
+        also click's "No such command" for an app that never called
+        ``init_app``, which is what adds this group
 69      the database failed: unreachable, refused the connection, read-only,
         or refused a statement (``EX_UNAVAILABLE``)
 75      the broker is unavailable: the relay's events stay pending for a
         later run (``EX_TEMPFAIL``)
-78      misconfigured: the extension is not registered on the app,
+78      misconfigured: the extension is not registered on the app (the
+        group added by hand, without ``init_app``),
         ``IDEMPOTENCY_PUBLISHER`` is missing or unusable, or a table is
         missing (``EX_CONFIG``)
 ======  =================================================================

@@ -279,6 +279,27 @@ def test_a_command_on_an_app_without_the_extension_is_misconfigured(tmp_path: Pa
         assert_one_line_error(invoke(app, *command), EXIT_CONFIG, "init_app")
 
 
+def test_an_app_that_never_called_init_app_has_no_such_command(tmp_path: Path) -> None:
+    """The group comes with init_app: without it, ``flask idempotency`` is
+    click's usage error (exit 2), as the README's exit codes say, not 78."""
+    (tmp_path / "bare.py").write_text("from flask import Flask\n\napp = Flask(__name__)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "bare", "idempotency", "stats"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "Error: No such command 'idempotency'."
+    readme = (ROOT / "README.md").read_text()
+    assert "| 2 | usage error: a bad option or argument; also `No such command 'idempotency'`" in (
+        readme
+    )
+
+
 COMMANDS: dict[str, tuple[str, ...]] = {
     "create-tables": ("create-tables",),
     "purge": ("purge",),
