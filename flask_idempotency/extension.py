@@ -389,8 +389,9 @@ class Idempotency:
         returns.
 
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
-        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"conflict"`` or
-        ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
+        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"forbidden"``
+        (PostgreSQL: the app's role may not INSERT or UPDATE the table),
+        ``"conflict"`` or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
         ``duration_ms`` (or ``running_ms`` while the probe is still running),
         ``error`` (the exception's class name) when it failed and ``reason``
         (fixed words naming the setting) when the database is read-only. Call

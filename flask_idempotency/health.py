@@ -10,9 +10,11 @@ fails exactly when a claim would:
 * PostgreSQL: ``pg_is_in_recovery()`` (a standby) and ``transaction_read_only``
   (``default_transaction_read_only``, for the server, database or role), read
   without taking a lock, so a migration's table lock does not take every host
-  out of rotation;
-* MySQL/MariaDB and SQLite: a write that touches no row (``DELETE ... WHERE
-  scope IS NULL``, rolled back), which the server refuses exactly as it would refuse
+  out of rotation; and ``has_table_privilege`` for the claim's INSERT and UPDATE
+  (``"forbidden"`` when a GRANT is missing, as the claim would be refused);
+* MySQL/MariaDB and SQLite: a write that touches no row (``UPDATE ... WHERE
+  scope IS NULL``, rolled back; the claim completes with an UPDATE, so it needs
+  no privilege the claim does not), which the server refuses exactly as it would refuse
   the claim: ``read_only`` (unless the app's user may write anyway, READ_ONLY
   ADMIN or SUPER), ``innodb_read_only``, a read-only transaction default, a
   SQLite file opened read-only or ``PRAGMA query_only``.
@@ -64,7 +66,7 @@ class _Probe:
     started: float  # time.monotonic()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
-    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only" or "error"
+    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only", "forbidden" or "error"
     error: str | None = None
     reason: str | None = None  # why a read-only database refuses writes
     duration: float = 0.0
@@ -132,6 +134,9 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
         else:
             probe.outcome, probe.reason = "read_only", reason
             logger.warning("readiness probe of %s: read-only database: %s", table.name, reason)
+    except _Forbidden as exc:
+        probe.outcome, probe.reason, probe.error = "forbidden", str(exc), "InsufficientPrivilege"
+        logger.warning("readiness probe of %s: %s", table.name, exc)
     except Exception as exc:  # any failure means "not ready"; say which kind
         reason = dberrors.read_only_reason(exc)
         if reason is not None:
@@ -153,6 +158,10 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
         probe.done.set()
 
 
+class _Forbidden(Exception):
+    """The app's role lacks a privilege the claim needs (PostgreSQL)."""
+
+
 def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
     """Why the database would refuse the claim's write, or ``None`` when it accepts
     writes (or the engine has no check here); raises the refusal itself where
@@ -166,17 +175,26 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
         # probe stranded by a partition would hold, and make an operator's
         # ALTER TABLE (and every claim queued behind it) wait: the server ends
         # it once it sits idle as long as the probe may take.
-        standby, read_only, _ = conn.execute(
+        # Also whether the app's role may INSERT and UPDATE the table, as a
+        # claim does (a GRANT missing answers every claim 503; a catalog
+        # lookup, no lock either).
+        standby, read_only, may_write, _ = conn.execute(
             sa.text(
                 "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
-                + idle_bound(":idle")
+                "has_table_privilege(CAST(:table AS text), 'INSERT') "
+                "AND has_table_privilege(CAST(:table AS text), 'UPDATE'), " + idle_bound(":idle")
             ),
-            {"idle": f"{max(1, math.ceil(timeout.total_seconds()))}s"},
+            {
+                "idle": f"{max(1, math.ceil(timeout.total_seconds()))}s",
+                "table": conn.dialect.identifier_preparer.format_table(table),
+            },
         ).one()
         if standby:
             return "the server is a standby (pg_is_in_recovery())"
         if read_only == "on":
             return "transactions are read-only (default_transaction_read_only)"
+        if not may_write:
+            raise _Forbidden(f"the app's role may not INSERT and UPDATE {table.name}")
         return None
     if dialect in ("mysql", "mariadb", "sqlite"):
         # The server's own verdict: it refuses this write exactly as it would
@@ -184,8 +202,10 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
         # passes); the refusal is raised, and the caller says why. "scope IS
         # NULL" matches no row (the column is NOT NULL: MySQL plans an
         # "Impossible WHERE", locking nothing), and names a key column, as
-        # sql_safe_updates wants (it refuses WHERE false).
-        conn.execute(sa.delete(table).where(table.c.scope.is_(None)))
+        # sql_safe_updates wants (it refuses WHERE false). An UPDATE, not a
+        # DELETE: a claim needs INSERT and UPDATE, never DELETE (cleanup may run
+        # as another role), so an app user without DELETE stays ready.
+        conn.execute(sa.update(table).where(table.c.scope.is_(None)).values(status=table.c.status))
     return None
 
 
