@@ -32,6 +32,10 @@ MERCHANT_LENGTH = 64
 CUSTOMER_ID_LENGTH = 64
 DESCRIPTION_LENGTH = 200
 AMOUNT_MAX = 2**31 - 1  # INTEGER on PostgreSQL and MySQL is 32-bit
+#: The largest id a route takes, the id columns' own (INTEGER): a larger one
+#: matches no route (404) instead of reaching the database, which refuses to
+#: bind it (SQLite past 64 bits, psycopg 3 past 32: a 500).
+ID_MAX = 2**31 - 1
 
 
 class LedgerEntry(db.Model):  # type: ignore[name-defined,misc]
@@ -190,6 +194,23 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
     return {}
 
 
+def create_tables(app: Flask, db: SQLAlchemy) -> None:
+    """Create the app's tables where missing. A database that is down (or
+    read-only) at start is one warning line, not a failed import: the app still
+    loads, so ``flask --app example_app idempotency ...`` says what is wrong
+    itself (exit 69), requests answer 503, and the next start creates the tables."""
+    with app.app_context():
+        try:
+            db.create_all()
+        except sa.exc.DBAPIError as exc:
+            lines = str(exc.orig).strip().splitlines()
+            app.logger.warning(
+                "tables not created, the database failed: %s: %s",
+                type(exc.orig).__name__,
+                lines[0] if lines else "",
+            )
+
+
 def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the app. ``config`` overrides; the database comes from
     ``EXAMPLE_DATABASE_URL`` (with its driver: ``postgresql+psycopg2://user@host/db``,
@@ -220,8 +241,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     app.register_error_handler(HTTPException, http_problem)
     # Readiness, for the load balancer: 503 while the database cannot answer.
     app.add_url_rule("/readyz", view_func=idem.readiness_view)
-    with app.app_context():
-        db.create_all()
+    create_tables(app, db)
     return app
 
 
@@ -255,7 +275,7 @@ def create_payment() -> tuple[dict[str, t.Any], int, dict[str, str]]:
     return entry.as_dict(), 201, {"Location": location}
 
 
-@bp.get("/payments/<int:charge_id>")
+@bp.get(f"/payments/<int(max={ID_MAX}):charge_id>")
 def get_payment(charge_id: int) -> dict[str, t.Any]:
     """One of the caller's charges; another merchant's is a 404, as a missing one."""
     mine = db.select(LedgerEntry).where(

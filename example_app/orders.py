@@ -36,7 +36,15 @@ from flask_idempotency import Idempotency
 from flask_idempotency.client import IdempotentSession
 
 from . import broker
-from .app import CUSTOMER_ID_LENGTH, AmountSchema, engine_options, http_problem, problem
+from .app import (
+    CUSTOMER_ID_LENGTH,
+    ID_MAX,
+    AmountSchema,
+    create_tables,
+    engine_options,
+    http_problem,
+    problem,
+)
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -173,7 +181,7 @@ def create_order() -> t.Any:
     return {**row.as_dict(), "event_id": event_id}, 201, {"Location": location}
 
 
-@bp.get("/orders/<int:order_id>")
+@bp.get(f"/orders/<int(max={ID_MAX}):order_id>")
 def get_order(order_id: int) -> dict[str, t.Any]:
     """One of the caller's orders; another tenant's is a 404, as a missing one."""
     mine = db.select(Order).where(Order.id == order_id, Order.tenant == tenant())
@@ -230,6 +238,5 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     # extension's own errors are problem+json already.
     app.register_error_handler(HTTPException, http_problem)
     app.add_url_rule("/readyz", view_func=idem.readiness_view)
-    with app.app_context():
-        db.create_all()
+    create_tables(app, db)
     return app

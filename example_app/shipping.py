@@ -28,7 +28,7 @@ from sqlalchemy import orm
 from flask_idempotency import Idempotency, inbox
 
 from . import broker
-from .app import engine_options
+from .app import create_tables, engine_options
 
 db = SQLAlchemy()
 idem = Idempotency()  # for its inbox table and the cleanup of expired ids
@@ -137,6 +137,5 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     }
     db.init_app(app)
     idem.init_app(app, db)
-    with app.app_context():
-        db.create_all()
+    create_tables(app, db)
     return app

@@ -11,12 +11,15 @@ code    meaning
 1       the command ran but did not do all that was asked: no such record,
         a record that changed while you confirmed, a relay run in which an
         event failed (it is retried later), an abort at the prompt
-2       usage error: a bad option or argument (a malformed key or scope)
+2       usage error: a bad option or argument (a malformed key or scope);
+        also click's "No such command" for an app that never called
+        ``init_app``, which is what adds this group
 69      the database failed: unreachable, refused the connection, read-only,
         or refused a statement (``EX_UNAVAILABLE``)
 75      the broker is unavailable: the relay's events stay pending for a
         later run (``EX_TEMPFAIL``)
-78      misconfigured: the extension is not registered on the app,
+78      misconfigured: the extension is not registered on the app (the
+        group added by hand, without ``init_app``),
         ``IDEMPOTENCY_PUBLISHER`` is missing or unusable, or a table is
         missing (``EX_CONFIG``)
 ======  =================================================================
@@ -37,6 +40,7 @@ import datetime as dt
 import functools
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -354,6 +358,40 @@ def _scope_argument(ctx: click.Context, param: click.Parameter, value: str) -> s
     return value
 
 
+class _Finite(click.FloatRange):
+    """A float in a closed range, NaN refused (it compares false with both
+    bounds, so click's range lets it through)."""
+
+    def convert(
+        self, value: t.Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> t.Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number.", param, ctx)
+        return number
+
+
+#: The most records ``recover`` handles in one run, and ``relay`` takes per batch.
+MAX_RECOVER_LIMIT = 100_000
+MAX_RELAY_BATCH = 10_000
+#: The longest ``relay --poll`` (seconds): the fallback when no wake-up comes.
+MAX_RELAY_POLL = 3600.0
+#: The oldest ``outbox-purge --older-than`` (hours): 100 years, as the settings.
+MAX_OLDER_THAN_HOURS = 36500 * 24.0
+
+
+def _scope_prefix_argument(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
+    """A scope prefix as stored, byte for byte; NUL refused (no scope holds one,
+    and PostgreSQL refuses it in text)."""
+    if value is None:
+        return None
+    if "\x00" in value:
+        raise click.BadParameter("the scope prefix must not contain NUL")
+    return value
+
+
 @_command("create-tables")
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist."""
@@ -500,7 +538,12 @@ def release(scope: str, key: str, yes: bool, force: bool) -> None:
 
 @_command("list")
 @click.option("--key", callback=_key_argument, help="Only this key (quoted or bare).")
-@click.option("--scope-prefix", default=None, help="Only scopes that start with this text.")
+@click.option(
+    "--scope-prefix",
+    default=None,
+    callback=_scope_prefix_argument,
+    help="Only scopes that start with this text.",
+)
 @click.option(
     "--status",
     type=click.Choice(["in_progress", "completed"]),
@@ -550,7 +593,7 @@ def list_records(key: str | None, scope_prefix: str | None, status: str | None, 
 @_command("recover")
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_RECOVER_LIMIT),
     default=100,
     show_default=True,
     help="Most records to handle in this run.",
@@ -725,9 +768,19 @@ def _relay_line(run: RelayRun) -> str:
 
 @_command("relay", epilog=RELAY_EXIT_CODES_HELP)
 @click.option("--once", is_flag=True, help="Publish what is pending now, then exit.")
-@click.option("--batch", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option(
-    "--poll", type=click.FloatRange(min=0.01), default=1.0, show_default=True, help="Seconds."
+    "--batch",
+    type=click.IntRange(min=1, max=MAX_RELAY_BATCH),
+    default=100,
+    show_default=True,
+    help="Events taken per batch.",
+)
+@click.option(
+    "--poll",
+    type=_Finite(min=0.01, max=MAX_RELAY_POLL),
+    default=1.0,
+    show_default=True,
+    help="Seconds between polls when no wake-up comes.",
 )
 def relay(once: bool, batch: int, poll: float) -> None:
     """Publish outbox events through IDEMPOTENCY_PUBLISHER, until SIGTERM/Ctrl-C.
@@ -845,7 +898,7 @@ def outbox_retry() -> None:
 @_command("outbox-purge")
 @click.option(
     "--older-than",
-    type=click.FloatRange(min=0),
+    type=_Finite(min=0, max=MAX_OLDER_THAN_HOURS),
     default=None,
     help="Hours since the event was published (default IDEMPOTENCY_OUTBOX_RETENTION).",
 )

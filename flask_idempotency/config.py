@@ -106,7 +106,18 @@ Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both
     how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
     redelivery after that is processed again; must be positive
 
-Durations accept a :class:`~datetime.timedelta` or a number of seconds.
+Durations accept a :class:`~datetime.timedelta` or a number of seconds (an int or
+a float; not a string such as ``"10s"``, nor NaN or infinity), at most 100 years;
+``IDEMPOTENCY_WAIT``, ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT`` and
+``IDEMPOTENCY_READY_TIMEOUT`` at most 24 days, since PostgreSQL refuses a
+``lock_timeout`` or ``idle_in_transaction_session_timeout`` above 2**31 - 1
+milliseconds (24.8 days), and every claim (or probe) would fail. Counts are ints
+from 1 to 2**31 - 1. ``IDEMPOTENCY_REQUIRED``, ``IDEMPOTENCY_SCHEDULER`` and
+``IDEMPOTENCY_RELAY_WAKE`` take ``True``/``False``, 1/0, or ``"true"``/``"false"``,
+``"on"``/``"off"``, ``"yes"``/``"no"`` (text from an environment variable:
+``"false"`` is false). A value outside these is refused by ``init_app`` with an
+error naming the setting, never clamped: the app does not start with a setting
+that means something other than what was written.
 """
 
 from __future__ import annotations
@@ -114,6 +125,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing as t
 from datetime import timedelta
 
@@ -156,17 +168,76 @@ DEFAULTS: dict[str, t.Any] = {
 ScopeFunc = t.Callable[[], str]
 
 
-def as_timedelta(value: timedelta | float | int, name: str) -> timedelta:
-    """Accept a timedelta or a number of seconds; reject negative durations."""
+#: The longest duration a setting takes (100 years): a record's expiry and the
+#: jobs' and the relay's locks are "now" plus one, a date every engine must store.
+MAX_DURATION = timedelta(days=36500)
+#: The longest bound a setting the database enforces takes (24 days):
+#: PostgreSQL holds ``lock_timeout`` and ``idle_in_transaction_session_timeout``
+#: in milliseconds, at most 2**31 - 1 (24.8 days), and refuses the statement
+#: that sets more, which would fail every claim (or readiness probe).
+MAX_ENGINE_TIMEOUT = timedelta(days=24)
+#: The largest count a setting takes: it lands in a ``LIMIT`` or beside an
+#: ``INTEGER`` column, 32-bit on some engines.
+MAX_COUNT = 2**31 - 1
+
+
+def _human(limit: timedelta) -> str:
+    return f"{limit.days} days" if limit.days and not limit.seconds else str(limit)
+
+
+def as_timedelta(
+    value: timedelta | float | int, name: str, *, maximum: timedelta = MAX_DURATION
+) -> timedelta:
+    """Accept a timedelta or a number of seconds, from 0 to ``maximum``; refuse
+    anything else (a string such as ``"10s"``, a bool, NaN, infinity) with an
+    error naming the setting."""
+    limit = f"{name} must be at most {_human(maximum)}"
     if isinstance(value, timedelta):
         result = value
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+        if value > maximum.total_seconds():
+            raise ValueError(f"{limit}, got {value!r} seconds")
         result = timedelta(seconds=value)
     else:
-        raise TypeError(f"{name} must be a timedelta or a number of seconds, not {value!r}")
+        raise TypeError(
+            f"{name} must be a timedelta or a number of seconds (an int or float), not {value!r}"
+        )
     if result < timedelta(0):
         raise ValueError(f"{name} must not be negative, got {result}")
+    if result > maximum:
+        raise ValueError(f"{limit}, got {result}")
     return result
+
+
+def engine_timeout(value: timedelta | float | int, name: str) -> timedelta:
+    """A bound the database enforces (:data:`MAX_ENGINE_TIMEOUT` at most)."""
+    return as_timedelta(value, name, maximum=MAX_ENGINE_TIMEOUT)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def as_bool(value: t.Any, name: str) -> bool:
+    """``True``/``False``, 1/0, or their usual spellings as text (``"false"``,
+    ``"off"``, ``"0"``, ... as read from an environment variable): text is not
+    true just for being non-empty. Anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    raise ValueError(
+        f'{name} must be True or False (or 1/0, "true"/"false", "on"/"off", '
+        f'"yes"/"no"), got {value!r}'
+    )
 
 
 def check_retention(ttl: timedelta, lease: timedelta, where: str) -> None:
@@ -262,18 +333,20 @@ def check_known(config: t.Mapping[str, t.Any]) -> None:
         )
 
 
-def positive_duration(value: timedelta | float | int, name: str) -> timedelta:
-    """A duration longer than zero."""
-    result = as_timedelta(value, name)
+def positive_duration(
+    value: timedelta | float | int, name: str, *, maximum: timedelta = MAX_DURATION
+) -> timedelta:
+    """A duration longer than zero, and at most ``maximum``."""
+    result = as_timedelta(value, name, maximum=maximum)
     if result <= timedelta(0):
         raise ValueError(f"{name} must be longer than zero, got {result}")
     return result
 
 
-def positive_int(value: t.Any, name: str) -> int:
-    """An int of at least 1 (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def positive_int(value: t.Any, name: str, *, maximum: int = MAX_COUNT) -> int:
+    """An int from 1 to ``maximum`` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from 1 to {maximum}, got {value!r}")
     return value
 
 
@@ -320,19 +393,22 @@ class Settings:
         header = str(values["HEADER"]).strip()
         if not header:
             raise ValueError("IDEMPOTENCY_HEADER must not be empty")
-        max_body = int(values["MAX_BODY"])
-        if max_body < 0:
-            raise ValueError("IDEMPOTENCY_MAX_BODY must not be negative")
+        max_body = values["MAX_BODY"]
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
+            raise ValueError(
+                f"IDEMPOTENCY_MAX_BODY must be a number of bytes (an int, 0 or more), "
+                f"got {max_body!r}"
+            )
         extra = resolve_replay_headers(values["REPLAY_HEADERS"], "IDEMPOTENCY_REPLAY_HEADERS")
         scope = optional_callable(values["SCOPE"], "IDEMPOTENCY_SCOPE")
         return cls(
             header=header,
-            required=bool(values["REQUIRED"]),
+            required=as_bool(values["REQUIRED"], "IDEMPOTENCY_REQUIRED"),
             ttl=as_timedelta(values["TTL"], "IDEMPOTENCY_TTL"),
             lease=as_timedelta(values["LEASE"], "IDEMPOTENCY_LEASE"),
             wait=None
             if values["WAIT"] is None
-            else as_timedelta(values["WAIT"], "IDEMPOTENCY_WAIT"),
+            else engine_timeout(values["WAIT"], "IDEMPOTENCY_WAIT"),
             max_body=max_body,
             replay_headers=extra,
             scope=scope,
@@ -342,18 +418,24 @@ class Settings:
                 values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
             ),
             purge_batch=positive_int(values["PURGE_BATCH"], "IDEMPOTENCY_PURGE_BATCH"),
-            scheduler=bool(values["SCHEDULER"]),
-            purge_every=as_timedelta(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
-            recover_every=as_timedelta(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
-            job_lock=as_timedelta(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
+            scheduler=as_bool(values["SCHEDULER"], "IDEMPOTENCY_SCHEDULER"),
+            purge_every=positive_duration(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
+            recover_every=positive_duration(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
+            job_lock=positive_duration(values["JOB_LOCK"], "IDEMPOTENCY_JOB_LOCK"),
             key_format=resolve_key_format(values["KEY_FORMAT"], "IDEMPOTENCY_KEY_FORMAT"),
             key_max_length=resolve_key_max_length(
                 values["KEY_MAX_LENGTH"], "IDEMPOTENCY_KEY_MAX_LENGTH"
             ),
             claim_idle_timeout=None
             if values.get("CLAIM_IDLE_TIMEOUT") is None
-            else positive_duration(values["CLAIM_IDLE_TIMEOUT"], "IDEMPOTENCY_CLAIM_IDLE_TIMEOUT"),
-            ready_timeout=positive_duration(values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT"),
+            else positive_duration(
+                values["CLAIM_IDLE_TIMEOUT"],
+                "IDEMPOTENCY_CLAIM_IDLE_TIMEOUT",
+                maximum=MAX_ENGINE_TIMEOUT,
+            ),
+            ready_timeout=positive_duration(
+                values["READY_TIMEOUT"], "IDEMPOTENCY_READY_TIMEOUT", maximum=MAX_ENGINE_TIMEOUT
+            ),
             outbox_max_attempts=positive_int(
                 values.get("OUTBOX_MAX_ATTEMPTS", 10), "IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS"
             ),
@@ -366,7 +448,7 @@ class Settings:
             outbox_retention=positive_duration(
                 values.get("OUTBOX_RETENTION", timedelta(days=7)), "IDEMPOTENCY_OUTBOX_RETENTION"
             ),
-            relay_wake=bool(values.get("RELAY_WAKE", True)),
+            relay_wake=as_bool(values.get("RELAY_WAKE", True), "IDEMPOTENCY_RELAY_WAKE"),
             inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
         )
 

@@ -84,6 +84,9 @@ _PG_UNAVAILABLE_EXACT = {
     # IDEMPOTENCY_CLAIM_IDLE_TIMEOUT sets it), idle_session_timeout (PostgreSQL 14+).
     "25P03",
     "57P05",
+    # insufficient_privilege: the app's role may not write the record's table (a
+    # GRANT missing): this host cannot serve a claim; readiness fails with it.
+    "42501",
 }
 _PG_UNAVAILABLE_CLASSES = (
     "08",  # connection_exception and its subclasses
@@ -124,6 +127,8 @@ _MYSQL_UNAVAILABLE = {
     2006,  # CR_SERVER_GONE_ERROR
     2013,  # CR_SERVER_LOST
     2055,  # CR_SERVER_LOST_EXTENDED
+    1142,  # ER_TABLEACCESS_DENIED_ERROR: a GRANT missing on the record's table
+    1143,  # ER_COLUMNACCESS_DENIED_ERROR
 }
 _MYSQL_READ_ONLY = {
     # ER_OPTION_PREVENTS_STATEMENT: "running with the --read-only option" (read_only,

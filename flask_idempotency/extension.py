@@ -280,7 +280,7 @@ class Idempotency:
         exclude_paths(excluded)  # a wrong name is an error here, not at the first request
         overrides: dict[str, t.Any] = {}
         if required is not None:
-            overrides["required"] = bool(required)
+            overrides["required"] = config.as_bool(required, "required")
         if ttl is not None:
             overrides["ttl"] = config.as_timedelta(ttl, "ttl")
         commit_claim = lease is not None and lease is not False
@@ -301,7 +301,7 @@ class Idempotency:
         if skip is not None:
             overrides["skip"] = config.optional_callable(skip, "skip")
         if not isinstance(wait, _Unset):
-            overrides["wait"] = None if wait is None else config.as_timedelta(wait, "wait")
+            overrides["wait"] = None if wait is None else config.engine_timeout(wait, "wait")
         if replay_headers is not None:
             overrides["replay_headers"] = config.resolve_replay_headers(
                 replay_headers, "replay_headers"
@@ -389,8 +389,9 @@ class Idempotency:
         returns.
 
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
-        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"conflict"`` or
-        ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
+        ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"forbidden"``
+        (PostgreSQL: the app's role may not INSERT or UPDATE the table),
+        ``"conflict"`` or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
         ``duration_ms`` (or ``running_ms`` while the probe is still running),
         ``error`` (the exception's class name) when it failed and ``reason``
         (fixed words naming the setting) when the database is read-only. Call
@@ -400,7 +401,7 @@ class Idempotency:
         limit = (
             state.settings.ready_timeout
             if timeout is None
-            else config.positive_duration(timeout, "timeout")
+            else config.positive_duration(timeout, "timeout", maximum=config.MAX_ENGINE_TIMEOUT)
         )
         probe = health.probe_for(resolve_app())
         return probe.check(state.db.engine, state.store.table, limit)

@@ -10,9 +10,11 @@ fails exactly when a claim would:
 * PostgreSQL: ``pg_is_in_recovery()`` (a standby) and ``transaction_read_only``
   (``default_transaction_read_only``, for the server, database or role), read
   without taking a lock, so a migration's table lock does not take every host
-  out of rotation;
-* MySQL/MariaDB and SQLite: a write that touches no row (``DELETE ... WHERE
-  scope IS NULL``, rolled back), which the server refuses exactly as it would refuse
+  out of rotation; and ``has_table_privilege`` for the claim's INSERT and UPDATE
+  (``"forbidden"`` when a GRANT is missing, as the claim would be refused);
+* MySQL/MariaDB and SQLite: a write that touches no row (``UPDATE ... WHERE
+  scope IS NULL``, rolled back; the claim completes with an UPDATE, so it needs
+  no privilege the claim does not), which the server refuses exactly as it would refuse
   the claim: ``read_only`` (unless the app's user may write anyway, READ_ONLY
   ADMIN or SUPER), ``innodb_read_only``, a read-only transaction default, a
   SQLite file opened read-only or ``PRAGMA query_only``.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import http
 import http.server
 import itertools
 import json
@@ -63,7 +66,7 @@ class _Probe:
     started: float  # time.monotonic()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
-    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only" or "error"
+    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only", "forbidden" or "error"
     error: str | None = None
     reason: str | None = None  # why a read-only database refuses writes
     duration: float = 0.0
@@ -131,6 +134,9 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
         else:
             probe.outcome, probe.reason = "read_only", reason
             logger.warning("readiness probe of %s: read-only database: %s", table.name, reason)
+    except _Forbidden as exc:
+        probe.outcome, probe.reason, probe.error = "forbidden", str(exc), "InsufficientPrivilege"
+        logger.warning("readiness probe of %s: %s", table.name, exc)
     except Exception as exc:  # any failure means "not ready"; say which kind
         reason = dberrors.read_only_reason(exc)
         if reason is not None:
@@ -152,6 +158,10 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
         probe.done.set()
 
 
+class _Forbidden(Exception):
+    """The app's role lacks a privilege the claim needs (PostgreSQL)."""
+
+
 def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
     """Why the database would refuse the claim's write, or ``None`` when it accepts
     writes (or the engine has no check here); raises the refusal itself where
@@ -165,17 +175,26 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
         # probe stranded by a partition would hold, and make an operator's
         # ALTER TABLE (and every claim queued behind it) wait: the server ends
         # it once it sits idle as long as the probe may take.
-        standby, read_only, _ = conn.execute(
+        # Also whether the app's role may INSERT and UPDATE the table, as a
+        # claim does (a GRANT missing answers every claim 503; a catalog
+        # lookup, no lock either).
+        standby, read_only, may_write, _ = conn.execute(
             sa.text(
                 "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
-                + idle_bound(":idle")
+                "has_table_privilege(CAST(:table AS text), 'INSERT') "
+                "AND has_table_privilege(CAST(:table AS text), 'UPDATE'), " + idle_bound(":idle")
             ),
-            {"idle": f"{max(1, math.ceil(timeout.total_seconds()))}s"},
+            {
+                "idle": f"{max(1, math.ceil(timeout.total_seconds()))}s",
+                "table": conn.dialect.identifier_preparer.format_table(table),
+            },
         ).one()
         if standby:
             return "the server is a standby (pg_is_in_recovery())"
         if read_only == "on":
             return "transactions are read-only (default_transaction_read_only)"
+        if not may_write:
+            raise _Forbidden(f"the app's role may not INSERT and UPDATE {table.name}")
         return None
     if dialect in ("mysql", "mariadb", "sqlite"):
         # The server's own verdict: it refuses this write exactly as it would
@@ -183,8 +202,10 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
         # passes); the refusal is raised, and the caller says why. "scope IS
         # NULL" matches no row (the column is NOT NULL: MySQL plans an
         # "Impossible WHERE", locking nothing), and names a key column, as
-        # sql_safe_updates wants (it refuses WHERE false).
-        conn.execute(sa.delete(table).where(table.c.scope.is_(None)))
+        # sql_safe_updates wants (it refuses WHERE false). An UPDATE, not a
+        # DELETE: a claim needs INSERT and UPDATE, never DELETE (cleanup may run
+        # as another role), so an app user without DELETE stays ready.
+        conn.execute(sa.update(table).where(table.c.scope.is_(None)).values(status=table.c.status))
     return None
 
 
@@ -247,23 +268,76 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._answer(with_body=False)
 
-    def _answer(self, *, with_body: bool) -> None:
-        if self.path.split("?", 1)[0] != self.server.path:
-            self.send_error(404)
+    def __getattr__(self, name: str) -> t.Any:
+        # http.server dispatches a request to do_<METHOD>, and answers a method
+        # without one with its own HTML 501: every other method is a 405 here,
+        # as on the app's own readiness view.
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
+    def _not_allowed(self) -> None:
+        if not self._on_path():
             return
-        status, content_type, body, headers = self.server.respond()
+        self._send(
+            405,
+            PROBLEM_JSON,
+            _problem(405, "Method Not Allowed", "Readiness answers GET and HEAD only."),
+            {"Allow": "GET, HEAD"},
+            with_body=self.command != "HEAD",
+        )
+
+    def _on_path(self) -> bool:
+        """Whether the request is for the readiness path; a 404 problem if not."""
+        if self.path.split("?", 1)[0] == self.server.path:
+            return True
+        detail = f"Readiness is served at {self.server.path} on this port."
+        self._send(404, PROBLEM_JSON, _problem(404, "Not Found", detail), {}, with_body=True)
+        return False
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a malformed request line, a header too
+        long) as problem+json, not its HTML page."""
+        try:
+            title = http.HTTPStatus(code).phrase
+        except ValueError:
+            title = "Error"
+        self.close_connection = True
+        body = _problem(code, title, message or explain or title)
+        self._send(code, PROBLEM_JSON, body, {"Connection": "close"}, with_body=True)
+
+    def _send(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes,
+        headers: t.Mapping[str, str],
+        *,
+        with_body: bool,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
-        if with_body:
+        if with_body and self.command != "HEAD":
             self.wfile.write(body)
+
+    def _answer(self, *, with_body: bool) -> None:
+        if not self._on_path():
+            return
+        status, content_type, body, headers = self.server.respond()
+        self._send(status, content_type, body, headers, with_body=with_body)
 
     def log_message(self, format: str, *args: t.Any) -> None:
         # Load balancers check every few seconds; a line each would drown the log.
         logger.debug("readiness server: " + format, *args)
+
+
+def _problem(status: int, title: str, detail: str) -> bytes:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
@@ -302,7 +376,8 @@ class ReadinessServer:
 
     ``GET`` (or ``HEAD``) on ``path`` answers as ``idem.readiness_view`` does:
     200 JSON when ready, else 503 problem+json with ``Retry-After``, both with
-    ``Cache-Control: no-store``; any other path 404. Each check waits at most
+    ``Cache-Control: no-store``; any other path 404, any other method 405 (with
+    ``Allow: GET, HEAD``), both problem+json. Each check waits at most
     ``IDEMPOTENCY_READY_TIMEOUT`` (one probe in flight per app and process).
     """
 

@@ -38,6 +38,7 @@ from flask_idempotency.cli import (
     EXIT_DATABASE,
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     idempotency_cli,
 )
 from flask_idempotency.models import outbox_table
@@ -278,6 +279,27 @@ def test_a_command_on_an_app_without_the_extension_is_misconfigured(tmp_path: Pa
         assert_one_line_error(invoke(app, *command), EXIT_CONFIG, "init_app")
 
 
+def test_an_app_that_never_called_init_app_has_no_such_command(tmp_path: Path) -> None:
+    """The group comes with init_app: without it, ``flask idempotency`` is
+    click's usage error (exit 2), as the README's exit codes say, not 78."""
+    (tmp_path / "bare.py").write_text("from flask import Flask\n\napp = Flask(__name__)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "bare", "idempotency", "stats"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "Error: No such command 'idempotency'."
+    readme = (ROOT / "README.md").read_text()
+    assert "| 2 | usage error: a bad option or argument; also `No such command 'idempotency'`" in (
+        readme
+    )
+
+
 COMMANDS: dict[str, tuple[str, ...]] = {
     "create-tables": ("create-tables",),
     "purge": ("purge",),
@@ -305,6 +327,67 @@ def test_a_missing_table_is_misconfigured_and_says_what_to_run(
     app = make_app(IDEMPOTENCY_PUBLISHER=CallablePublisher(lambda ev: None))
     drop_all(database_url)
     assert_one_line_error(invoke(app, *COMMANDS[command]), EXIT_CONFIG, "create-tables")
+
+
+# -- option values out of range: a usage error, never a traceback -------------------------
+
+#: Values click's declared ranges let through before, which crashed the command
+#: (timedelta overflow, NaN, an int past SQL's BIGINT or SQLite's INTEGER, an
+#: Event.wait past its limit) with a traceback and exit 1, or exit 69.
+OUT_OF_RANGE = [
+    ("outbox-purge", "--older-than", "1e9"),
+    ("outbox-purge", "--older-than", "nan"),
+    ("outbox-purge", "--older-than", "inf"),
+    ("outbox-purge", "--older-than", "-1"),
+    ("recover", "--limit", "99999999999999999999"),
+    ("recover", "--limit", "0"),
+    ("relay --once", "--batch", "99999999999999999999"),
+    ("relay", "--poll", "inf"),
+    ("relay", "--poll", "1e308"),
+    ("relay", "--poll", "nan"),
+    ("purge", "--batch-size", "99999999999999999999"),
+    ("list", "--limit", "99999999999999999999"),
+    ("list", "--scope-prefix", "a\x00b"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value"), OUT_OF_RANGE)
+def test_an_option_value_out_of_range_is_a_usage_error_in_one_line(
+    tmp_path: Path, command: str, option: str, value: str
+) -> None:
+    url = f"sqlite:///{tmp_path / 'values.sqlite3'}"
+    reset(url)
+    app = outbox_app.create_app(url, IDEMPOTENCY_PUBLISHER=CallablePublisher(lambda ev: None))
+    seed(app, events=1)  # pending: a relay run by mistake would publish it
+    try:
+        result = invoke(app, *command.split(), option, value)
+        assert_one_line_error(result, EXIT_USAGE, option)
+        assert [row["published_at"] for row in outbox_rows(url)] == [None]  # nothing ran
+    finally:
+        with app.app_context():
+            outbox_app.db.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    [
+        ("outbox-purge", "--older-than", "876000"),  # 100 years
+        ("recover", "--limit", "100000"),
+        ("relay --once", "--batch", "10000"),
+    ],
+)
+def test_the_largest_option_values_run(
+    tmp_path: Path, command: str, option: str, value: str
+) -> None:
+    url = f"sqlite:///{tmp_path / 'values.sqlite3'}"
+    reset(url)
+    app = outbox_app.create_app(url, IDEMPOTENCY_PUBLISHER=CallablePublisher(lambda ev: None))
+    try:
+        result = invoke(app, *command.split(), option, value)
+        assert result.exit_code == EXIT_OK, (result.output, result.exception)
+    finally:
+        with app.app_context():
+            outbox_app.db.engine.dispose()
 
 
 # -- a database that is down or read-only ----------------------------------------------------

@@ -11,7 +11,11 @@ and shipments, not only status codes.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import typing as t
 import uuid
@@ -314,3 +318,49 @@ def test_the_fail_fast_settings_reach_postgresql_through_each_driver(pg_url: str
             assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "15s"
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("ident", [str(2**31 - 1), str(2**31), str(2**63), "99999999999999999999"])
+def test_an_id_past_any_row_is_a_404_problem(app: Flask, order_service: Flask, ident: str) -> None:
+    """Before, an id past the id column was a 500: SQLite cannot bind one past 64
+    bits (OverflowError), psycopg 3 one past 32 (integer out of range)."""
+    for service, path, who in (
+        (app, "/payments/", {"X-Merchant": MERCHANT}),
+        (order_service, "/orders/", {"X-Tenant": "acme"}),
+    ):
+        response = service.test_client().get(path + ident, headers=who)
+        assert response.status_code == 404, (path, response.get_data(as_text=True))
+        assert response.content_type == "application/problem+json"
+
+
+@pytest.mark.parametrize(
+    ("target", "variable"),
+    [
+        ("example_app", "EXAMPLE_DATABASE_URL"),
+        ("example_app.orders:create_app()", "EXAMPLE_ORDERS_DATABASE_URL"),
+        ("example_app.shipping:create_app()", "EXAMPLE_SHIPPING_DATABASE_URL"),
+    ],
+)
+def test_the_cli_with_the_database_down_exits_69_in_one_line(
+    tmp_path: Path, target: str, variable: str
+) -> None:
+    """Before, create_app()'s db.create_all() failed the app's import: every
+    ``flask --app example_app idempotency ...`` exited 1 with a traceback."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    down = f"postgresql+psycopg2://postgres@127.0.0.1:{port}/x"
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", target, "idempotency", "stats"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), variable: down},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 69, done.stderr
+    assert "Traceback" not in done.stderr
+    *log, error = done.stderr.strip().splitlines()
+    assert error.startswith("Error: the database"), error
+    assert "is unavailable" in error, error
+    assert [line for line in log if "tables not created" in line], log

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import typing as t
+from datetime import timedelta
 
 import pytest
 from flask import Flask, Response, request
@@ -399,3 +400,93 @@ def test_manual_mode_retry_cannot_commit_a_second_effect(database_url: str, cloc
     with pytest.raises(RuntimeError, match="must not commit"):
         call(client, "POST", "/manual-commits")
     assert ledger_count(app, "manual-commits") == 1
+
+
+# -- setting values: refused at init_app, or working on every engine -------------------
+
+
+def _init(**config: t.Any) -> Flask:
+    app = Flask("values")
+    app.config.update({"SQLALCHEMY_DATABASE_URI": "sqlite://", **config})
+    Idempotency(app, SQLAlchemy(app))
+    return app
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        # PostgreSQL holds lock_timeout / idle_in_transaction_session_timeout in ms,
+        # at most 2**31 - 1 (24.8 days): more fails every claim, or every probe.
+        ("IDEMPOTENCY_WAIT", timedelta(days=30), "at most 24 days"),
+        ("IDEMPOTENCY_CLAIM_IDLE_TIMEOUT", timedelta(days=30), "at most 24 days"),
+        ("IDEMPOTENCY_READY_TIMEOUT", 30 * 86400, "at most 24 days"),
+        ("IDEMPOTENCY_TTL", timedelta(days=999_999), "at most 36500 days"),
+        ("IDEMPOTENCY_TTL", 1e308, "at most 36500 days"),
+        ("IDEMPOTENCY_TTL", float("nan"), "finite"),
+        ("IDEMPOTENCY_LEASE", float("inf"), "finite"),
+        ("IDEMPOTENCY_TTL", "10s", "a timedelta or a number of seconds"),
+        ("IDEMPOTENCY_TTL", "60", "a timedelta or a number of seconds"),
+        ("IDEMPOTENCY_WAIT", -1, "must not be negative"),
+        ("IDEMPOTENCY_PURGE_EVERY", 0, "longer than zero"),
+        ("IDEMPOTENCY_RECOVER_EVERY", 0, "longer than zero"),
+        ("IDEMPOTENCY_JOB_LOCK", 0, "longer than zero"),
+        ("IDEMPOTENCY_PURGE_BATCH", 2**63, "from 1 to 2147483647"),
+        ("IDEMPOTENCY_PURGE_BATCH", "1000", "from 1 to 2147483647"),
+        ("IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS", 0, "from 1 to 2147483647"),
+        ("IDEMPOTENCY_MAX_BODY", "1e6", "a number of bytes"),
+        ("IDEMPOTENCY_MAX_BODY", -1, "a number of bytes"),
+        ("IDEMPOTENCY_REQUIRED", "maybe", "must be True or False"),
+        ("IDEMPOTENCY_SCHEDULER", 2, "must be True or False"),
+        ("IDEMPOTENCY_RELAY_WAKE", None, "must be True or False"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_at_init_app_naming_it(
+    name: str, value: t.Any, message: str
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=f"{name}.*{message}"):
+        _init(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("false", False), ("False", False), ("0", False), ("off", False), ("no", False),
+     (0, False), ("true", True), ("on", True), ("1", True), (1, True), (True, True)],
+)  # fmt: skip
+def test_on_off_settings_read_text_as_written(value: t.Any, expected: bool) -> None:
+    settings = (
+        _init(IDEMPOTENCY_REQUIRED=value, IDEMPOTENCY_SCHEDULER=value, IDEMPOTENCY_RELAY_WAKE=value)
+        .extensions["idempotency"]
+        .settings
+    )
+    assert (settings.required, settings.scheduler, settings.relay_wake) == (expected,) * 3
+
+
+def test_a_route_option_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="wait must be at most 24 days"):
+        Idempotency().idempotent(wait=timedelta(days=30))
+    with pytest.raises(ValueError, match="required must be True or False"):
+        Idempotency().idempotent(required="maybe")  # type: ignore[arg-type]
+
+
+def test_the_longest_bounds_accepted_work_on_every_engine(
+    database_url: str, make_app: t.Callable[..., Flask]
+) -> None:
+    """The largest IDEMPOTENCY_WAIT, IDEMPOTENCY_CLAIM_IDLE_TIMEOUT and
+    IDEMPOTENCY_READY_TIMEOUT init_app takes are ones the engine takes too: the
+    claim stores, the retry replays, readiness is ready."""
+    longest = timedelta(days=24)
+    app = make_app(
+        IDEMPOTENCY_WAIT=longest,
+        IDEMPOTENCY_CLAIM_IDLE_TIMEOUT=longest,
+        IDEMPOTENCY_READY_TIMEOUT=longest,
+        IDEMPOTENCY_TTL=timedelta(days=36500),
+    )
+    client = app.test_client()
+    first = call(client, "POST", "/required", key="long-bounds")
+    again = call(client, "POST", "/required", key="long-bounds")
+    assert first.status_code == 201, first.get_data(as_text=True)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "required") == 1
+    with app.app_context():
+        ready, details = idem.readiness()
+    assert ready, details

@@ -357,6 +357,79 @@ def test_write_check_passes_sql_safe_updates() -> None:
         create_tables(url)
 
 
+def test_a_user_without_delete_is_ready_as_its_claims_work() -> None:
+    """A claim needs SELECT, INSERT and UPDATE (cleanup may run as another
+    role). Before, the write check was a DELETE: such a user's claims and replays
+    worked while readiness answered 503 for ever."""
+    url = mysql_url()
+    if url is None:
+        pytest.skip("no MariaDB/MySQL reachable (see the report header)")
+    root = sa.make_url(url)
+    user = f"nodel_{uuid.uuid4().hex[:8]}"
+    app = create_app(root.set(username=user, password=None).render_as_string(False))
+    create_tables(url)  # init_app put the record's table on the metadata
+    admin = sa.create_engine(root)
+    try:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE USER '{user}'@'%'"))
+            conn.execute(
+                sa.text(f"GRANT SELECT, INSERT, UPDATE ON `{root.database}`.* TO '{user}'@'%'")
+            )
+        try:
+            first, retry = post(app, "/pay", "nodel"), post(app, "/pay", "nodel")
+            assert first.status_code == 201, first.data
+            assert retry.headers["Idempotent-Replayed"] == "true"
+            response = app.test_client().get("/readyz")
+            assert response.status_code == 200, response.data
+            assert counts(url) == (1, 1)
+        finally:
+            dispose(app)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP USER IF EXISTS '{user}'@'%'"))
+        admin.dispose()
+        create_tables(url)
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_role_that_may_not_insert_answers_503_and_is_not_ready(driver: str) -> None:
+    """PostgreSQL's insufficient_privilege (42501) on the claim. Before: an HTML
+    500 from the claim, while readiness answered 200 (it checked read-only only)."""
+    url = postgres_url(driver)
+    role = f"noins_{uuid.uuid4().hex[:8]}"
+    app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
+    create_tables(url)  # init_app put the record's table on the metadata
+    admin = sa.create_engine(url)
+    try:
+        with admin.begin() as conn:
+            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
+            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+            conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}'))
+            conn.execute(
+                sa.text(
+                    f'GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}'
+                )
+            )
+        try:
+            response = post(app, "/pay", "noins")
+            assert response.status_code == 503, response.data
+            assert response.content_type == PROBLEM_JSON
+            assert "Retry-After" in response.headers
+            ready = app.test_client().get("/readyz")
+            assert ready.status_code == 503
+            assert ready.content_type == PROBLEM_JSON
+            assert ready.get_json()["database"] == "forbidden"
+            assert counts(url) == (0, 0)
+        finally:
+            dispose(app)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
+        create_tables(url)
+
+
 # -- the jobs on a read-only database ---------------------------------------------------------
 
 

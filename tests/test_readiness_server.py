@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -71,6 +72,51 @@ def test_serves_readiness_on_its_own_port(tmp_path: Path) -> None:
         head = _get(server.port, method="HEAD")
         assert (head[0], head[2]) == (200, b"")
         assert _get(server.port, "/other")[0] == 404
+    finally:
+        server.close()
+        with app.app_context():
+            app.extensions["sqlalchemy"].engine.dispose()
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "BREW"])
+def test_another_method_is_a_405_problem_and_another_path_a_404_problem(
+    tmp_path: Path, method: str
+) -> None:
+    """As the app's own readiness view answers; before: http.server's HTML 501
+    and 404 pages."""
+    app, idem = _app(f"sqlite:///{tmp_path / 'ready.sqlite3'}")
+    server = idem.serve_readiness(app, host="127.0.0.1", port=0)
+    try:
+        status, headers, body = _get(server.port, method=method)
+        assert status == 405
+        assert headers["Content-Type"] == PROBLEM_JSON
+        assert headers["Allow"] == "GET, HEAD"
+        assert json.loads(body)["status"] == 405
+        for path_method in ("GET", method):
+            status, headers, body = _get(server.port, "/other", method=path_method)
+            assert status == 404
+            assert headers["Content-Type"] == PROBLEM_JSON
+            assert json.loads(body)["status"] == 404
+        assert _get(server.port)[0] == 200  # the server answers on
+    finally:
+        server.close()
+        with app.app_context():
+            app.extensions["sqlalchemy"].engine.dispose()
+
+
+def test_a_malformed_request_is_a_problem_too(tmp_path: Path) -> None:
+    app, idem = _app(f"sqlite:///{tmp_path / 'ready.sqlite3'}")
+    server = idem.serve_readiness(app, host="127.0.0.1", port=0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(b"GET /readyz HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n")  # too many
+            answer = b""
+            while chunk := conn.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"431"
+        assert b"Content-Type: " + PROBLEM_JSON.encode() in head
+        assert json.loads(body)["status"] == 431
     finally:
         server.close()
         with app.app_context():
