@@ -826,7 +826,9 @@ def relay(once: bool, batch: int, poll: float) -> None:
         return
     stop = threading.Event()
     listener = Listener(app, wake=wake)
-    wants_listen, relisten_at = listener.listening, 0.0
+    # Meant to LISTEN, whether the first LISTEN worked or not: one that failed
+    # (the database away as it started) is tried again every RELISTEN_EVERY.
+    wants_listen, relisten_at = listener.can_listen, 0.0
     trouble = _Trouble()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -859,9 +861,10 @@ def relay(once: bool, batch: int, poll: float) -> None:
                 level = logging.INFO if run.taken else logging.DEBUG
                 logger.log(level, "outbox relay: %s", _relay_line(run))
             if wants_listen and not listener.listening and time.monotonic() >= relisten_at:
-                # LISTEN was lost with the database: try again, now and then.
+                # LISTEN failed or was lost with the database: try again, now
+                # and then (its failures at DEBUG: said when it first failed).
                 listener.close()
-                listener = Listener(app, wake=wake)
+                listener = Listener(app, wake=wake, retrying=True)
                 relisten_at = time.monotonic() + RELISTEN_EVERY
                 if listener.listening:
                     trouble.fine("outbox relay LISTEN")

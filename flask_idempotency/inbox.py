@@ -118,10 +118,23 @@ def _resolve_now(now: dt.datetime | None) -> dt.datetime:
     return state.clock() if state is not None else _utc_now()
 
 
+def _id_text(event_id: str | int) -> str:
+    """An event id as the inbox keeps it: a string, or an integer (not a bool)
+    in decimal (``7`` and ``"7"`` are the same id)."""
+    if isinstance(event_id, int) and not isinstance(event_id, bool):
+        return str(event_id)
+    if not isinstance(event_id, str):
+        raise TypeError(
+            f"an inbox event_id must be a string or an integer, got "
+            f"{type(event_id).__name__} {event_id!r}"
+        )
+    return event_id
+
+
 def mark_processed(
     session: Session | scoped_session[t.Any],
     consumer: str,
-    event_id: str,
+    event_id: str | int,
     *,
     ttl: dt.timedelta | float | None = None,
     now: dt.datetime | None = None,
@@ -130,8 +143,13 @@ def mark_processed(
     delivery must do the work, ``False`` if the event was processed already.
 
     Waits for a concurrent delivery's transaction holding the same id. Nothing
-    is committed: the row commits (or rolls back) with the caller's work.
+    is committed: the row commits (or rolls back) with the caller's work. An
+    integer ``event_id`` is kept in decimal (``7`` is ``"7"``); another type
+    raises ``TypeError``.
     """
+    event_id = _id_text(event_id)
+    if not isinstance(consumer, str):
+        raise TypeError(f"an inbox consumer must be a string, got {type(consumer).__name__}")
     if not consumer or not event_id:
         raise ValueError("consumer and event_id must be non-empty strings")
     if len(consumer) > MAX_ID_LENGTH or len(event_id) > MAX_ID_LENGTH:
@@ -148,42 +166,63 @@ def mark_processed(
     }
     dialect = session.get_bind().dialect
     name = dialect.name
-    insert = _INSERTS.get(name)
+    # The insert may meet an expired row that cleanup deletes before the read
+    # or the renewal below: no row then means "not processed", so insert again.
+    read = _READ_LOCKING if name in _MYSQL else _READ
+    for _ in range(ATTEMPTS):
+        if _insert(session, dialect, params):
+            return True
+        # The id is there, committed. Only an expired one is taken over; a live
+        # one is left without a write lock (on MySQL every waiter holds a shared
+        # lock on it after INSERT IGNORE: a write by each would deadlock them).
+        # The read locks on MySQL, so that it sees the latest row whatever the
+        # snapshot. (On PostgreSQL an insert that conflicts with a row its
+        # REPEATABLE READ snapshot cannot see fails as a serialization error:
+        # the read sees the row the insert met, unless it was deleted since.)
+        expires_at = session.execute(
+            read, {"w_consumer": consumer, "w_event_id": event_id}
+        ).scalar()
+        if expires_at is None:
+            continue  # deleted since the insert met it (cleanup): insert again
+        if t.cast(dt.datetime, as_utc(expires_at)) > now:
+            return False  # processed, and still within its window
+        renewed = changed_one(
+            session,
+            _RENEW_RETURNING if dialect.update_returning else _RENEW,
+            {
+                "processed_at": now,
+                "expires_at": expires,
+                "w_consumer": consumer,
+                "w_event_id": event_id,
+                "w_now": now,
+            },
+        )
+        if renewed:
+            return True
+        # Renewed by a concurrent delivery (the insert now meets its live row:
+        # processed) or deleted by cleanup (the insert writes it: fresh).
+    raise RuntimeError(
+        f"inbox: the id {event_id!r} of {consumer!r} was in the way of the insert and gone "
+        f"by the read, {ATTEMPTS} times in a row"
+    )
+
+
+def _insert(
+    session: Session | scoped_session[t.Any], dialect: t.Any, params: dict[str, t.Any]
+) -> bool:
+    """Insert the id; whether this insert wrote the row (``False``: it was there)."""
+    insert = _INSERTS.get(dialect.name)
     if insert is not None and dialect.insert_returning:
         # Whether the row is ours is what the insert returns, never a row count.
-        inserted = session.execute(insert, params).first() is not None
-    else:
-        # No RETURNING here (MySQL): the insert in a savepoint, a duplicate is
-        # "exists" (an error the statement itself raises).
-        try:
-            with session.begin_nested():
-                session.execute(sa.insert(_TABLE).values(_VALUES), params)
-            inserted = True
-        except sa.exc.IntegrityError:
-            inserted = False
-    if inserted:
+        return session.execute(insert, params).first() is not None
+    # No RETURNING here (MySQL): the insert in a savepoint, a duplicate is
+    # "exists" (an error the statement itself raises).
+    try:
+        with session.begin_nested():
+            session.execute(sa.insert(_TABLE).values(_VALUES), params)
         return True
-    # The id is there, committed. Only an expired one is taken over; a live one
-    # is left without a write lock (on MySQL every waiter holds a shared lock on
-    # it after INSERT IGNORE: a write by each would deadlock them). The read
-    # locks on MySQL, so that it sees the latest row whatever the snapshot.
-    read = _READ_LOCKING if name in _MYSQL else _READ
-    expires_at = session.execute(read, {"w_consumer": consumer, "w_event_id": event_id}).scalar()
-    if expires_at is None or t.cast(dt.datetime, as_utc(expires_at)) > now:
-        # Not visible: committed after this transaction's snapshot (PostgreSQL
-        # REPEATABLE READ), so processed just now.
+    except sa.exc.IntegrityError:
         return False
-    return changed_one(
-        session,
-        _RENEW_RETURNING if dialect.update_returning else _RENEW,
-        {
-            "processed_at": now,
-            "expires_at": expires,
-            "w_consumer": consumer,
-            "w_event_id": event_id,
-            "w_now": now,
-        },
-    )
 
 
 @contextlib.contextmanager
@@ -191,7 +230,7 @@ def process(
     session: Session | scoped_session[t.Any],
     *,
     consumer: str,
-    event_id: str,
+    event_id: str | int,
     commit: bool = False,
     ttl: dt.timedelta | float | None = None,
     now: dt.datetime | None = None,
@@ -217,6 +256,7 @@ def process(
     """
     # A scoped session: the registry's current session.
     current = session() if isinstance(session, scoped_session) else session
+    event_id = _id_text(event_id)
     try:
         fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
         if not fresh:
@@ -282,7 +322,7 @@ def consumer(
     name: str,
     *,
     session: SessionArg,
-    event_id: t.Callable[..., str],
+    event_id: t.Callable[..., str | int],
     ttl: dt.timedelta | float | None = None,
 ) -> t.Callable[[F], F]:
     """Make a plain function (a broker callback, a Celery task) process each event
@@ -291,7 +331,8 @@ def consumer(
         @inbox.consumer("billing", session=lambda: db.session, event_id=lambda msg: msg["id"])
         def bill(msg): ...
 
-    ``event_id`` is called with the function's arguments and returns the id.
+    ``event_id`` is called with the function's arguments and returns the id
+    (a string, or an integer, kept in decimal).
     ``session`` is a session, or a callable returning one (called per delivery).
     Each call inserts the id in the session's transaction, runs the function and
     commits (the function's work, anything else pending in the session, and the

@@ -155,6 +155,27 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+#: The most UTF-8 bytes of an event's topic and id: an AMQP short string (the
+#: routing key, the message id) holds 255.
+MAX_SHORT_BYTES = 255
+
+
+def _check_short_text(what: str, value: str) -> None:
+    """Refuse, when it is emitted, a topic or event id that no broker could be
+    sent: over 255 UTF-8 bytes (AMQP's routing key and message id; a
+    255-character column holds 100 characters of 3 bytes, which AMQP does
+    not), or not UTF-8 at all (a lone surrogate)."""
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"an event's {what} must be valid Unicode, got {value!r}") from exc
+    if size > MAX_SHORT_BYTES:
+        raise ValueError(
+            f"an event's {what} must be at most {MAX_SHORT_BYTES} bytes in UTF-8 (an AMQP "
+            f"routing key or message id), got {size}: {_clip(value, 60)!r}"
+        )
+
+
 def add_event(
     session: t.Any,
     topic: str,
@@ -167,17 +188,24 @@ def add_event(
     """Insert an event through ``session`` (in its current transaction).
 
     ``payload`` must be JSON-serializable; ``event_id`` (at most 64 characters)
-    identifies the event. Adding an id that exists already with the same topic
-    and payload adds nothing (the same event, added again: a resumed
-    operation); with another topic or payload it raises
+    identifies the event. ``topic`` (the routing key) and ``event_id`` (the
+    message id) must each fit in 255 bytes of UTF-8, AMQP's limit, and a
+    topic in 255 characters: a ``ValueError`` here, before anything is added,
+    rather than an event that can never be published. Adding an id that
+    exists already with the same topic and payload adds nothing (the same
+    event, added again: a resumed operation); with another topic or payload it raises
     :class:`~flask_idempotency.errors.EventIdConflictError` and adds nothing,
     leaving the transaction usable. Headers are not compared. The event is
     published by the relay once the session's transaction commits, and never if
     it rolls back. Returns ``event_id``. Call in an app context of an app with
     the extension registered.
     """
-    if not event_id or len(event_id) > 64:
+    if not isinstance(event_id, str) or not event_id or len(event_id) > 64:
         raise ValueError(f"event_id must be 1 to 64 characters, got {event_id!r}")
+    _check_short_text("event_id", event_id)
+    if not isinstance(topic, str) or not topic:
+        raise ValueError(f"an event's topic must be a non-empty string, got {topic!r}")
+    _check_short_text("topic", topic)
     state = app_state()
     table = outbox_table(state.db.metadata)
     text = canonical_payload(payload)

@@ -12,11 +12,32 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import typing as t
 
 if t.TYPE_CHECKING:
     from .outbox import OutboxEvent
+
+logger = logging.getLogger("flask_idempotency")
+
+#: AMQP reply codes with which a broker answers the message being published
+#: (closing the channel or the connection): the message's failure, not the
+#: broker's. 311 content too large, 406 precondition failed (a message over
+#: ``max_message_size``, a bad property), 501 frame error (headers larger than
+#: a frame), 502 syntax error, 503 command invalid, 505 unexpected frame.
+MESSAGE_CODES = frozenset({311, 406, 501, 502, 503, 505})
+
+#: AMQP reply codes of a refused login or vhost (at connect): 402 invalid
+#: path, 403 access refused, 530 not allowed.
+_LOGIN_CODES = frozenset({402, 403, 530})
+
+
+class StalledMessage(Exception):
+    """The same event's publish was cut off or timed out
+    :attr:`KombuPublisher.STALLS` times in a row while the broker kept
+    accepting connections: counted as the event's failure (see
+    :class:`KombuPublisher`)."""
 
 
 class CallablePublisher:
@@ -63,14 +84,35 @@ class KombuPublisher:
     once (no sleeping retry loop: the relay retries the event later), and
     ``timeout`` (seconds) bounds connecting, sending and waiting for the
     confirm, so a broker that stopped answering cannot hold the relay (and its
-    rows) for ever. ``publish`` raises
-    :class:`~flask_idempotency.relay.BrokerUnavailable` when the broker cannot
-    be reached or does not answer within ``timeout`` (never counted toward
-    parking), and the transport's own error otherwise: a message the broker
-    refused (a nack, py-amqp's ``MessageNacked``: a full queue with
-    ``x-overflow: reject-publish``, an internal error) is the event's failure,
-    backed off and parked after ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``, and keeps
-    the connection, so the events after it go out in the same batch.
+    rows) for ever.
+
+    ``publish`` raises :class:`~flask_idempotency.relay.BrokerUnavailable`
+    (never counted toward parking; the relay ends its batch) when the broker is
+    not there to take any message: connecting, logging in or declaring failed
+    (refused, timed out, a login or vhost the broker refused, a permission it
+    revoked: one connection attempt per run, logged), or the connection was
+    lost or timed out while publishing, or the broker closed it for a reason of
+    its own (a shutdown, an internal error, a missing exchange, a refused
+    permission). It raises an ordinary error, the event's failure (backed off,
+    parked after ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``, the events after it go
+    out in the same batch), when the message itself is what failed: a nack
+    (py-amqp's ``MessageNacked``: a full queue with ``x-overflow:
+    reject-publish``; the connection is kept), a message the client cannot
+    encode (a routing key or header over AMQP's limits), or a broker that
+    answered this message by closing the connection or channel (AMQP codes
+    311, 406, 501, 502, 503, 505: headers larger than a frame, a message
+    over the broker's ``max_message_size``).
+
+    A publish that is cut off or times out after the connection was up counts as
+    the broker's failure, but not for ever: when the same event fails that way
+    :attr:`STALLS` times in a row, with no connect failing in between
+    (so the broker kept accepting connections; other events going out in
+    between only confirm it), and the broker had not told the connection it was blocked
+    (a RabbitMQ memory or disk alarm), the next such failure is raised as
+    :class:`StalledMessage`, the event's failure: a message whose confirm
+    always outlasts ``timeout`` (a very large one) is backed off and parked
+    rather than heading every run for ever. A real outage makes the connect
+    fail, which starts the count again.
     """
 
     def __init__(
@@ -108,11 +150,37 @@ class KombuPublisher:
         self._connection: t.Any = None
         self._producer: t.Any = None
         self._lock = threading.Lock()
+        self._blocked = False  # the broker said the connection is blocked (an alarm)
+        self._stalled: tuple[str, int] = ("", 0)  # (event id, cut-offs in a row)
+
+    #: Cut-offs and timeouts of one event's publish in a row (the connection up,
+    #: connects not failing) that count as the broker's; the next is the event's.
+    STALLS = 3
+
+    def _connection_options(self) -> dict[str, t.Any]:
+        options = dict(self.transport_options)
+        if self.url.split("://", 1)[0] in ("amqp", "pyamqp", "amqps"):
+            # Every wait for the broker bounded, the ones kombu gives no timeout
+            # too (the confirm.select a channel's first publish waits for).
+            options.setdefault("read_timeout", self.timeout)
+            options.setdefault("write_timeout", self.timeout)
+            # py-amqp tells a blocked connection (a memory or disk alarm): a
+            # confirm that times out then is the broker's, however often.
+            options.setdefault("on_blocked", self._on_blocked)
+            options.setdefault("on_unblocked", self._on_unblocked)
+        return options
+
+    def _on_blocked(self, reason: object = None) -> None:
+        self._blocked = True
+
+    def _on_unblocked(self) -> None:
+        self._blocked = False
 
     def _ensure(self) -> t.Any:
         if self._producer is None:
+            self._blocked = False
             self._connection = self._kombu.Connection(
-                self.url, transport_options=self.transport_options, connect_timeout=self.timeout
+                self.url, transport_options=self._connection_options(), connect_timeout=self.timeout
             )
             self._connection.ensure_connection(max_retries=0)  # one try, no sleeping
             self._producer = self._connection.Producer()
@@ -128,7 +196,27 @@ class KombuPublisher:
 
         with self._lock:
             try:
-                self._ensure().publish(
+                producer = self._ensure()
+            except Exception as exc:
+                # Nothing of this event's was sent: connecting, logging in or
+                # declaring failed, which no event can cause. One attempt per
+                # run (the relay ends the batch), never counted toward parking.
+                self._drop()
+                self._stalled = ("", 0)  # the broker is away: not a stall
+                code = getattr(exc, "reply_code", None)
+                if code in _LOGIN_CODES:
+                    logger.error(
+                        "outbox publisher: the broker refused the connection (%s: %s); "
+                        "check the URL's credentials, vhost and permissions. The events "
+                        "wait, none counts it as a failure",
+                        type(exc).__name__,
+                        exc,
+                    )
+                raise BrokerUnavailable(
+                    f"cannot connect to the broker: {type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                producer.publish(
                     event.payload,
                     exchange=self.exchange,
                     routing_key=event.topic,
@@ -143,18 +231,45 @@ class KombuPublisher:
             except Exception as exc:
                 if _refused(exc):
                     # The broker answered: the connection and channel are fine.
+                    self._forget_stall(event)
                     raise
-                unreachable = self._unreachable(exc)
+                unavailable = self._unreachable(exc)
+                blocked = self._blocked
                 self._drop()
-                if unreachable:
-                    raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-                raise
+                if not unavailable:
+                    self._forget_stall(event)
+                    raise
+                stalls = self._stalled[1] + 1 if self._stalled[0] == event.event_id else 1
+                if blocked:
+                    stalls = 0  # the broker said why: an alarm, not this message
+                self._stalled = (event.event_id, stalls)
+                if stalls > self.STALLS:
+                    raise StalledMessage(
+                        f"not confirmed {stalls} times in a row while the broker accepted "
+                        f"connections (counted as the event's failure): "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            self._forget_stall(event)
+
+    def _forget_stall(self, event: OutboxEvent) -> None:
+        """``event``'s publish got an answer: its count of cut-offs starts again.
+        (Other events going out meanwhile do not reset it: they say the broker
+        is up, and so that this one's trouble is its own.)"""
+        if self._stalled[0] == event.event_id:
+            self._stalled = ("", 0)
 
     def _unreachable(self, exc: Exception) -> bool:
-        """Whether ``exc`` says the broker could not be reached (rather than that
-        it refused this message)."""
+        """Whether ``exc``, raised while publishing on a connection that was up,
+        is the broker's failure (the connection lost, timed out, or closed for
+        a reason of the broker's own) rather than this message's."""
         if _refused(exc):
             return False
+        code = getattr(exc, "reply_code", None)
+        amqp_error = _amqp_error()
+        if amqp_error is not None and isinstance(exc, amqp_error):
+            # The broker closed the channel or the connection, and said why.
+            return code not in MESSAGE_CODES
         if isinstance(exc, (OSError, TimeoutError)):
             return True
         if isinstance(exc, self._kombu.exceptions.OperationalError):
@@ -186,12 +301,20 @@ class KombuPublisher:
                 connection.release()
 
 
+def _amqp_error() -> type[Exception] | None:
+    try:
+        from amqp.exceptions import AMQPError  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - kombu without py-amqp
+        return None
+    return t.cast("type[Exception]", AMQPError)
+
+
 def _refused(exc: BaseException) -> bool:
     """Whether ``exc`` is the broker refusing the message (a nack): py-amqp lists
     ``MessageNacked`` among its recoverable connection errors, but the
     connection is fine and the failure is the message's."""
     try:
-        from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
+        from amqp.exceptions import MessageNacked
     except ImportError:  # pragma: no cover - kombu without py-amqp
         return False
     return isinstance(exc, MessageNacked)

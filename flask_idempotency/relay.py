@@ -600,14 +600,17 @@ class Listener:
     ``idempotency_outbox`` on a connection of its own (autocommit, detached from
     the pool), so commits in any process wake it; with another driver it polls.
     A commit that carried events in this process wakes it too
-    (:func:`~flask_idempotency.outbox.on_commit`), on every engine. With
+    (:func:`~flask_idempotency.outbox.on_commit`), on every engine. A LISTEN
+    that fails leaves it polling (:attr:`listening` false, :attr:`can_listen`
+    true): its owner makes a new one now and then (``retrying=True`` logs
+    the failures of those at DEBUG). With
     ``wake=False`` it does neither and only waits out the timeout (polling
     alone). :meth:`interrupt` (safe in a signal handler) ends a wait at once.
     It waits with :mod:`selectors` (epoll on Linux), so any number of files
     open in the process is fine.
     """
 
-    def __init__(self, app: Flask, *, wake: bool = True) -> None:
+    def __init__(self, app: Flask, *, wake: bool = True, retrying: bool = False) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
@@ -618,6 +621,7 @@ class Listener:
         self._conn_fd = -1
         self._driver = ""
         self._born = time.monotonic()
+        self._can_listen = False
         if not wake:
             return
         on_commit(self.interrupt)
@@ -625,6 +629,7 @@ class Listener:
             engine = app_state(app).db.engine
         driver = engine.dialect.driver
         if engine.dialect.name == "postgresql" and driver in ("psycopg2", "psycopg"):
+            self._can_listen = True
             raw: t.Any = None
             try:
                 raw = engine.raw_connection()
@@ -638,7 +643,12 @@ class Listener:
                 self._selector.register(fd, selectors.EVENT_READ)
                 self._raw, self._conn, self._conn_fd, self._driver = raw, conn, fd, driver
             except Exception:
-                logger.warning("outbox relay: LISTEN failed; polling only", exc_info=True)
+                if retrying:  # said when it first failed; one line a try now
+                    logger.debug("outbox relay: LISTEN failed again", exc_info=True)
+                else:
+                    logger.warning(
+                        "outbox relay: LISTEN failed; polling, and trying again", exc_info=True
+                    )
                 if raw is not None:
                     with contextlib.suppress(Exception):
                         raw.driver_connection.close()
@@ -647,6 +657,14 @@ class Listener:
     def listening(self) -> bool:
         """Whether it LISTENs on PostgreSQL (commits in other processes wake it)."""
         return self._conn is not None
+
+    @property
+    def can_listen(self) -> bool:
+        """Whether it is meant to LISTEN (wake-ups on, PostgreSQL with psycopg2 or
+        psycopg 3), whether or not its LISTEN succeeded: one that failed (the
+        database away at the time) is worth trying again, one that cannot
+        LISTEN (another engine or driver, ``wake=False``) is not."""
+        return self._can_listen
 
     @property
     def age(self) -> float:

@@ -33,6 +33,7 @@ import datetime as dt
 import logging
 import os
 import threading
+import time
 import typing as t
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -86,6 +87,9 @@ class JobScheduler:
         self._relay_lock = threading.Lock()
         self._relay_running = False
         self._relay_again = False
+        # Until when (time.monotonic()) wake-ups wait: the last relay run found
+        # the broker unavailable.
+        self._broker_away_until = 0.0
         self.waker: RelayWaker | None = None
         self.relays = app.config.get("IDEMPOTENCY_PUBLISHER") is not None
         if self.relays:
@@ -162,6 +166,30 @@ class JobScheduler:
                 state.db.session.remove()
         return True
 
+    #: Seconds (at most ``IDEMPOTENCY_RELAY_EVERY``) during which wake-ups wait
+    #: after a relay run found the broker unavailable: while it is away, a
+    #: commit does not make a run (a connection attempt) of its own; the poll
+    #: goes on, and a wake-up that waited runs when the pause ends.
+    BROKER_PAUSE = 5.0
+
+    def _relay_drain(self, app: Flask, keep_going: KeepGoing) -> None:
+        from .relay import relay_batch
+
+        # As _relay_job, and remembering whether the broker was there.
+        while True:
+            run = relay_batch(app)
+            if run.broker_unavailable:
+                pause = min(self.BROKER_PAUSE, self.state.settings.relay_every.total_seconds())
+                self._broker_away_until = time.monotonic() + pause
+            else:
+                self._broker_away_until = 0.0
+            if not (run.more and keep_going()):
+                return
+
+    def broker_pause_left(self) -> float:
+        """Seconds wake-ups still wait because the broker was unavailable (0: none)."""
+        return max(0.0, self._broker_away_until - time.monotonic())
+
     def _relay_tick(self, name: str, func: JobFunc, every: dt.timedelta) -> None:
         self.relay_now(every)
 
@@ -174,6 +202,10 @@ class JobScheduler:
         which case that run goes round once more before it ends (when called
         without ``every``, as by a wake-up; a poll tick does not ask for that).
         """
+        if every is None and self.broker_pause_left() > 0:
+            # A wake-up while the broker is known away: skipped (the waker
+            # tries it again once the pause is over; the poll goes on).
+            return False
         with self._relay_lock:
             if self._relay_running:
                 # A wake-up (no every) is news the run may have missed; a
@@ -182,7 +214,7 @@ class JobScheduler:
                 return None
             self._relay_running, self._relay_again = True, False
         try:
-            ran = self.run_job("relay", _relay_job, every)
+            ran = self.run_job("relay", self._relay_drain, every)
             while True:
                 with self._relay_lock:
                     if not self._relay_again:
@@ -191,7 +223,7 @@ class JobScheduler:
                     self._relay_again = False
                 # Woken during the run: events may have committed after its
                 # last read of the outbox.
-                ran = self.run_job("relay", _relay_job) or ran
+                ran = self.run_job("relay", self._relay_drain) or ran
         except BaseException:
             with self._relay_lock:
                 self._relay_running = False
@@ -221,6 +253,10 @@ class JobScheduler:
 class RelayWaker:
     """The thread that runs a scheduler's relay job when events commit.
 
+    While the broker is known away (the last run found it unavailable), a
+    wake-up waits out :attr:`JobScheduler.BROKER_PAUSE`, then runs: one
+    connection attempt per pause however many commits, not one per commit.
+
     It waits on a :class:`~flask_idempotency.relay.Listener` and calls
     :meth:`JobScheduler.relay_now` when woken. A wake-up whose run was skipped
     because another process's relay run holds the job lock is tried again
@@ -242,7 +278,9 @@ class RelayWaker:
         self.jobs = jobs
         self._stop = threading.Event()
         self.listener = Listener(jobs.app)
-        self._wants_listen = self.listener.listening
+        # Meant to LISTEN, whether the first LISTEN worked or not: one that
+        # failed (the database away as it started) is tried again.
+        self._wants_listen = self.listener.can_listen
         self._thread = threading.Thread(
             target=self._run, name="idempotency-relay-wake", daemon=True
         )
@@ -258,10 +296,16 @@ class RelayWaker:
     def _run(self) -> None:
         pending = False
         backoff = RelistenBackoff()
+        relisten_at = time.monotonic() + self.RELISTEN
         try:
             while not self._stop.is_set():
                 relisten = self._wants_listen and not self.listener.listening
-                timeout = self.RETRY if pending else self.RELISTEN if relisten else None
+                timeout = None
+                if relisten:
+                    timeout = max(0.0, relisten_at - time.monotonic())
+                if pending:
+                    retry = max(self.RETRY, self.jobs.broker_pause_left())
+                    timeout = retry if timeout is None else min(timeout, retry)
                 try:
                     woken = self.listener.wait(timeout)
                 except Exception:
@@ -272,18 +316,25 @@ class RelayWaker:
                     if self._stop.wait(backoff.delay(self.listener)):
                         break
                     self.listener = Listener(self.jobs.app)  # without LISTEN if it fails
+                    relisten_at = time.monotonic() + self.RELISTEN
                     pending = True  # a notification may have been lost with it
                     continue
                 if self._stop.is_set():
                     break
-                if relisten and not woken:
+                if relisten and time.monotonic() >= relisten_at:
+                    # Every RELISTEN seconds, however busy the in-process wake-ups.
                     self._replace_listener()
+                    relisten_at = time.monotonic() + self.RELISTEN
+                    if self.listener.listening:
+                        logger.info("outbox relay wake-ups: LISTEN works again")
+                        pending = True  # a commit elsewhere may have come meanwhile
                 if woken or pending:
                     try:
                         # None: a run here goes round again; True: ran;
                         # False: skipped, another process's run holds the lock.
                         skipped = self.jobs.relay_now() is False
-                        pending = skipped and not self.listener.listening
+                        paused = self.jobs.broker_pause_left() > 0
+                        pending = skipped and (paused or not self.listener.listening)
                     except Exception:
                         logger.exception("outbox relay run after a wake-up failed")
                         pending = False
@@ -292,7 +343,8 @@ class RelayWaker:
 
     def _replace_listener(self) -> None:
         self.listener.close()
-        self.listener = Listener(self.jobs.app)  # without LISTEN if it fails again
+        # Without LISTEN if it fails again (logged at DEBUG: said once already).
+        self.listener = Listener(self.jobs.app, retrying=True)
 
     def stop(self, wait: bool = True) -> None:
         """End the thread, which closes its listener (and LISTEN connection)."""

@@ -826,3 +826,28 @@ def test_event_ids_hold_64_characters_of_any_script(app: Flask) -> None:
     [stored] = rows(app)
     event_id = stored["event_id"]
     assert (event_id.decode() if isinstance(event_id, bytes) else event_id) == longest
+
+
+def test_a_topic_or_id_no_broker_could_take_is_refused_at_emit(app: Flask) -> None:
+    """A topic of 100 three-byte characters fits the 255-character column but
+    not AMQP's 255-byte routing key; an id of 64 four-byte characters is 256
+    bytes of message id. Both are a ``ValueError`` at the emit, in a request
+    and in ``add_event``, and nothing is added. (They used to be added and
+    then parked with "ubyte format requires 0 <= number <= 255".) 255 bytes
+    are fine (85 characters of topic, 63 four-byte characters and one more of id)."""
+    with app.test_request_context("/"):
+        with pytest.raises(ValueError, match=r"at most 255 bytes in UTF-8.*got 300"):
+            outbox_app.idem.emit("注文" * 50, {"a": 1})
+        with pytest.raises(ValueError, match="topic must be valid Unicode"):
+            outbox_app.idem.emit("t\ud800", {"a": 1})
+    with app.app_context():
+        session = outbox_app.db.session
+        with pytest.raises(ValueError, match="event_id must be at most 255 bytes"):
+            add_event(session, "t", {"a": 1}, event_id="𝄞" * 64)
+        with pytest.raises(ValueError, match="non-empty string"):
+            add_event(session, "", {"a": 1}, event_id="e")
+        session.rollback()
+        add_event(session, "注" * 85, {"a": 1}, event_id="𝄞" * 63 + "a")
+        session.commit()
+    [stored] = rows(app)
+    assert stored["topic"] == "注" * 85

@@ -40,7 +40,7 @@ from . import outbox_app
 from .conftest import Clock, mysql_url, postgres_url
 from .tcp_proxy import TcpProxy, upstream_of
 from .test_outbox import reset
-from .test_relay_faults import RABBITMQ, Broker, delete_queue, drain, text, waiting
+from .test_relay_faults import RABBITMQ, Broker, collect, delete_queue, drain, text, waiting
 
 
 def rabbitmq() -> Broker:
@@ -442,4 +442,171 @@ def test_a_nacked_message_counts_toward_parking_and_the_batch_goes_on(
             for queue in (full, ok):
                 queue(channel).delete()
             exchange(channel).delete()
+        dispose(app)
+
+
+def test_a_message_the_broker_closes_the_connection_over_is_its_own_failure(
+    pg_url: str, clock: Clock
+) -> None:
+    """An event whose headers (200 kB) exceed an AMQP frame: RabbitMQ answers
+    its publish by closing the connection (501 FRAME_ERROR). That is the
+    event's failure: attempts 1, backed off, parked at MAX_ATTEMPTS=2, and the
+    events behind it go out in the same batch. (It used to be taken for
+    "broker unavailable": never counted, first in every run, and nothing
+    behind it was ever published.)"""
+    broker = rabbitmq()
+    tag = uuid.uuid4().hex[:10]
+    exchange = queue = f"relay-frame-{tag}"
+    app = outbox_app.create_app(pg_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2)
+    reset(pg_url)
+    with app.app_context():
+        add_event(
+            outbox_app.db.session,
+            "t",
+            {"id": "big"},
+            event_id="big",
+            headers={"trace": "x" * 200_000},
+        )
+        outbox_app.db.session.commit()
+    add_events(app, "after-0", "after-1", "after-2")
+    publisher = KombuPublisher(broker.url, exchange=exchange, queues=[queue], timeout=5)
+    try:
+        run = relay_batch(app, publisher)
+        assert (run.published, run.failed, run.broker_unavailable) == (3, 1, False)
+        big = stored(pg_url)[0]
+        assert (big["attempts"], big["failed_at"], big["published_at"]) == (1, None, None)
+        assert big["last_error"].startswith("FrameError")
+        assert big["next_attempt_at"] == clock() + backoff(1)
+        assert all(r["published_at"] is not None for r in stored(pg_url)[1:])
+        clock.advance(seconds=backoff(1).total_seconds())
+        run = relay_batch(app, publisher)
+        assert (run.taken, run.failed, run.broker_unavailable) == (1, 1, False)
+        assert stored(pg_url)[0]["failed_at"] is not None  # parked
+        got = drain(broker, exchange, queue, 3)
+        assert sorted(m["event_id"] for m in got) == ["after-0", "after-1", "after-2"]
+    finally:
+        publisher.close()
+        delete_queue(broker, exchange, queue)
+        dispose(app)
+
+
+class CountingPublisher(KombuPublisher):
+    """A :class:`KombuPublisher` that counts the connections it opens."""
+
+    connects = 0
+
+    def _ensure(self) -> t.Any:
+        if self._producer is None:
+            self.connects += 1
+        return super()._ensure()
+
+
+@pytest.mark.parametrize(
+    ("credentials", "vhost"),
+    [("guest:wrong-password", ""), ("guest:guest", "no-such-vhost-relay-tests")],
+    ids=["wrong-password", "unknown-vhost"],
+)
+def test_a_refused_login_is_the_broker_being_unavailable(
+    pg_url: str, clock: Clock, credentials: str, vhost: str
+) -> None:
+    """The broker refuses the relay's login (a rotated password: 403
+    ACCESS_REFUSED; a vhost that is not there): no event is at fault. Each run
+    tries one connection, ends at the first event with its attempts unchanged,
+    and none is ever parked, however many runs pass MAX_ATTEMPTS=2. (Every
+    event used to count it as its own failure, one connection each, and all
+    were parked after two runs.)"""
+    rabbitmq()
+    app = outbox_app.create_app(pg_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2)
+    reset(pg_url)
+    add_events(app, "e0", "e1", "e2")
+    publisher = CountingPublisher(
+        f"amqp://{credentials}@127.0.0.1:{RABBITMQ[1]}/{vhost}", exchange="relay-login", timeout=5
+    )
+    try:
+        for _ in range(4):
+            run = relay_batch(app, publisher)
+            assert (run.taken, run.published, run.failed, run.broker_unavailable) == (
+                3,
+                0,
+                0,
+                True,
+            )
+            clock.advance(minutes=1)
+        assert publisher.connects == 4  # one per run
+        rows = stored(pg_url)
+        assert [(r["attempts"], r["failed_at"], r["published_at"]) for r in rows] == [
+            (0, None, None)
+        ] * 3
+        assert rows[0]["last_error"].startswith("BrokerUnavailable: cannot connect to the broker")
+        assert all(r["next_attempt_at"] is None for r in rows)  # due at once
+    finally:
+        publisher.close()
+        dispose(app)
+
+
+class ConfirmOutlastsTimeout(KombuPublisher):
+    """A :class:`KombuPublisher` through ``proxy`` whose connection goes quiet
+    (a blackhole) right after connecting whenever ``slow`` is the event being
+    published: the broker accepts connections and every other event, but this
+    one's confirm never comes within the timeout, as with a message too large
+    to be confirmed in time."""
+
+    def __init__(self, proxy: TcpProxy, slow: str, **kw: t.Any) -> None:
+        super().__init__(f"amqp://guest:guest@127.0.0.1:{proxy.port}//", **kw)
+        self.proxy, self.slow, self.current = proxy, slow, ""
+
+    def _ensure(self) -> t.Any:
+        producer = super()._ensure()
+        if self.current == self.slow:
+            self.proxy.blackhole()
+        return producer
+
+    def publish(self, event: OutboxEvent) -> None:
+        self.current = text(event.event_id)
+        try:
+            super().publish(event)
+        finally:
+            self.proxy.heal()
+
+
+def test_an_event_whose_confirm_always_times_out_stops_heading_every_run(
+    pg_url: str, clock: Clock
+) -> None:
+    """The same event's publish times out run after run while the broker keeps
+    accepting connections: the first STALLS=3 count as the broker's (an outage
+    looks the same at first), the next is the event's failure
+    (``StalledMessage``, attempts 1, backed off), and the events behind it go
+    out in that run. (It used to head every run for ever, nothing behind it
+    published.)"""
+    broker = rabbitmq()
+    exchange = queue = f"relay-slow-{uuid.uuid4().hex[:10]}"
+    app = outbox_app.create_app(pg_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=5)
+    reset(pg_url)
+    add_events(app, "slow", "e1", "e2")
+    proxy = TcpProxy(broker.upstream)
+    publisher = ConfirmOutlastsTimeout(proxy, "slow", exchange=exchange, queues=[queue], timeout=1)
+    try:
+        for _ in range(KombuPublisher.STALLS):
+            run = relay_batch(app, publisher)
+            assert (run.published, run.failed, run.broker_unavailable) == (0, 0, True)
+            assert stored(pg_url)[0]["attempts"] == 0
+        run = relay_batch(app, publisher)
+        assert (run.published, run.failed, run.broker_unavailable) == (2, 1, False)
+        slow, *rest = stored(pg_url)
+        assert (slow["attempts"], slow["failed_at"], slow["published_at"]) == (1, None, None)
+        assert slow["last_error"].startswith("StalledMessage")
+        assert slow["next_attempt_at"] == clock() + backoff(1)
+        assert all(r["published_at"] is not None for r in rest)
+        # The next try after its backoff is a failure at once (no free runs
+        # again): the other events confirmed that the broker is up.
+        clock.advance(seconds=backoff(1).total_seconds())
+        run = relay_batch(app, publisher)
+        assert (run.taken, run.failed, run.broker_unavailable) == (1, 1, False)
+        assert stored(pg_url)[0]["attempts"] == 2
+        # At least once: a timed-out publish may reach the broker late.
+        assert collect(broker, exchange, queue, {"e1", "e2"})
+    finally:
+        proxy.close()
+        publisher.close()
+        delete_queue(broker, exchange, queue)
         dispose(app)

@@ -34,6 +34,7 @@ from flask_idempotency.scheduler import JobScheduler, RelayWaker
 
 from . import outbox_app
 from .conftest import run_sql
+from .tcp_proxy import TcpProxy, upstream_of
 from .test_outbox import ROOT, relay_command, reset
 
 SOON = 10.0  # generous: a bound for the test, not a timing assertion
@@ -143,6 +144,52 @@ def test_the_scheduler_wakes_on_notify_from_another_connection(pg_url: str, driv
         jobs.shutdown()
         with app.app_context():
             outbox_app.db.engine.dispose()
+
+
+def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back(
+    pg_url: str, driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database is away as the scheduler starts: its first LISTEN fails. It
+    tries again every RELISTEN seconds, and once the database is back it
+    LISTENs, and a NOTIFY from another connection wakes the relay long before
+    its 60 s poll. (A first LISTEN that failed was taken for a driver that
+    cannot LISTEN: never tried again, the poll alone for the process's life.)"""
+    monkeypatch.setattr(RelayWaker, "RELISTEN", 0.3)
+    reset(pg_url)
+    publisher = ListPublisher()
+    with TcpProxy(upstream_of(pg_url)) as proxy:
+        app = outbox_app.create_app(
+            proxy.url(on_driver(pg_url, driver, f"relisten-{uuid.uuid4().hex[:10]}")),
+            IDEMPOTENCY_PUBLISHER=publisher,
+            IDEMPOTENCY_RELAY_EVERY=60,
+        )
+        proxy.cut()
+        jobs = JobScheduler(app)
+        jobs.start()
+        try:
+            assert jobs.waker is not None
+            assert not jobs.waker.listening  # the database is away
+            time.sleep(1)  # a few RELISTEN intervals with the database still away
+            assert not jobs.waker.listening
+            proxy.heal()
+            deadline = time.monotonic() + SOON
+            while not jobs.waker.listening and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert jobs.waker.listening
+            run_sql(
+                pg_url,
+                "INSERT INTO idempotency_outbox (event_id, topic, payload, created_at, attempts)"
+                " VALUES ('from-elsewhere', 't', '{}', now(), 0)",
+            )
+            notify(pg_url)
+            deadline = time.monotonic() + SOON
+            while not publisher.events and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [e.event_id for e in publisher.events] == ["from-elsewhere"]
+        finally:
+            jobs.shutdown()
+            with app.app_context():
+                outbox_app.db.engine.dispose()
 
 
 class Terminator:

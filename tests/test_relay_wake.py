@@ -323,3 +323,44 @@ def test_a_wake_up_skipped_behind_another_process_run_is_tried_again(tmp_path: P
     finally:
         jobs.shutdown()
         dispose(app)
+
+
+def test_while_the_broker_is_away_commits_do_not_each_make_a_connection_attempt(
+    url: str,
+) -> None:
+    """The broker is unavailable and the app commits an event every 50 ms for
+    1.5 s: the first wake-up's run finds the broker away, and the wake-ups
+    after it wait out BROKER_PAUSE (5 s) instead of each making a run and a
+    connection attempt (it used to be one per commit). The wake-up that
+    waited is not lost: when the pause ends it runs, the broker is back, and
+    every event goes out, long before the 60 s poll."""
+    from flask_idempotency.publishers import CallablePublisher
+    from flask_idempotency.relay import BrokerUnavailable
+
+    attempts: list[float] = []
+    published: list[str] = []
+    away = threading.Event()
+    away.set()
+
+    def publish(event: OutboxEvent) -> None:
+        attempts.append(time.monotonic())
+        if away.is_set():
+            raise BrokerUnavailable("connection refused")
+        published.append(event.event_id)
+
+    app = make_app(url, CallablePublisher(publish))
+    jobs = JobScheduler(app)
+    jobs.start()
+    try:
+        for i in range(30):
+            with app.app_context():
+                add_event(outbox_app.db.session, "t", {"i": i}, event_id=f"e{i}")
+                outbox_app.db.session.commit()
+            time.sleep(0.05)
+        assert 1 <= len(attempts) <= 2, len(attempts)  # not one per commit
+        away.clear()
+        assert wait_until(lambda: len(published) == 30), (len(attempts), len(published))
+        assert published == [f"e{i}" for i in range(30)]
+    finally:
+        jobs.shutdown()
+        dispose(app)
