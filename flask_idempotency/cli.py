@@ -797,6 +797,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     the database when it starts and ends, and rides it out.
     """
     from .relay import Listener, RelistenBackoff, relay_batch
+    from .scheduler import JobScheduler
 
     wake = _state().settings.relay_wake
     app = resolve_app()
@@ -843,7 +844,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
     relisten = RelistenBackoff()
     try:
         while not stop.is_set():
-            more = False
+            more = broker_away = False
             try:
                 run = relay_batch(app, batch=batch)
             except sa.exc.SQLAlchemyError as exc:
@@ -855,6 +856,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
                 more = run.more
                 trouble.fine("outbox relay")
                 if run.broker_unavailable:
+                    broker_away = True
                     trouble.problem("outbox broker", "unavailable; the events wait for it")
                 else:
                     trouble.fine("outbox broker")
@@ -868,6 +870,11 @@ def relay(once: bool, batch: int, poll: float) -> None:
                 relisten_at = time.monotonic() + RELISTEN_EVERY
                 if listener.listening:
                     trouble.fine("outbox relay LISTEN")
+            if broker_away and not stop.is_set():
+                # While the broker is away, a commit (here or a NOTIFY) does not
+                # make a run, a connection attempt, of its own: one per pause.
+                # Wake-ups meanwhile stay queued, so the next wait ends at once.
+                stop.wait(min(JobScheduler.BROKER_PAUSE, poll))
             if not more and not stop.is_set():
                 try:
                     listener.wait(poll)

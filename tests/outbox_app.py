@@ -93,6 +93,12 @@ class FilePublisher:
         self.path = path
 
     def publish(self, event: OutboxEvent) -> None:
+        if os.path.exists(self.path + ".away"):  # the broker is down: count the attempt
+            with open(self.path + ".attempts", "a") as f:
+                f.write(f"{event.event_id}\n")
+            from flask_idempotency.relay import BrokerUnavailable
+
+            raise BrokerUnavailable("connection refused (the test's broker is away)")
         with open(self.path, "a") as f:
             f.write(json.dumps({"event_id": event.event_id, "id": event.id}) + "\n")
             f.flush()

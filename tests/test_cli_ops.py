@@ -705,6 +705,42 @@ def test_the_relay_logs_its_runs_and_rides_out_a_database_outage_in_a_few_lines(
 
 
 @pytest.mark.slow
+def test_the_relay_makes_one_connection_attempt_per_pause_while_the_broker_is_away(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The foreground relay, the broker down, 30 events committed by another
+    process in 1.5 s (each a NOTIFY that wakes it): a run, a connection
+    attempt, per pause, not per commit; once the broker is back every event
+    goes out, long before the 60 s poll."""
+    reset(pg_url)
+    app = outbox_app.create_app(pg_url)
+    out = tmp_path / "published.jsonl"
+    away = Path(str(out) + ".away")
+    attempts = Path(str(out) + ".attempts")
+    away.touch()
+    env = {"OUTBOX_TEST_DB": pg_url, "OUTBOX_TEST_FILE": str(out)}
+    relay = Process("tests.outbox_app:from_env", "relay", "--poll", "60", env=env)
+    try:
+        time.sleep(1.0)  # listening by now; if not, the 60 s poll fails the test
+        for i in range(30):
+            with app.app_context():
+                add_event(outbox_app.db.session, "t", {"i": i}, event_id=f"e{i}")
+                outbox_app.db.session.commit()
+            time.sleep(0.05)
+        relay.wait_for("outbox broker")  # the first run found it away
+        tried = len(attempts.read_text().splitlines())
+        assert 1 <= tried <= 2, tried  # it was one per commit
+        away.unlink()
+        relay.wait_for("INFO outbox relay: published 30", timeout=20)
+    finally:
+        relay.stop()
+        with app.app_context():
+            outbox_app.db.engine.dispose()
+    published = [json.loads(line)["event_id"] for line in out.read_text().splitlines()]
+    assert sorted(published) == sorted(f"e{i}" for i in range(30))
+
+
+@pytest.mark.slow
 def test_the_logging_the_app_configures_gets_the_lines(pg_url: str, tmp_path: Path) -> None:
     """An app that configured logging keeps it: the lines come through its
     handlers and format, and the CLI adds none of its own."""
