@@ -84,9 +84,6 @@ _PG_UNAVAILABLE_EXACT = {
     # IDEMPOTENCY_CLAIM_IDLE_TIMEOUT sets it), idle_session_timeout (PostgreSQL 14+).
     "25P03",
     "57P05",
-    # insufficient_privilege: the app's role may not write the record's table (a
-    # GRANT missing): this host cannot serve a claim; readiness fails with it.
-    "42501",
 }
 _PG_UNAVAILABLE_CLASSES = (
     "08",  # connection_exception and its subclasses
@@ -127,8 +124,6 @@ _MYSQL_UNAVAILABLE = {
     2006,  # CR_SERVER_GONE_ERROR
     2013,  # CR_SERVER_LOST
     2055,  # CR_SERVER_LOST_EXTENDED
-    1142,  # ER_TABLEACCESS_DENIED_ERROR: a GRANT missing on the record's table
-    1143,  # ER_COLUMNACCESS_DENIED_ERROR
 }
 _MYSQL_READ_ONLY = {
     # ER_OPTION_PREVENTS_STATEMENT: "running with the --read-only option" (read_only,
@@ -215,6 +210,29 @@ def read_only_reason(exc: BaseException) -> str | None:
             readonly = _SQLITE_READ_ONLY_TEXT in str(orig).lower()
         return _SQLITE_READ_ONLY_REASON if readonly else None
     return None
+
+
+# A GRANT missing: PostgreSQL insufficient_privilege (also a row-level security
+# refusal), MySQL ER_TABLEACCESS_DENIED_ERROR / ER_COLUMNACCESS_DENIED_ERROR.
+_PG_PRIVILEGE = "42501"
+_MYSQL_PRIVILEGE = {1142, 1143}
+
+
+def privilege_refused(exc: BaseException) -> bool:
+    """Whether the database refused a statement for want of a privilege.
+
+    Not a :func:`classify` failure: only the extension's own statements on the
+    record's table make it an outage of this host (the claim answers 503 and
+    readiness fails); the same refusal of a view's own statement (a GRANT or a
+    row-level security policy of the app's) is the app's error, permanent, and
+    retrying it would change nothing."""
+    orig = _driver_error(exc)
+    module = _module(orig)
+    if module in _PG_MODULES:
+        return sqlstate(orig) == _PG_PRIVILEGE
+    if module in _MYSQL_MODULES:
+        return _mysql_errno(orig) in _MYSQL_PRIVILEGE
+    return False
 
 
 def read_only(exc: BaseException) -> bool:

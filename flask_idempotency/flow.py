@@ -321,6 +321,19 @@ class Flow:
                 "The request is larger than the database accepts to keep for the recovery "
                 f"job ({exc}); nothing was stored. Send a smaller body."
             ) from None
+        except sa_exc.DBAPIError as exc:
+            if not dberrors.privilege_refused(exc):
+                raise
+            # The app's role may not write the record's table: this host cannot
+            # serve a claim (readiness says "forbidden"); another one may.
+            session.rollback()
+            logger.warning(
+                "claim of %r in scope %r refused for a privilege: %s",
+                key,
+                scope,
+                dberrors.summary(exc),
+            )
+            raise dberrors.problem_for(dberrors.UNAVAILABLE, exc) from exc
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)

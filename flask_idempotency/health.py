@@ -141,6 +141,8 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
         reason = dberrors.read_only_reason(exc)
         if reason is not None:
             probe.outcome, probe.reason = "read_only", reason
+        elif dberrors.privilege_refused(exc):  # the write check, as a claim would be
+            probe.outcome = "forbidden"
         else:
             failure = dberrors.classify(exc)
             probe.outcome = failure.value if failure is not None else "error"
@@ -177,12 +179,13 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
         # it once it sits idle as long as the probe may take.
         # Also whether the app's role may INSERT and UPDATE the table, as a
         # claim does (a GRANT missing answers every claim 503; a catalog
-        # lookup, no lock either).
+        # lookup, no lock either), granted on the table or on its columns.
         standby, read_only, may_write, _ = conn.execute(
             sa.text(
                 "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
-                "has_table_privilege(CAST(:table AS text), 'INSERT') "
-                "AND has_table_privilege(CAST(:table AS text), 'UPDATE'), " + idle_bound(":idle")
+                "has_any_column_privilege(CAST(:table AS text), 'INSERT') "
+                "AND has_any_column_privilege(CAST(:table AS text), 'UPDATE'), "
+                + idle_bound(":idle")
             ),
             {
                 "idle": f"{max(1, math.ceil(timeout.total_seconds()))}s",
@@ -211,6 +214,12 @@ def _refuses_writes(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta)
 
 def not_ready_detail(details: Details) -> str:
     """The problem's ``detail`` for a probe that did not find the database ready."""
+    if details.get("database") == "forbidden":
+        return (
+            "The app's database role may not write the record's table (a GRANT is "
+            "missing); every idempotent request would fail here: take this host out "
+            "of rotation."
+        )
     if details.get("database") == "read_only":
         return (
             "The record's database does not accept writes (it is read-only); every "

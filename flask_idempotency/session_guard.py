@@ -40,7 +40,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .errors import LeaseLostError
-from .store import ClaimWaitExceeded, Executor, Store
+from .store import ClaimWaitExceeded, Executor, Store, refuse_autocommit
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -214,6 +214,10 @@ class ClaimGuard(SessionWatcher):
     # -- session events ----------------------------------------------------------------
 
     def _transaction_began(self, connection: sa.Connection) -> None:
+        # Every transaction the view begins, not only the claim's: a view that
+        # asks for an AUTOCOMMIT connection would commit rows the record cannot
+        # follow (refused before it writes anything).
+        refuse_autocommit(connection)
         if self.claim is Claim.ROLLED_BACK and not self.reclaim(connection):
             raise lost_error()
 

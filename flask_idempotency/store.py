@@ -245,7 +245,8 @@ _SQLITE_NOW = sa.text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
 
 def refuse_autocommit(connection: sa.Connection) -> None:
     """Refuse a connection in autocommit mode (``isolation_level="AUTOCOMMIT"`` on
-    the engine, the session's bind or its execution options): each statement
+    the engine, the session's bind or its execution options; pysqlite's own
+    autocommit): each statement
     would commit on its own, so the claim could not commit or roll back with
     the view's rows, and a failed view would leave them committed under a
     record in progress."""
@@ -257,10 +258,20 @@ def refuse_autocommit(connection: sa.Connection) -> None:
             connection.dialect, "_on_connect_isolation_level", None
         )
         refused = level == "AUTOCOMMIT"
+    if not refused and connection.dialect.name == "sqlite":
+        # pysqlite's own autocommit, which SQLAlchemy does not see:
+        # ``connect_args={"isolation_level": None}`` (unless a "begin" listener
+        # sends BEGIN itself, SQLAlchemy's recipe for SAVEPOINT: then a
+        # transaction is open by now), or Python 3.12's ``autocommit=True``.
+        raw = connection.connection.driver_connection
+        refused = getattr(raw, "autocommit", None) is True or (
+            getattr(raw, "isolation_level", "") is None and not raw.in_transaction
+        )
     if refused:
         raise RuntimeError(
             "Flask-Idempotency needs a transactional session: the session's connection "
-            "is in AUTOCOMMIT mode (isolation_level='AUTOCOMMIT'), where the claim and "
+            "is in AUTOCOMMIT mode (isolation_level='AUTOCOMMIT', or pysqlite's "
+            "isolation_level=None without a BEGIN of SQLAlchemy's), where the claim and "
             "the view's rows cannot commit or roll back together. Use another "
             "isolation level for the app's session."
         )

@@ -400,18 +400,56 @@ def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
     assert_duplicate_gets_409_and_one_charge(app, gates)
 
 
-def test_an_autocommit_session_is_refused_before_anything_is_written(database_url: str) -> None:
+@pytest.mark.parametrize("where", ["engine", "view", "pysqlite"])
+def test_an_autocommit_session_is_refused_before_anything_is_written(
+    database_url: str, where: str
+) -> None:
     """``isolation_level="AUTOCOMMIT"`` commits each statement on its own: the
     claim could not roll back with a view that fails, which would leave its rows
-    committed under a record in progress. The claim refuses it, saying why,
-    before anything is written."""
-    app = testapp.create_app(
-        database_url, SQLALCHEMY_ENGINE_OPTIONS={"isolation_level": "AUTOCOMMIT"}
-    )
+    committed under a record in progress, run again after the lease. Refused,
+    saying why, before anything is written: on the engine (at the claim), asked
+    for by the view on a leased route (at the view's transaction), and
+    pysqlite's own autocommit (``isolation_level=None``), which SQLAlchemy does
+    not see."""
+    if where == "pysqlite" and not database_url.startswith("sqlite"):
+        pytest.skip("pysqlite's autocommit is SQLite's")
+    options: dict[str, t.Any] = {
+        "engine": {"isolation_level": "AUTOCOMMIT"},
+        "view": {},
+        "pysqlite": {"connect_args": {"isolation_level": None}},
+    }[where]
+    extra = {"SQLALCHEMY_ENGINE_OPTIONS": options} if options else {}
+    app = testapp.create_app(database_url, **extra)
     reset_tables(database_url)
     app.testing = True  # the error itself, not Flask's page for it
     client = app.test_client()
+    path = "/leased-autocommit-view" if where == "view" else "/status/502"
     with pytest.raises(RuntimeError, match="AUTOCOMMIT"):
-        client.post("/status/502", json={}, headers={"Idempotency-Key": "auto"})
+        client.post(path, json={}, headers={"Idempotency-Key": "auto"})
     assert ledger_count(app) == 0
-    assert record_rows(app) == []
+    assert record_rows(app) == []  # (a leased claim, committed, released: retries run)
+
+
+def test_sqlalchemys_pysqlite_savepoint_recipe_is_transactional(tmp_path: t.Any) -> None:
+    """pysqlite's ``isolation_level=None`` with a "begin" listener sending BEGIN
+    (SQLAlchemy's documented recipe for SAVEPOINT on SQLite) is transactional:
+    served, and a failing view leaves nothing."""
+    url = f"sqlite:///{tmp_path / 'recipe.sqlite3'}"
+    app = testapp.create_app(
+        url, SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"isolation_level": None}}
+    )
+    with app.app_context():
+        engine = testapp.db.engine
+
+    @sa.event.listens_for(engine, "begin")
+    def begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+    reset_tables(url)
+    client = app.test_client()
+    ok = client.post("/status/201", json={}, headers={"Idempotency-Key": "recipe"})
+    assert ok.status_code == 201
+    failed = client.post("/status/502", json={}, headers={"Idempotency-Key": "recipe-2"})
+    assert failed.status_code == 502
+    assert ledger_count(app) == 1
+    assert [r["key"] for r in record_rows(app)] == ["recipe"]

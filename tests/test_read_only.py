@@ -33,6 +33,7 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
+from flask_idempotency.models import job_lock_table, record_table
 from tests.conftest import mysql_url, postgres_url
 from tests.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
 
@@ -91,6 +92,10 @@ def create_app(url: str, engine_options: dict[str, t.Any] | None = None) -> Flas
 
 
 def create_tables(url: str) -> None:
+    # The record's and the job lock's tables, whether or not an app of this
+    # module was made yet in this process (test order varies with xdist).
+    record_table(db.metadata)
+    job_lock_table(db.metadata)
     engine = sa.create_engine(url)
     try:
         db.metadata.drop_all(engine)
@@ -420,6 +425,64 @@ def test_a_role_that_may_not_insert_answers_503_and_is_not_ready(driver: str) ->
             assert ready.content_type == PROBLEM_JSON
             assert ready.get_json()["database"] == "forbidden"
             assert counts(url) == (0, 0)
+        finally:
+            dispose(app)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
+        create_tables(url)
+
+
+@pytest.mark.parametrize("grants", ["columns", "view-table-refused"])
+def test_privileges_on_postgres_decide_as_a_claim_would(grants: str) -> None:
+    """``columns``: INSERT and UPDATE granted column by column on the record's
+    table serve claims, so readiness says ready. ``view-table-refused``: the
+    view's own table refuses the role's INSERT (42501): that is the app's error,
+    permanent, answered as the app answers errors (500), never as an outage
+    (503) that clients and the extension's own client would retry for ever."""
+    url = postgres_url("psycopg")
+    role = f"cols_{uuid.uuid4().hex[:8]}"
+    app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
+    create_tables(url)
+    admin = sa.create_engine(url)
+    records = "idempotency_keys"
+    try:
+        with admin.begin() as conn:
+            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
+            columns = ", ".join(
+                f'"{name}"'
+                for name in conn.execute(
+                    sa.text(
+                        "SELECT column_name FROM information_schema.columns "
+                        "WHERE table_schema = :s AND table_name = :t"
+                    ),
+                    {"s": schema, "t": records},
+                ).scalars()
+            )
+            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+            conn.execute(sa.text(f'GRANT USAGE, CREATE ON SCHEMA "{schema}" TO {role}'))
+            conn.execute(sa.text(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'))
+            if grants == "columns":
+                conn.execute(sa.text(f"GRANT SELECT, DELETE ON {records} TO {role}"))
+                conn.execute(
+                    sa.text(f"GRANT INSERT ({columns}), UPDATE ({columns}) ON {records} TO {role}")
+                )
+                conn.execute(sa.text(f"GRANT ALL ON read_only_entries TO {role}"))
+            else:
+                conn.execute(sa.text(f"GRANT ALL ON {records} TO {role}"))
+                conn.execute(sa.text(f"GRANT SELECT ON read_only_entries TO {role}"))
+        try:
+            ready = app.test_client().get("/readyz")
+            assert ready.status_code == 200, ready.data
+            response = post(app, "/pay", "grants")
+            if grants == "columns":
+                assert response.status_code == 201, response.data
+                assert counts(url) == (1, 1)
+            else:
+                assert response.status_code == 500, response.data
+                assert counts(url) == (0, 0)  # released: the key runs again once granted
         finally:
             dispose(app)
     finally:

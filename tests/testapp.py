@@ -210,6 +210,15 @@ def leased_commits_then_hangs() -> tuple[dict[str, t.Any], int]:
     return {"id": row.id}, 201
 
 
+@bp.post("/leased-autocommit-view")
+@idem.idempotent(lease=dt.timedelta(seconds=60))
+def leased_autocommit_view() -> tuple[dict[str, t.Any], int]:
+    """Asks for an AUTOCOMMIT connection after its claim committed, writes, fails."""
+    db.session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+    write_ledger("leased-autocommit-view")
+    raise RuntimeError("the view failed after writing")
+
+
 class DownstreamError(Exception):
     pass
 
