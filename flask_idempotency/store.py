@@ -263,7 +263,7 @@ def refuse_autocommit(connection: sa.Connection) -> None:
         # ``connect_args={"isolation_level": None}`` (unless a "begin" listener
         # sends BEGIN itself, SQLAlchemy's recipe for SAVEPOINT: then a
         # transaction is open by now), or Python 3.12's ``autocommit=True``.
-        raw = connection.connection.driver_connection
+        raw: t.Any = connection.connection.driver_connection
         refused = getattr(raw, "autocommit", None) is True or (
             getattr(raw, "isolation_level", "") is None and not raw.in_transaction
         )
