@@ -58,11 +58,6 @@ logger = logging.getLogger("flask_idempotency")
 _CLAIM_ROUNDS = 5
 # A claim that waited longer than this on another request re-stamps its times.
 _RESTAMP_AFTER = dt.timedelta(seconds=1)
-# How long an interrupted request waits for PostgreSQL to settle a COMMIT whose
-# answer it never got. Short: gunicorn follows a worker timeout's SystemExit
-# with SIGKILL about a second later; past it the outcome is unknown, and the
-# record stays under its lease (never freed for a second run).
-_COMMIT_OUTCOME_WAIT = dt.timedelta(seconds=1)
 Clock = t.Callable[[], dt.datetime]
 
 
@@ -423,11 +418,7 @@ class Flow:
                 # Whatever the view made of it, the cause is the lost key.
                 raise lost_error() from exc
             if not guard.view_committed and _commit_in_doubt(guard, exc):
-                landed = self._commit_landed(state)
-                if landed:
-                    guard.confirm_commit()
-                elif landed is False:
-                    guard.commit_sent = False  # it did not happen: a plain failure
+                self._settle_commit(state)
             if guard.view_committed:
                 # The view committed work of its own, then failed: that work
                 # stays, so the operation must not run again. Retries get the
@@ -446,6 +437,10 @@ class Flow:
             self._release(state)
             raise
         guard.stop()
+        if guard.commit_sent and not guard.view_committed:
+            # The view caught the failure of its own COMMIT and answered: did
+            # that commit land? If so its work stays, and this answer is kept.
+            self._settle_commit(state)
         if guard.claim is Claim.LOST:
             self.session.rollback()
             raise lost_error()
@@ -471,32 +466,17 @@ class Flow:
             self._release(state)
         return response
 
-    def _commit_landed(self, state: RequestState) -> bool | None:
-        """Whether the view's commit, whose outcome an interruption hid, landed:
-        read from the record on a connection of its own (``None``: it cannot be
-        read now, so it is unknown)."""
+    def _settle_commit(self, state: RequestState) -> None:
+        """Roll the session back and settle the view's commit whose outcome a
+        failure hid (:meth:`ClaimGuard.settle_commit`)."""
         assert state.guard is not None
-        assert state.scope is not None
-        assert state.key is not None
         try:
             self.session.rollback()
-            bind = self.session.get_bind()
-            engine = bind.engine if isinstance(bind, sa.Connection) else bind
-            transaction = state.guard.pending_transaction
-            if transaction is not None:
-                # PostgreSQL knows: committed, aborted, or still in progress
-                # (its COMMIT may be in flight: unknown, never "not landed").
-                return self.store.commit_outcome(engine, transaction, _COMMIT_OUTCOME_WAIT)
-            record = self.store.load_committed(engine, state.scope, state.key)
-        except Exception as exc:  # the interruption is the error to report
-            logger.warning(
-                "could not tell whether the commit of %r in scope %r landed: %s",
-                state.key,
-                state.scope,
-                dberrors.summary(exc),
-            )
-            return None
-        return state.guard.commit_landed(record)
+        except Exception:  # the connection is gone: the judgement uses another
+            logger.debug("rollback before judging a commit failed", exc_info=True)
+        bind = self.session.get_bind()
+        engine = bind.engine if isinstance(bind, sa.Connection) else bind
+        state.guard.settle_commit(engine)
 
     def _record_failure_after_commit(self, state: RequestState, app: t.Any) -> None:
         """Record a 500 ``failed-after-commit`` for an operation whose view

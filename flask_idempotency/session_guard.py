@@ -46,6 +46,11 @@ logger = logging.getLogger("flask_idempotency")
 
 GUARD_KEY = "flask_idempotency.claim_guard"
 
+# How long a request waits for PostgreSQL to settle a COMMIT whose answer it
+# never got. Short: gunicorn follows a worker timeout's SystemExit with SIGKILL
+# about a second later; past it the outcome is unknown (counted as landed).
+COMMIT_OUTCOME_WAIT = dt.timedelta(seconds=1)
+
 #: Claims the key again in a new transaction, as the original claim did; ``True``
 #: when it won.
 Reassert = t.Callable[[Executor], bool]
@@ -218,6 +223,12 @@ class ClaimGuard(SessionWatcher):
         # asks for an AUTOCOMMIT connection would commit rows the record cannot
         # follow (refused before it writes anything).
         refuse_autocommit(connection)
+        if self.commit_sent and self.claim is not Claim.LOST:
+            # A new transaction after a COMMIT whose answer never came (the view
+            # caught the error and rolled back): settled first, or the reclaim
+            # below would find the record that commit published, take the key
+            # for lost, and leave it in progress to be run again after its lease.
+            self.settle_commit(connection.engine)
         if self.claim is Claim.ROLLED_BACK and not self.reclaim(connection):
             raise lost_error()
 
@@ -263,6 +274,45 @@ class ClaimGuard(SessionWatcher):
         return bool(
             record.locked_until == self.pending_lease or self.pending_lease == self._lease_written
         )
+
+    def settle_commit(self, engine: sa.Engine) -> bool:
+        """The view's last ``COMMIT`` went out and no answer came back (an error
+        the view may have caught, an interruption): whether it landed, asked of
+        the database (:meth:`~flask_idempotency.store.Store.commit_outcome` on
+        PostgreSQL, the record elsewhere, :meth:`commit_landed`). Landed, it is
+        confirmed (:meth:`confirm_commit`); not landed, it is forgotten.
+
+        When that cannot be known in time (the database away too), it counts as
+        landed: the operation then never runs twice. Had it not landed, the
+        record is not there, and completing it answers ``lease-lost``; the
+        retry after that runs the operation, once."""
+        try:
+            if self.pending_transaction is not None:
+                landed = self.store.commit_outcome(
+                    engine, self.pending_transaction, COMMIT_OUTCOME_WAIT
+                )
+            else:
+                landed = self.commit_landed(self.store.load_committed(engine, self.scope, self.key))
+        except Exception as exc:  # the failure that hid the outcome is the one to report
+            logger.warning(
+                "could not tell whether the commit of %r in scope %r landed (%s); "
+                "counting it as landed",
+                self.key,
+                self.scope,
+                type(exc).__name__,
+            )
+            landed = None
+        if landed is False:
+            self.commit_sent = False
+            return False
+        if landed is None:
+            logger.warning(
+                "the outcome of the commit of %r in scope %r is unknown; counting it as landed",
+                self.key,
+                self.scope,
+            )
+        self.confirm_commit()
+        return True
 
     def confirm_commit(self) -> None:
         """The view's commit whose outcome was hidden did land: the record is

@@ -185,6 +185,49 @@ def test_an_interruption_while_the_answer_is_stored_after_the_views_commit(
     assert ledger_count(app) == 1
 
 
+@pytest.mark.parametrize("rollback", [True, False], ids=["rolls-back", "as-is"])
+@pytest.mark.parametrize("landed", [True, False], ids=["commit-landed", "commit-lost"])
+def test_a_view_that_catches_the_failure_of_its_own_commit(
+    database_url: str, landed: bool, rollback: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The view's COMMIT goes out and the connection is lost before its answer;
+    the view catches the error, as views do for an outage, (rolls back,) and
+    answers 503. Landed: its charge stays, so that answer is recorded and
+    replayed, and nothing runs again (it used to stay in progress, or be taken
+    for lost, and run a second time after the lease). Lost: nothing happened,
+    and the retry charges, once."""
+    app = testapp.create_app(database_url)
+    reset_tables(database_url)
+    with app.app_context():
+        dialect = testapp.db.engine.dialect
+    real_commit = dialect.do_commit
+    fired = {"done": False}
+
+    def do_commit(dbapi_connection: t.Any) -> None:
+        if fired["done"]:
+            real_commit(dbapi_connection)
+            return
+        fired["done"] = True
+        if landed:
+            real_commit(dbapi_connection)
+        raise dialect.loaded_dbapi.OperationalError("connection lost before the answer")
+
+    monkeypatch.setattr(dialect, "do_commit", do_commit)
+    client = app.test_client()
+    headers = {"Idempotency-Key": "caught", "X-Rollback": "1" if rollback else "0"}
+    first = client.post("/catches-commit-failure", json={}, headers=headers)
+    assert first.status_code == 503, first.get_data(as_text=True)
+    retry = client.post("/catches-commit-failure", json={}, headers=headers)
+    assert ledger_count(app) == 1, retry.get_data(as_text=True)
+    if landed:
+        assert retry.status_code == 503
+        assert retry.headers["Idempotent-Replayed"] == "true"
+    else:
+        assert retry.status_code == 201
+    [record] = record_rows(app)
+    assert record["status"] == "completed"
+
+
 # -- a real gunicorn worker timeout -------------------------------------------------
 
 

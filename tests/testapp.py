@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 
+import sqlalchemy as sa
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from flask_sqlalchemy import SQLAlchemy
 from marshmallow import Schema, fields
@@ -207,6 +208,22 @@ def leased_commits_then_hangs() -> tuple[dict[str, t.Any], int]:
     row = write_ledger("leased-commits-then-hangs")
     db.session.commit()
     time.sleep(float(request.headers.get("X-Hang", "0")))
+    return {"id": row.id}, 201
+
+
+@bp.post("/catches-commit-failure")
+@idem.idempotent()
+def catches_commit_failure() -> tuple[dict[str, t.Any], int]:
+    """Commits a charge and, if that COMMIT fails (the connection lost before
+    its answer), catches the error as views do for an outage: rolls back when
+    the request says ``X-Rollback: 1``, and answers 503."""
+    row = write_ledger("catches-commit-failure")
+    try:
+        db.session.commit()
+    except sa.exc.OperationalError:
+        if request.headers.get("X-Rollback") == "1":
+            db.session.rollback()
+        return {"error": "database unavailable, retry"}, 503
     return {"id": row.id}, 201
 
 
