@@ -30,8 +30,11 @@ And in :class:`IdempotentSession` and its adapter: urllib3 retries only
 failures before the response's headers; a response cut off in its body (the
 connection lost, a read timeout) is sent again too, since the server may have
 acted on it. Every attempt of one call (urllib3's retries, those resends, the
-hops of a redirect) draws on one ``Retry``, so ``total`` and the deadline
-bound the call (a redirect hop past them raises :class:`RedirectBudgetExceeded`).
+redirect hops that send the call's method again) draws on one ``Retry``, so
+``total`` and the deadline bound the call (such a hop past them raises
+:class:`RedirectBudgetExceeded`). A hop that changes the method (the GET after
+a 303, or after a 301 or 302 of a POST) fetches a result, no resend: only
+requests' ``max_redirects`` bounds it.
 Every way into the session (``request``, the verbs, ``send`` of a prepared
 request) gives a POST or PATCH its key before the first
 attempt; one that reaches the adapter without a key is not resent.
@@ -164,27 +167,34 @@ class IdempotentRetry(Retry):
 
 
 class RedirectBudgetExceeded(requests.TooManyRedirects, requests.exceptions.RetryError):
-    """A redirect the call's budget does not allow following: one more hop would
-    be past ``total`` (or the ``Retry``'s ``redirect`` count), or start after
-    the deadline. It is requests' error for a redirect chain cut off and its
-    error for retries run out; ``response`` is the redirect not followed."""
+    """A redirect the call's budget does not allow following: one more hop that
+    sends the call's method again (a 307 or 308; a 301 of any method but
+    POST) would be past ``total`` (or the ``Retry``'s ``redirect`` count), or
+    start after the deadline. It is requests' error for a redirect chain cut
+    off and its error for retries run out; ``response`` is the redirect not
+    followed. A hop that changes the method (a POST's 303 to a GET) is never
+    refused for the budget."""
 
 
 class _Budget:
     """The retries one call has left (a ``Retry``, with its counts and history).
 
     Every attempt of the call draws on it: urllib3's retries, a resend after a
-    body cut off mid-read, the hops of a redirect. So ``total`` and the deadline
-    bound the whole call, never one attempt's share of it.
+    body cut off mid-read, the redirect hops that send the call's method again.
+    So ``total`` and the deadline bound the whole call, never one attempt's
+    share of it.
     """
 
-    __slots__ = ("following", "retry")
+    __slots__ = ("following", "method", "retry")
 
     def __init__(self, retry: Retry) -> None:
         self.retry = retry
         #: The redirect the call's next send follows (set while requests'
         #: ``resolve_redirects`` runs): that send is a hop, counted first.
         self.following: requests.Response | None = None
+        #: The method of the request whose redirects are followed: a hop that
+        #: sends it again is a resend, counted; one with another method is not.
+        self.method: str | None = None
 
 
 class _Budgets(threading.local):
@@ -309,7 +319,19 @@ def _count_hop(
     """Count the redirect hop ``request`` (following ``following``) in ``budget``,
     as urllib3 counts a redirect: one of ``total`` and ``redirect``; an
     :class:`IdempotentRetry` checks its deadline too. Raise
-    :class:`RedirectBudgetExceeded` when the hop may not start."""
+    :class:`RedirectBudgetExceeded` when the hop may not start.
+
+    Only a hop that sends the call's method again is counted: a 307 or 308,
+    a 301 of any method but POST, a 302 or 303 of a HEAD (requests keeps
+    those methods). A hop whose method requests changed to GET (a 302 or 303,
+    a 301 of a POST) is no resend of the request but the fetch of its result,
+    after the server acted: refusing it for the budget would report retries
+    run out for an operation that succeeded. Such hops (and every hop after
+    them) are bounded by requests' ``max_redirects`` alone, not by ``total``
+    nor the deadline."""
+    call_method = (budget.method or "").upper()
+    if not call_method or (request.method or "").upper() != call_method:
+        return
     raw = following.raw
     if not isinstance(raw, BaseHTTPResponse):  # an adapter of another kind
         raw = HTTPResponse(headers=dict(following.headers), status=following.status_code)
@@ -397,9 +419,13 @@ class IdempotentSession(requests.Session):
     counts as absent), otherwise exponential backoff with jitter up to
     ``backoff_max``, from the first retry on (``backoff_factor``, twice that,
     ...); at most ``total`` retries within ``deadline`` seconds, for the whole
-    call: every resend, whatever its cause, and the hops of a redirect count
-    against the same ``total`` and deadline (a hop past them is not started:
-    :class:`RedirectBudgetExceeded`). When retries run out the last
+    call: every resend, whatever its cause, and each redirect hop that sends
+    the call's method again (307, 308; a 301 of a PUT, DELETE, GET...)
+    count against the same ``total`` and deadline (such a hop past them is
+    not started: :class:`RedirectBudgetExceeded`). A hop that changes the
+    method, the GET after a POST's 303 (or 302, 301), is no resend: it is
+    followed whatever is left of ``total`` and the deadline, within requests'
+    ``max_redirects`` (``TooManyRedirects`` past it). When retries run out the last
     response is returned (or the last connection error raised). Pass
     ``retry=`` for a ``Retry`` of your own.
 
@@ -523,19 +549,23 @@ class IdempotentSession(requests.Session):
         **kwargs: t.Any,
     ) -> t.Iterator[t.Any]:
         """requests' redirect hops, each sent by :meth:`send`, which counts it in
-        the call's budget (``total``, the deadline) before it starts."""
+        the call's budget (``total``, the deadline) before it starts when it
+        sends ``req``'s method again (see :func:`_count_hop`)."""
         hops = super().resolve_redirects(resp, req, *args, **kwargs)
         budget = self._budgets.current
         if budget is None or kwargs.get("yield_requests"):
             yield from hops  # nothing sent here (requests' look at the next hop)
             return
+        outer_method = budget.method
         budget.following = resp
+        budget.method = req.method
         try:
             for hop in hops:
                 budget.following = hop  # the response the next hop, if any, follows
                 yield hop
         finally:
             budget.following = None
+            budget.method = outer_method
 
     # post/put/patch restated only so that type checkers know idempotency_key=
     # and step=; each is requests' own, by way of request().

@@ -680,6 +680,85 @@ def test_no_redirect_hop_starts_after_the_deadline(downstream: Downstream) -> No
     one_key(downstream, len(downstream.attempts))
 
 
+@pytest.mark.parametrize("status", [303, 302, 301])
+def test_the_get_after_a_post_redirected_to_its_result_is_no_retry(
+    downstream: Downstream, status: int
+) -> None:
+    """Post/redirect/get with no retry left (review 4, item 6): the server acted
+    on the POST and answered 303 (or 301/302, which requests also turns into a
+    GET for a POST); before, ``total=0`` raised ``RedirectBudgetExceeded`` (a
+    RetryError, "retries ran out") for an operation that succeeded, and the
+    GET of the result was never made. That GET is no resend of the POST."""
+    downstream.script = [(status, {"Location": "/orders/1"}), 200]
+    response = fast(total=0).post(downstream.url + "/orders", json={"amount": 3})
+    assert response.status_code == 200
+    assert response.json() == {"attempt": 2}  # the GET's answer
+    assert [h.status_code for h in response.history] == [status]
+    assert [(a.method, a.path) for a in downstream.attempts] == [
+        ("POST", "/orders"),
+        ("GET", "/orders/1"),
+    ]
+    assert downstream.attempts[1].body == b""
+
+
+def test_the_get_after_a_303_at_the_last_retry_and_past_the_deadline(
+    downstream: Downstream,
+) -> None:
+    """The POST's last allowed attempt succeeds with a 303 after the deadline:
+    the result is still fetched (the deadline bounds resends, not the GET)."""
+    downstream.delay = 0.3
+    downstream.script = [503, (303, {"Location": "/orders/1"}), 200]
+    response = fast(total=1, deadline=0.5).post(downstream.url + "/orders", json={})
+    assert response.status_code == 200
+    assert [(a.method, a.path) for a in downstream.attempts] == [
+        ("POST", "/orders"),
+        ("POST", "/orders"),
+        ("GET", "/orders/1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("method", "status"), [("POST", 307), ("POST", 308), ("PUT", 301), ("DELETE", 301)]
+)
+def test_a_hop_that_sends_the_method_again_is_a_retry(
+    downstream: Downstream, method: str, status: int
+) -> None:
+    """A 307 or 308 resends the POST and its body; requests keeps any method
+    but POST on a 301 (a PUT, a DELETE): each such hop is one retry of
+    ``total``, so ``total=0`` follows none."""
+    from flask_idempotency.client import RedirectBudgetExceeded
+
+    downstream.script = [(status, {"Location": "/moved"})] * 3
+    with pytest.raises(RedirectBudgetExceeded) as raised:
+        fast(total=0).request(method, downstream.url + "/things", json={"n": 1})
+    assert [(a.method, a.path) for a in downstream.attempts] == [(method, "/things")]
+    assert raised.value.response is not None
+    assert raised.value.response.status_code == status
+
+
+def test_a_307_loop_after_a_303_still_ends(downstream: Downstream) -> None:
+    """A POST's 303 then a GET redirected to itself: the GETs are no resend of
+    the POST, so ``total`` does not stop them, but requests' ``max_redirects``
+    does (``TooManyRedirects``, not a RetryError), and the POST went once."""
+    http = fast(total=2)
+    http.max_redirects = 10
+    downstream.script = [(303, {"Location": "/loop"})] + [(307, {"Location": "/loop"})] * 100
+    with pytest.raises(requests.TooManyRedirects) as raised:
+        http.post(downstream.url + "/orders", json={})
+    assert not isinstance(raised.value, requests.exceptions.RetryError)
+    assert [a.method for a in downstream.attempts] == ["POST"] + ["GET"] * 10
+
+
+def test_a_303_loop_ends_at_max_redirects(downstream: Downstream) -> None:
+    """A 303 loop of a POST: one POST, then requests' default ``max_redirects``
+    (30) GETs, then ``TooManyRedirects``."""
+    downstream.script = [(303, {"Location": "/loop"})] * 100
+    with pytest.raises(requests.TooManyRedirects) as raised:
+        fast(total=0).post(downstream.url + "/orders", json={})
+    assert not isinstance(raised.value, requests.exceptions.RetryError)
+    assert [a.method for a in downstream.attempts] == ["POST"] + ["GET"] * 30
+
+
 def test_a_cut_off_body_is_resent_within_the_same_total(downstream: Downstream) -> None:
     """A resend after a cut-off body is one more retry of the call: before, it
     started urllib3's count again, and total=1 allowed four attempts."""
