@@ -355,7 +355,7 @@ class Idempotency:
                     # Wraps the whole flow (claim, view, completion, replay, the
                     # no-key path): a database outage or a lock conflict anywhere
                     # answers a retryable problem, never an HTML 500.
-                    problem = _database_problem(exc, state.db.session)
+                    problem = _database_problem(exc, state.db.session, state.store.table.name)
                     if problem is None:
                         raise
                     raise problem from exc
@@ -679,13 +679,24 @@ def current_derived_key(step: str, *, handed_out: bool = True) -> str:
     return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 
 
-def _database_problem(exc: Exception, session: t.Any) -> ProblemError | None:
+def _names_table(exc: Exception, table: str) -> bool:
+    """Whether the statement that failed (SQLAlchemy keeps it) names ``table``."""
+    statement = getattr(exc, "statement", None) or ""
+    return isinstance(statement, str) and table in statement
+
+
+def _database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
     """The problem to answer for a database failure, or ``None`` for any other error.
 
-    Rolls ``session`` back first (a failure of that rollback is expected when the
-    connection is gone, and ignored) and logs ``exc`` once.
+    A privilege refused on the record's table (``records``: a GRANT missing for
+    the claim, the lease renewal, the completion) is this host's outage, as
+    readiness says ("forbidden"); refused on a table of the app's, the app's
+    own error. Rolls ``session`` back first (a failure of that rollback is
+    expected when the connection is gone, and ignored) and logs ``exc`` once.
     """
     failure = dberrors.classify(exc)
+    if failure is None and dberrors.privilege_refused(exc) and _names_table(exc, records):
+        failure = dberrors.UNAVAILABLE
     if failure is None:
         return None
     problem = dberrors.problem_for(failure, exc)

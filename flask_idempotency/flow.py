@@ -417,8 +417,11 @@ class Flow:
                     raise
                 # Whatever the view made of it, the cause is the lost key.
                 raise lost_error() from exc
-            if not guard.view_committed and _commit_in_doubt(guard, exc):
-                self._settle_commit(state)
+            if not guard.view_committed and guard.commit_sent:
+                if _commit_in_doubt(guard, exc):
+                    self._settle_commit(state)
+                else:  # the database answered the COMMIT with a refusal: it did not happen
+                    guard.commit_sent = False
             if guard.view_committed:
                 # The view committed work of its own, then failed: that work
                 # stays, so the operation must not run again. Retries get the

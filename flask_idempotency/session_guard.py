@@ -195,6 +195,14 @@ class ClaimGuard(SessionWatcher):
         #: elsewhere): a record read back cannot tell a ``COMMIT`` that never
         #: arrives from one still on its way.
         self.pending_transaction: int | None = None
+        self._record_engine: sa.Engine | None = None
+
+    def watch(self, session: Session, scoped: t.Any = None) -> None:
+        super().watch(session, scoped)
+        # The engine holding the record: connections to other binds (a
+        # reporting database in AUTOCOMMIT) are none of the claim's business.
+        bind = session.get_bind(clause=self.store.table)
+        self._record_engine = bind.engine if isinstance(bind, sa.Connection) else bind
 
     # -- what the flow asks ----------------------------------------------------------
 
@@ -222,13 +230,16 @@ class ClaimGuard(SessionWatcher):
         # Every transaction the view begins, not only the claim's: a view that
         # asks for an AUTOCOMMIT connection would commit rows the record cannot
         # follow (refused before it writes anything).
-        refuse_autocommit(connection)
+        on_record = self._record_engine is None or connection.engine is self._record_engine
+        if on_record:
+            refuse_autocommit(connection)
         if self.commit_sent and self.claim is not Claim.LOST:
             # A new transaction after a COMMIT whose answer never came (the view
             # caught the error and rolled back): settled first, or the reclaim
             # below would find the record that commit published, take the key
             # for lost, and leave it in progress to be run again after its lease.
-            self.settle_commit(connection.engine)
+            # Asked on this connection when it reaches the record's database.
+            self.settle_commit(connection if on_record else self._record_engine or connection)
         if self.claim is Claim.ROLLED_BACK and not self.reclaim(connection):
             raise lost_error()
 
@@ -275,7 +286,7 @@ class ClaimGuard(SessionWatcher):
             record.locked_until == self.pending_lease or self.pending_lease == self._lease_written
         )
 
-    def settle_commit(self, engine: sa.Engine) -> bool:
+    def settle_commit(self, executor: sa.Engine | sa.Connection) -> bool:
         """The view's last ``COMMIT`` went out and no answer came back (an error
         the view may have caught, an interruption): whether it landed, asked of
         the database (:meth:`~flask_idempotency.store.Store.commit_outcome` on
@@ -285,14 +296,19 @@ class ClaimGuard(SessionWatcher):
         When that cannot be known in time (the database away too), it counts as
         landed: the operation then never runs twice. Had it not landed, the
         record is not there, and completing it answers ``lease-lost``; the
-        retry after that runs the operation, once."""
+        retry after that runs the operation, once.
+
+        ``executor``: the record's engine, or a connection to it in a
+        transaction that just began (asked on it: a second connection may not
+        be had from a pool of one)."""
         try:
             if self.pending_transaction is not None:
                 landed = self.store.commit_outcome(
-                    engine, self.pending_transaction, COMMIT_OUTCOME_WAIT
+                    executor, self.pending_transaction, COMMIT_OUTCOME_WAIT
                 )
             else:
-                landed = self.commit_landed(self.store.load_committed(engine, self.scope, self.key))
+                record = self.store.load_committed(executor, self.scope, self.key)
+                landed = self.commit_landed(record)
         except Exception as exc:  # the failure that hid the outcome is the one to report
             logger.warning(
                 "could not tell whether the commit of %r in scope %r landed (%s); "

@@ -90,6 +90,9 @@ _PG_SET_IDLE = sa.text(f"SELECT {idle_bound(':idle')}")
 # Whether a transaction committed (PostgreSQL 10+), and the end of one still open
 # whose client gave up on it (backend_xid is the 32-bit xid of the 64-bit id).
 _PG_TRANSACTION_STATUS = sa.text("SELECT txid_status(:xid)")
+# pg_stat_activity is read once per transaction, then cached: cleared first where
+# the caller's transaction may have read it already.
+_PG_FRESH_ACTIVITY = sa.text("SELECT pg_stat_clear_snapshot()")
 _PG_END_TRANSACTION = sa.text(
     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_xid::text = :xid"
 )
@@ -776,9 +779,16 @@ class Store:
         assert not unexpected, unexpected
         return str(compiled)
 
-    def load_committed(self, engine: sa.Engine, scope: str, key: str) -> Record | None:
-        """The committed record for (scope, key), read on a connection of its own."""
-        with engine.connect() as conn:
+    def load_committed(
+        self, executor: sa.Engine | sa.Connection, scope: str, key: str
+    ) -> Record | None:
+        """The committed record for (scope, key): read on a connection of its own
+        (an engine), or in the caller's transaction on ``executor`` (a
+        connection: the latest committed row on every engine, the read on MySQL
+        locking)."""
+        if isinstance(executor, sa.Connection):
+            return self.load(executor, scope, key)
+        with executor.connect() as conn:
             return self.load(conn, scope, key)
 
     def take_over(
@@ -932,7 +942,7 @@ class Store:
         return True, int(row[1])
 
     def commit_outcome(
-        self, engine: sa.Engine, transaction: int, wait: dt.timedelta
+        self, executor: sa.Engine | sa.Connection, transaction: int, wait: dt.timedelta
     ) -> bool | None:
         """Whether PostgreSQL transaction ``transaction`` (from
         :meth:`renew_lease_before_commit`) committed: ``True`` or ``False``,
@@ -943,20 +953,37 @@ class Store:
         after half of ``wait`` has a ``COMMIT`` that may yet arrive (held in a
         network buffer or a proxy) while its client has given up on it: its
         backend is terminated (allowed for the app's own role), so that it
-        can never commit later, and the status read again. Read on a
-        connection of its own.
+        can never commit later, and the status read again.
+
+        ``executor``: an engine (read on a connection of its own), or a
+        connection in a transaction of the caller's, which is left usable
+        (where a second connection may not be had: a pool of one).
         """
+        if isinstance(executor, sa.Engine):
+            with executor.connect() as conn:
+                return self._commit_outcome(conn, transaction, wait, own=True)
+        return self._commit_outcome(executor, transaction, wait, own=False)
+
+    def _commit_outcome(
+        self, conn: sa.Connection, transaction: int, wait: dt.timedelta, *, own: bool
+    ) -> bool | None:
         deadline = time.monotonic() + wait.total_seconds()
-        with engine.connect() as conn:
-            status = self._settle(conn, transaction, deadline - wait.total_seconds() / 2)
-            if status == "in progress":
-                try:
-                    conn.execute(_PG_END_TRANSACTION, {"xid": str(transaction % 2**32)})
+        status = self._settle(conn, transaction, deadline - wait.total_seconds() / 2, own)
+        if status == "in progress":
+            end = {"xid": str(transaction % 2**32)}
+            try:
+                if own:
+                    conn.execute(_PG_END_TRANSACTION, end)
                     conn.commit()
-                except sa_exc.DBAPIError:  # not allowed to: then it stays unknown
+                else:  # a savepoint: a refusal must not abort the caller's transaction
+                    with conn.begin_nested():
+                        conn.execute(_PG_FRESH_ACTIVITY)
+                        conn.execute(_PG_END_TRANSACTION, end)
+            except sa_exc.DBAPIError:  # not allowed to: then it stays unknown
+                if own:
                     conn.rollback()
-                    return None
-                status = self._settle(conn, transaction, deadline)
+                return None
+            status = self._settle(conn, transaction, deadline, own)
         if status == "committed":
             return True
         if status == "aborted":
@@ -964,13 +991,15 @@ class Store:
         return None  # too old to tell (NULL), or still in progress
 
     @staticmethod
-    def _settle(conn: sa.Connection, transaction: int, deadline: float) -> str | None:
+    def _settle(conn: sa.Connection, transaction: int, deadline: float, own: bool) -> str | None:
         """``txid_status`` of ``transaction``, polled until it is no longer in
-        progress or ``deadline`` (a ``time.monotonic()``) passes."""
+        progress or ``deadline`` (a ``time.monotonic()``) passes. (It reads the
+        commit log, not a snapshot: a transaction of the caller's sees it change.)"""
         pause = 0.01
         while True:
             status = conn.execute(_PG_TRANSACTION_STATUS, {"xid": transaction}).scalar()
-            conn.rollback()
+            if own:
+                conn.rollback()
             if status != "in progress" or time.monotonic() >= deadline:
                 return t.cast("str | None", status)
             time.sleep(pause)

@@ -72,6 +72,7 @@ class TcpProxy:
         self._connections: list[_Connection] = []
         self._stopped = False
         self._trap: tuple[bool, float] | None = None
+        self._hold: float | None = None
         self._listener: socket.socket | None = self._listen(0)
         self.port: int = self._listener.getsockname()[1]
         self.accepted = 0  # connections accepted, ever
@@ -121,6 +122,14 @@ class TcpProxy:
         commits and its client never hears so."""
         with self._lock:
             self._trap = (deliver, then_cut_after)
+
+    def hold_commit(self, seconds: float) -> None:
+        """On the next ``COMMIT`` from any client: cut that client off at once (it
+        hears "connection lost"), keep the ``COMMIT`` on the wire ``seconds``, then
+        deliver it to the database, which commits then unless the transaction was
+        ended meanwhile."""
+        with self._lock:
+            self._hold = seconds
 
     def flap(self, *, down: float, up: float, until: threading.Event) -> threading.Thread:
         """Cut for ``down`` seconds, heal for ``up`` seconds, until ``until`` is set."""
@@ -225,6 +234,8 @@ class TcpProxy:
                     break
                 if not self._wait_flowing(conn):
                     break
+                if to_upstream and COMMIT_MESSAGE in data and self._hold_commit(conn, dst, data):
+                    break
                 if to_upstream and COMMIT_MESSAGE in data and self._spring_trap(dst, data):
                     continue
                 dst.sendall(data)
@@ -232,6 +243,20 @@ class TcpProxy:
             pass
         finally:
             conn.close()
+
+    def _hold_commit(self, conn: _Connection, dst: socket.socket, data: bytes) -> bool:
+        """``True`` when a hold took this COMMIT (delivered late, the client cut)."""
+        with self._lock:
+            hold, self._hold = self._hold, None
+        if hold is None:
+            return False
+        with contextlib.suppress(OSError):
+            conn.client.shutdown(socket.SHUT_RDWR)
+        time.sleep(hold)
+        with contextlib.suppress(OSError):
+            dst.sendall(data)
+            time.sleep(0.2)  # the database's answer goes nowhere
+        return True
 
     def _spring_trap(self, dst: socket.socket, data: bytes) -> bool:
         """``True`` when a trap took this COMMIT (sent or swallowed it)."""

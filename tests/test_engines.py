@@ -453,3 +453,33 @@ def test_sqlalchemys_pysqlite_savepoint_recipe_is_transactional(tmp_path: t.Any)
     assert failed.status_code == 502
     assert ledger_count(app) == 1
     assert [r["key"] for r in record_rows(app)] == ["recipe"]
+
+
+def test_an_autocommit_bind_that_holds_no_record_is_left_alone(tmp_path: t.Any) -> None:
+    """A Flask-SQLAlchemy bind in AUTOCOMMIT (a reporting database) that the
+    view reads: the record is not on it, so the claim has nothing to refuse."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    url = f"sqlite:///{tmp_path / 'main.sqlite3'}"
+    reports_url = f"sqlite:///{tmp_path / 'reports.sqlite3'}"
+    app = testapp.create_app(
+        url,
+        SQLALCHEMY_BINDS={"reports": {"url": reports_url, "isolation_level": "AUTOCOMMIT"}},
+    )
+    reset_tables(url)
+    db: SQLAlchemy = testapp.db
+
+    @app.post("/reads-reports")
+    @testapp.idem.idempotent()
+    def reads_reports() -> tuple[dict[str, t.Any], int]:
+        total = db.session.execute(
+            sa.text("SELECT 41 + 1"), bind_arguments={"bind": db.engines["reports"]}
+        ).scalar_one()
+        row = testapp.write_ledger("reads-reports")
+        return {"id": row.id, "total": total}, 201
+
+    client = app.test_client()
+    answer = client.post("/reads-reports", json={}, headers={"Idempotency-Key": "reports"})
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.get_json()["total"] == 42
+    assert ledger_count(app) == 1

@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.live import ROOT, Reply
+from tests.tcp_proxy import TcpProxy, upstream_of
 from tests.test_flow import assert_problem
 
 
@@ -226,6 +227,80 @@ def test_a_view_that_catches_the_failure_of_its_own_commit(
         assert retry.status_code == 201
     [record] = record_rows(app)
     assert record["status"] == "completed"
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_commit_still_on_the_wire_is_judged_with_a_pool_of_one(driver: str) -> None:
+    """A pool of one connection (one per sync worker, a usual setting), the
+    view's COMMIT held on the wire 3 s while its client is cut off; the view
+    catches the error, rolls back and answers 503. The judgement runs on the
+    connection the view's next transaction took (no second one to be had: it
+    used to wait out the pool, count the commit as landed, and the COMMIT then
+    landed under a record in progress, run again after the lease): PostgreSQL
+    ends the transaction still open, so it never lands, and the retry charges
+    once."""
+    from tests.conftest import postgres_url
+
+    url = postgres_url(driver)
+    with TcpProxy(upstream_of(url)) as proxy:
+        app = testapp.create_app(
+            proxy.url(url),
+            IDEMPOTENCY_LEASE=2,
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 2},
+        )
+        reset_tables(url)
+        client = app.test_client()
+        headers = {"Idempotency-Key": "on-the-wire", "X-Rollback": "1"}
+        with app.app_context():
+            testapp.db.session.execute(sa.text("SELECT 1"))  # the pool's one connection
+            testapp.db.session.remove()
+        proxy.hold_commit(3.0)
+        first = client.post("/catches-commit-failure", json={}, headers=headers)
+        assert first.status_code in (201, 409, 503), first.get_data(as_text=True)
+        time.sleep(3.5)  # the held COMMIT has been delivered (or refused) by now
+        time.sleep(2.0)  # and any lease is over
+        retry = client.post("/catches-commit-failure", json={}, headers=headers)
+        assert retry.status_code in (201, 503), retry.get_data(as_text=True)
+        assert _sql(url, "SELECT COUNT(*) FROM ledger WHERE route = 'catches-commit-failure'") == 1
+        with app.app_context():
+            testapp.db.engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_commit_the_database_refuses_frees_a_leased_key_at_once(driver: str) -> None:
+    """A leased route whose own COMMIT the database refuses (a deferred unique
+    constraint, checked at COMMIT): nothing happened and nothing is in doubt, so
+    the key is free at once for the retry (it was kept under its lease, 409 for
+    a minute)."""
+    from tests.conftest import postgres_url
+
+    url = postgres_url(driver)
+    app = testapp.create_app(url)
+    reset_tables(url)
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS deferred_check"))
+            conn.execute(
+                sa.text(
+                    "CREATE TABLE deferred_check (tag TEXT, "
+                    "UNIQUE (tag) DEFERRABLE INITIALLY DEFERRED)"
+                )
+            )
+            conn.execute(sa.text("INSERT INTO deferred_check VALUES ('taken')"))
+        app.testing = True
+        client = app.test_client()
+        key = {"Idempotency-Key": "refused"}
+        with pytest.raises(sa.exc.IntegrityError):
+            client.post("/leased-deferred-check", json={}, headers={**key, "X-Refuse": "1"})
+        app.testing = False
+        retry = client.post("/leased-deferred-check", json={}, headers=key)
+        assert retry.status_code == 201, retry.get_data(as_text=True)
+        assert ledger_count(app) == 1
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS deferred_check"))
+        engine.dispose()
 
 
 # -- a real gunicorn worker timeout -------------------------------------------------

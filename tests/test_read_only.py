@@ -493,6 +493,43 @@ def test_privileges_on_postgres_decide_as_a_claim_would(grants: str) -> None:
         create_tables(url)
 
 
+@pytest.mark.parametrize("route", ["/pay", "/leased"])
+def test_a_role_that_may_not_update_the_records_answers_503(route: str) -> None:
+    """INSERT granted on the record's table, UPDATE not: the claim goes in, then
+    the completion (or the lease renewal at the view's commit) is refused.
+    This host cannot serve a claim: 503 problem+json (it was an HTML 500), as
+    readiness says (forbidden), and nothing stays."""
+    url = postgres_url("psycopg2")
+    role = f"noupd_{uuid.uuid4().hex[:8]}"
+    app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
+    create_tables(url)
+    admin = sa.create_engine(url)
+    try:
+        with admin.begin() as conn:
+            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
+            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+            conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}'))
+            conn.execute(sa.text(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'))
+            conn.execute(sa.text(f"GRANT SELECT, INSERT, DELETE ON idempotency_keys TO {role}"))
+            conn.execute(sa.text(f"GRANT ALL ON read_only_entries TO {role}"))
+        try:
+            response = post(app, route, "noupd")
+            assert response.status_code == 503, response.data
+            assert response.content_type == PROBLEM_JSON
+            assert app.test_client().get("/readyz").get_json()["database"] == "forbidden"
+            entries, records = counts(url)
+            assert entries == 0
+            assert records <= 1  # a leased claim, committed first, waits for its lease
+        finally:
+            dispose(app)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
+        create_tables(url)
+
+
 # -- the jobs on a read-only database ---------------------------------------------------------
 
 

@@ -227,6 +227,19 @@ def catches_commit_failure() -> tuple[dict[str, t.Any], int]:
     return {"id": row.id}, 201
 
 
+@bp.post("/leased-deferred-check")
+@idem.idempotent(lease=dt.timedelta(seconds=60))
+def leased_deferred_check() -> tuple[dict[str, t.Any], int]:
+    """Writes a row a deferred constraint (a table the test makes) refuses at
+    COMMIT when the request says ``X-Refuse: 1``: the database's own refusal of
+    the COMMIT, nothing in doubt."""
+    tag = "taken" if request.headers.get("X-Refuse") == "1" else uuid.uuid4().hex
+    db.session.execute(sa.text("INSERT INTO deferred_check (tag) VALUES (:t)"), {"t": tag})
+    row = write_ledger("leased-deferred-check")
+    db.session.commit()
+    return {"id": row.id}, 201
+
+
 @bp.post("/leased-autocommit-view")
 @idem.idempotent(lease=dt.timedelta(seconds=60))
 def leased_autocommit_view() -> tuple[dict[str, t.Any], int]:
