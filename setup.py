@@ -1,12 +1,19 @@
 """Packaging for Flask-Idempotency."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# One place for the version: the package's __version__, read without importing it
+# (its dependencies are not installed yet).
+_INIT = Path(__file__).with_name("flask_idempotency").joinpath("__init__.py")
+VERSION = re.search(r'^__version__ = "([^"]+)"', _INIT.read_text(encoding="utf-8"), re.M)
+assert VERSION is not None, "flask_idempotency/__init__.py has no __version__"
+
 setup(
     name="Flask-Idempotency",
-    version="0.1.0.dev0",
+    version=VERSION.group(1),
     description=(
         "Idempotency-Key support for Flask: retried POSTs run once, "
         "recorded in the same transaction as the business rows."
@@ -14,6 +21,7 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["flask_idempotency", "flask_idempotency.*"]),
     package_data={"flask_idempotency": ["py.typed"]},

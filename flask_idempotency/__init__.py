@@ -31,6 +31,9 @@ from .extension import Idempotency
 from .keys import derive_key
 from .models import COMPLETED, IN_PROGRESS, Record
 
+#: The release, as on PyPI (setup.py reads it from here).
+__version__ = "0.1.0.dev0"
+
 __all__ = [
     "COMPLETED",
     "IN_PROGRESS",
