@@ -17,7 +17,6 @@ import logging
 import typing as t
 import urllib.parse
 
-import sqlalchemy as sa
 from flask import Response, current_app, g, request
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, scoped_session
@@ -108,12 +107,11 @@ class Claimed:
     new_operation: bool
 
 
-def _commit_in_doubt(guard: ClaimGuard, exc: BaseException) -> bool:
-    """The view's ``COMMIT`` went out and the interruption ``exc`` hides whether it
-    happened: anything but the database's own refusal of it (an error it answered
-    with, on a connection that still works) leaves the commit in doubt."""
-    if not guard.commit_sent:
-        return False
+def _commit_in_doubt(exc: BaseException) -> bool:
+    """The view's ``COMMIT`` went out (``commit_sent``) and the interruption ``exc``
+    hides whether it happened: anything but the database's own refusal of it (an
+    error it answered with, on a connection that still works) leaves the commit
+    in doubt."""
     if isinstance(exc, sa_exc.DBAPIError) and not exc.connection_invalidated:
         # The database answered the COMMIT with an error: it did not happen,
         # unless the answer says the connection itself failed.
@@ -316,19 +314,6 @@ class Flow:
                 "The request is larger than the database accepts to keep for the recovery "
                 f"job ({exc}); nothing was stored. Send a smaller body."
             ) from None
-        except sa_exc.DBAPIError as exc:
-            if not dberrors.privilege_refused(exc):
-                raise
-            # The app's role may not write the record's table: this host cannot
-            # serve a claim (readiness says "forbidden"); another one may.
-            session.rollback()
-            logger.warning(
-                "claim of %r in scope %r refused for a privilege: %s",
-                key,
-                scope,
-                dberrors.summary(exc),
-            )
-            raise dberrors.problem_for(dberrors.UNAVAILABLE, exc) from exc
         except ClaimWaitExceeded:
             session.rollback()
             self._signal_conflict(scope, key, None)
@@ -418,7 +403,7 @@ class Flow:
                 # Whatever the view made of it, the cause is the lost key.
                 raise lost_error() from exc
             if not guard.view_committed and guard.commit_sent:
-                if _commit_in_doubt(guard, exc):
+                if _commit_in_doubt(exc):
                     self._settle_commit(state)
                 else:  # the database answered the COMMIT with a refusal: it did not happen
                     guard.commit_sent = False
@@ -477,9 +462,7 @@ class Flow:
             self.session.rollback()
         except Exception:  # the connection is gone: the judgement uses another
             logger.debug("rollback before judging a commit failed", exc_info=True)
-        bind = self.session.get_bind()
-        engine = bind.engine if isinstance(bind, sa.Connection) else bind
-        state.guard.settle_commit(engine)
+        state.guard.settle_commit()
 
     def _record_failure_after_commit(self, state: RequestState, app: t.Any) -> None:
         """Record a 500 ``failed-after-commit`` for an operation whose view

@@ -239,7 +239,7 @@ class ClaimGuard(SessionWatcher):
             # below would find the record that commit published, take the key
             # for lost, and leave it in progress to be run again after its lease.
             # Asked on this connection when it reaches the record's database.
-            self.settle_commit(connection if on_record else self._record_engine or connection)
+            self.settle_commit(connection if on_record else None)
         if self.claim is Claim.ROLLED_BACK and not self.reclaim(connection):
             raise lost_error()
 
@@ -257,7 +257,7 @@ class ClaimGuard(SessionWatcher):
             # record); fenced, and locking the record until the commit.
             locked_until = self._clock() + self._lease
             self.pending_lease = locked_until
-            self.pending_transaction = None
+            self.pending_transaction = None  # not an earlier commit's, should this one fail
             renewed, self.pending_transaction = self.store.renew_lease_before_commit(
                 session, self.scope, self.key, self.token, locked_until
             )
@@ -286,7 +286,7 @@ class ClaimGuard(SessionWatcher):
             record.locked_until == self.pending_lease or self.pending_lease == self._lease_written
         )
 
-    def settle_commit(self, executor: sa.Engine | sa.Connection) -> bool:
+    def settle_commit(self, connection: sa.Connection | None = None) -> bool:
         """The view's last ``COMMIT`` went out and no answer came back (an error
         the view may have caught, an interruption): whether it landed, asked of
         the database (:meth:`~flask_idempotency.store.Store.commit_outcome` on
@@ -298,9 +298,13 @@ class ClaimGuard(SessionWatcher):
         record is not there, and completing it answers ``lease-lost``; the
         retry after that runs the operation, once.
 
-        ``executor``: the record's engine, or a connection to it in a
-        transaction that just began (asked on it: a second connection may not
-        be had from a pool of one)."""
+        Asked on ``connection`` (to the record's database, in a transaction
+        that just began: a second connection may not be had from a pool of
+        one), or else on a connection of the record's engine."""
+        executor: sa.Engine | sa.Connection | None = connection or self._record_engine
+        if executor is None:  # never watched a session: nothing was committed
+            return False
+        reason = "not knowable in time"
         try:
             if self.pending_transaction is not None:
                 landed = self.store.commit_outcome(
@@ -310,22 +314,17 @@ class ClaimGuard(SessionWatcher):
                 record = self.store.load_committed(executor, self.scope, self.key)
                 landed = self.commit_landed(record)
         except Exception as exc:  # the failure that hid the outcome is the one to report
-            logger.warning(
-                "could not tell whether the commit of %r in scope %r landed (%s); "
-                "counting it as landed",
-                self.key,
-                self.scope,
-                type(exc).__name__,
-            )
-            landed = None
+            landed, reason = None, f"could not ask: {type(exc).__name__}"
         if landed is False:
             self.commit_sent = False
             return False
         if landed is None:
             logger.warning(
-                "the outcome of the commit of %r in scope %r is unknown; counting it as landed",
+                "the outcome of the commit of %r in scope %r is unknown (%s); "
+                "counting it as landed",
                 self.key,
                 self.scope,
+                reason,
             )
         self.confirm_commit()
         return True
