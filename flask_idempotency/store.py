@@ -527,6 +527,14 @@ class Store:
         elif name == "sqlite":
             _sqlite_connection(executor).execute(f"PRAGMA busy_timeout = {int(previous)}")
 
+    def _connection(self, executor: Executor) -> sa.Connection:
+        """The connection under ``executor`` that holds the record's table, in the
+        session's transaction. Core statements go to it directly: the ORM's
+        execute path (bind lookup, ORM compile hooks) costs more than the statement."""
+        if isinstance(executor, sa.Connection):
+            return executor
+        return executor.connection(bind_arguments={"clause": self.table})
+
     def _changed_one(self, executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
         """Run a conditional ``UPDATE``/``DELETE`` (or a conflict-tolerant
         ``INSERT``) of one record; whether it changed the row.
@@ -541,10 +549,7 @@ class Store:
         kept with ``preserve_rowcount``. Inserts without ``RETURNING`` are
         decided by reading the fencing token back (:meth:`_insert`).
         """
-        if not isinstance(executor, sa.Connection):
-            # Core statements on the session's connection: the ORM's execute
-            # path (bind lookup, ORM compile hooks) costs more than the statement.
-            executor = executor.connection(bind_arguments={"clause": self.table})
+        executor = self._connection(executor)
         if _returning(executor.dialect, stmt):
             stmt = self._returning_form(stmt)
         compiled = self._precompiled(executor, stmt, params) if params else None
@@ -620,11 +625,7 @@ class Store:
             except sa_exc.IntegrityError:
                 return False, None
             return True, None
-        connection = (
-            executor
-            if isinstance(executor, sa.Connection)
-            else executor.connection(bind_arguments={"clause": self.table})
-        )
+        connection = self._connection(executor)
         if _returning(connection.dialect, conflict_tolerant):
             return self._changed_one(connection, conflict_tolerant, values), None
         connection.execute(conflict_tolerant, values)
@@ -922,11 +923,7 @@ class Store:
         PostgreSQL, that transaction's id: should the ``COMMIT`` be interrupted
         with no answer, :meth:`commit_outcome` tells from the id whether it
         landed (``None`` elsewhere)."""
-        connection = (
-            executor.connection(bind_arguments={"clause": self.table})
-            if isinstance(executor, Session)
-            else executor
-        )
+        connection = self._connection(executor)
         if connection.dialect.name != "postgresql":
             return self.renew_lease(connection, scope, key, token, locked_until), None
         params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}

@@ -65,6 +65,19 @@ def _wait(check: t.Callable[[], bool], within: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def _answers(url: str) -> bool:
+    """Whether the server at ``url`` takes a connection and answers a query."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        return True
+    except sa.exc.OperationalError:
+        return False
+    finally:
+        engine.dispose()
+
+
 class PgCluster:
     """One PostgreSQL cluster in a directory of its own.
 
@@ -160,15 +173,7 @@ class PgCluster:
     def _accepting(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"PostgreSQL exited at start:\n{self._log()}")
-        engine = sa.create_engine(self.url(), poolclass=sa.pool.NullPool)
-        try:
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT 1"))
-            return True
-        except sa.exc.OperationalError:
-            return False
-        finally:
-            engine.dispose()
+        return _answers(self.url())
 
     def url(self, driver: str = "psycopg2", database: str = "postgres") -> str:
         return f"postgresql+{driver}://postgres@{self.host}:{self.port}/{database}"
@@ -280,15 +285,7 @@ class PrivateMariaDB:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.base / "server.log").read_text(errors="replace")
             raise RuntimeError(f"mariadbd exited at start:\n{log[-3000:]}")
-        engine = sa.create_engine(self.url(""), poolclass=sa.pool.NullPool)
-        try:
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT 1"))
-            return True
-        except sa.exc.OperationalError:
-            return False
-        finally:
-            engine.dispose()
+        return _answers(self.url(""))
 
     def url(self, database: str, user: str = "root") -> str:
         return f"mysql+pymysql://{user}@127.0.0.1:{self.port}/{database}?charset=utf8mb4"

@@ -19,6 +19,7 @@ Each test counts the business rows and records left, not only the status.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 import typing as t
@@ -396,35 +397,24 @@ def test_a_user_without_delete_is_ready_as_its_claims_work() -> None:
         create_tables(url)
 
 
-@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
-def test_a_role_that_may_not_insert_answers_503_and_is_not_ready(driver: str) -> None:
-    """PostgreSQL's insufficient_privilege (42501) on the claim. Before: an HTML
-    500 from the claim, while readiness answered 200 (it checked read-only only)."""
-    url = postgres_url(driver)
-    role = f"noins_{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def pg_role(url: str, prefix: str, *grants: str) -> t.Iterator[Flask]:
+    """The test app connecting to the suite's PostgreSQL as a role of its own,
+    allowed the schema and given ``grants`` (statements naming ``{role}``);
+    dropped after, the tables made again."""
+    role = f"{prefix}_{uuid.uuid4().hex[:8]}"
     app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
-    create_tables(url)  # init_app put the record's table on the metadata
+    create_tables(url)
     admin = sa.create_engine(url)
     try:
         with admin.begin() as conn:
             schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
             conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
             conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}'))
-            conn.execute(
-                sa.text(
-                    f'GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}'
-                )
-            )
+            for grant in grants:
+                conn.execute(sa.text(grant.format(role=role, schema=schema)))
         try:
-            response = post(app, "/pay", "noins")
-            assert response.status_code == 503, response.data
-            assert response.content_type == PROBLEM_JSON
-            assert "Retry-After" in response.headers
-            ready = app.test_client().get("/readyz")
-            assert ready.status_code == 503
-            assert ready.content_type == PROBLEM_JSON
-            assert ready.get_json()["database"] == "forbidden"
-            assert counts(url) == (0, 0)
+            yield app
         finally:
             dispose(app)
     finally:
@@ -433,6 +423,27 @@ def test_a_role_that_may_not_insert_answers_503_and_is_not_ready(driver: str) ->
             conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
         admin.dispose()
         create_tables(url)
+
+
+SEQUENCES = 'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_role_that_may_not_insert_answers_503_and_is_not_ready(driver: str) -> None:
+    """PostgreSQL's insufficient_privilege (42501) on the claim. Before: an HTML
+    500 from the claim, while readiness answered 200 (it checked read-only only)."""
+    url = postgres_url(driver)
+    grant = 'GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}'
+    with pg_role(url, "noins", grant) as app:
+        response = post(app, "/pay", "noins")
+        assert response.status_code == 503, response.data
+        assert response.content_type == PROBLEM_JSON
+        assert "Retry-After" in response.headers
+        ready = app.test_client().get("/readyz")
+        assert ready.status_code == 503
+        assert ready.content_type == PROBLEM_JSON
+        assert ready.get_json()["database"] == "forbidden"
+        assert counts(url) == (0, 0)
 
 
 @pytest.mark.parametrize("grants", ["columns", "view-table-refused"])
@@ -443,54 +454,28 @@ def test_privileges_on_postgres_decide_as_a_claim_would(grants: str) -> None:
     permanent, answered as the app answers errors (500), never as an outage
     (503) that clients and the extension's own client would retry for ever."""
     url = postgres_url("psycopg")
-    role = f"cols_{uuid.uuid4().hex[:8]}"
-    app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
-    create_tables(url)
-    admin = sa.create_engine(url)
-    records = "idempotency_keys"
-    try:
-        with admin.begin() as conn:
-            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
-            columns = ", ".join(
-                f'"{name}"'
-                for name in conn.execute(
-                    sa.text(
-                        "SELECT column_name FROM information_schema.columns "
-                        "WHERE table_schema = :s AND table_name = :t"
-                    ),
-                    {"s": schema, "t": records},
-                ).scalars()
-            )
-            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
-            conn.execute(sa.text(f'GRANT USAGE, CREATE ON SCHEMA "{schema}" TO {role}'))
-            conn.execute(sa.text(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'))
-            if grants == "columns":
-                conn.execute(sa.text(f"GRANT SELECT, DELETE ON {records} TO {role}"))
-                conn.execute(
-                    sa.text(f"GRANT INSERT ({columns}), UPDATE ({columns}) ON {records} TO {role}")
-                )
-                conn.execute(sa.text(f"GRANT ALL ON read_only_entries TO {role}"))
-            else:
-                conn.execute(sa.text(f"GRANT ALL ON {records} TO {role}"))
-                conn.execute(sa.text(f"GRANT SELECT ON read_only_entries TO {role}"))
-        try:
-            ready = app.test_client().get("/readyz")
-            assert ready.status_code == 200, ready.data
-            response = post(app, "/pay", "grants")
-            if grants == "columns":
-                assert response.status_code == 201, response.data
-                assert counts(url) == (1, 1)
-            else:
-                assert response.status_code == 500, response.data
-                assert counts(url) == (0, 0)  # released: the key runs again once granted
-        finally:
-            dispose(app)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP OWNED BY {role}"))
-            conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
-        admin.dispose()
-        create_tables(url)
+    columns = ", ".join(f'"{column.name}"' for column in record_table(db.metadata).c)
+    if grants == "columns":
+        granted = (
+            "GRANT SELECT, DELETE ON idempotency_keys TO {role}",
+            f"GRANT INSERT ({columns}), UPDATE ({columns}) ON idempotency_keys TO {{role}}",
+            "GRANT ALL ON read_only_entries TO {role}",
+        )
+    else:
+        granted = (
+            "GRANT ALL ON idempotency_keys TO {role}",
+            "GRANT SELECT ON read_only_entries TO {role}",
+        )
+    with pg_role(url, "cols", SEQUENCES, *granted) as app:
+        ready = app.test_client().get("/readyz")
+        assert ready.status_code == 200, ready.data
+        response = post(app, "/pay", "grants")
+        if grants == "columns":
+            assert response.status_code == 201, response.data
+            assert counts(url) == (1, 1)
+        else:
+            assert response.status_code == 500, response.data
+            assert counts(url) == (0, 0)  # released: the key runs again once granted
 
 
 @pytest.mark.parametrize("route", ["/pay", "/leased"])
@@ -500,34 +485,18 @@ def test_a_role_that_may_not_update_the_records_answers_503(route: str) -> None:
     This host cannot serve a claim: 503 problem+json (it was an HTML 500), as
     readiness says (forbidden), and nothing stays."""
     url = postgres_url("psycopg2")
-    role = f"noupd_{uuid.uuid4().hex[:8]}"
-    app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
-    create_tables(url)
-    admin = sa.create_engine(url)
-    try:
-        with admin.begin() as conn:
-            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
-            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
-            conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}'))
-            conn.execute(sa.text(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'))
-            conn.execute(sa.text(f"GRANT SELECT, INSERT, DELETE ON idempotency_keys TO {role}"))
-            conn.execute(sa.text(f"GRANT ALL ON read_only_entries TO {role}"))
-        try:
-            response = post(app, route, "noupd")
-            assert response.status_code == 503, response.data
-            assert response.content_type == PROBLEM_JSON
-            assert app.test_client().get("/readyz").get_json()["database"] == "forbidden"
-            entries, records = counts(url)
-            assert entries == 0
-            assert records <= 1  # a leased claim, committed first, waits for its lease
-        finally:
-            dispose(app)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP OWNED BY {role}"))
-            conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
-        admin.dispose()
-        create_tables(url)
+    granted = (
+        "GRANT SELECT, INSERT, DELETE ON idempotency_keys TO {role}",
+        "GRANT ALL ON read_only_entries TO {role}",
+    )
+    with pg_role(url, "noupd", SEQUENCES, *granted) as app:
+        response = post(app, route, "noupd")
+        assert response.status_code == 503, response.data
+        assert response.content_type == PROBLEM_JSON
+        assert app.test_client().get("/readyz").get_json()["database"] == "forbidden"
+        entries, records = counts(url)
+        assert entries == 0
+        assert records <= 1  # a leased claim, committed first, waits for its lease
 
 
 # -- the jobs on a read-only database ---------------------------------------------------------
