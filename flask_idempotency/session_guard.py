@@ -196,13 +196,22 @@ class ClaimGuard(SessionWatcher):
         #: arrives from one still on its way.
         self.pending_transaction: int | None = None
         self._record_engine: sa.Engine | None = None
+        self._first_session: Session | None = None
 
     def watch(self, session: Session, scoped: t.Any = None) -> None:
         super().watch(session, scoped)
-        # The engine holding the record: connections to other binds (a
-        # reporting database in AUTOCOMMIT) are none of the claim's business.
-        bind = session.get_bind(clause=self.store.table)
-        self._record_engine = bind.engine if isinstance(bind, sa.Connection) else bind
+        self._first_session = session
+
+    @property
+    def record_engine(self) -> sa.Engine | None:
+        """The engine holding the record: connections to other binds (a reporting
+        database in AUTOCOMMIT) are none of the claim's business. Looked up when
+        first needed, which the common request (no transaction of the view's
+        own) never does."""
+        if self._record_engine is None and self._first_session is not None:
+            bind = self._first_session.get_bind(clause=self.store.table)
+            self._record_engine = bind.engine if isinstance(bind, sa.Connection) else bind
+        return self._record_engine
 
     # -- what the flow asks ----------------------------------------------------------
 
@@ -230,7 +239,8 @@ class ClaimGuard(SessionWatcher):
         # Every transaction the view begins, not only the claim's: a view that
         # asks for an AUTOCOMMIT connection would commit rows the record cannot
         # follow (refused before it writes anything).
-        on_record = self._record_engine is None or connection.engine is self._record_engine
+        record_engine = self.record_engine
+        on_record = record_engine is None or connection.engine is record_engine
         if on_record:
             refuse_autocommit(connection)
         if self.commit_sent and self.claim is not Claim.LOST:
@@ -301,7 +311,7 @@ class ClaimGuard(SessionWatcher):
         Asked on ``connection`` (to the record's database, in a transaction
         that just began: a second connection may not be had from a pool of
         one), or else on a connection of the record's engine."""
-        executor: sa.Engine | sa.Connection | None = connection or self._record_engine
+        executor: sa.Engine | sa.Connection | None = connection or self.record_engine
         if executor is None:  # never watched a session: nothing was committed
             return False
         reason = "not knowable in time"
