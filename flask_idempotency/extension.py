@@ -390,7 +390,7 @@ class Idempotency:
 
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
         ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"forbidden"``
-        (PostgreSQL: the app's role may not INSERT or UPDATE the table),
+        (the app's role may not write the table: a GRANT missing),
         ``"conflict"`` or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
         ``duration_ms`` (or ``running_ms`` while the probe is still running),
         ``error`` (the exception's class name) when it failed and ``reason``
