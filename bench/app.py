@@ -41,7 +41,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from bench import claim_paths
 from flask_idempotency import Idempotency
-from flask_idempotency.models import job_lock_table, record_table
+from flask_idempotency._storage.schema import job_lock_table, record_table
 
 DATABASE_ENV = "BENCH_DATABASE_URL"
 KEY_HEADER = "Idempotency-Key"

@@ -3,7 +3,7 @@
 The extension claims in one round trip on psycopg 3: its four statements (the
 ``lock_timeout`` bound, the insert, the bound restored, the read of the record)
 go as one ``;``-joined string through :class:`psycopg.ClientCursor`
-(``flask_idempotency.store._client_batched``): psycopg quotes the values into the
+(``flask_idempotency._storage.store._client_batched``): psycopg quotes the values into the
 text and sends it as one simple query, as psycopg2 does. To show what that costs
 and buys, the benchmark app on psycopg 3 has routes that claim another way,
 chosen per request by the route:
@@ -39,7 +39,7 @@ import typing as t
 import psycopg
 import sqlalchemy as sa
 
-from flask_idempotency import store
+from flask_idempotency._storage import store
 
 EXT, PIPELINE, SERIAL, GENERIC = "ext", "pipeline", "serial", "generic"
 

@@ -51,8 +51,8 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
-from flask_idempotency.models import outbox_table
-from flask_idempotency.outbox import add_event
+from flask_idempotency._messaging.outbox import add_event
+from flask_idempotency._storage.schema import outbox_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
@@ -109,7 +109,7 @@ def writer_main(n: int, gap: float, tag: str, scheduler: bool) -> None:
     """Commit ``n`` events, one every ``gap`` seconds; print ``{event_id: commit
     time}`` as JSON. With ``scheduler``, this process runs the relay job (a
     JobScheduler) and waits, after the last commit, until everything is published."""
-    from flask_idempotency.scheduler import JobScheduler
+    from flask_idempotency._maintenance.scheduler import JobScheduler
 
     app = create_app()
     jobs = JobScheduler(app) if scheduler else None
@@ -388,7 +388,7 @@ def throughput_round(
 ) -> float:
     """Drain a backlog of ``n`` with one relay (batches of 100); events per second.
     ``count()``: the messages in the broker's queue, which must then be ``n``."""
-    from flask_idempotency.relay import relay_once
+    from flask_idempotency._messaging.relay import relay_once
 
     seed_backlog(url, n)
     app = make_app(url, publisher)

@@ -14,7 +14,7 @@ import argparse
 import time
 import typing as t
 
-from flask_idempotency.jobs import purge_expired
+from flask_idempotency._maintenance.jobs import purge_expired
 from tests import testapp
 from tests.conftest import postgres_url, reset_tables, run_sql
 

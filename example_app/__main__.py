@@ -26,8 +26,8 @@ import uuid
 import sqlalchemy as sa
 from werkzeug.serving import make_server
 
+from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
-from flask_idempotency.relay import relay_batch
 
 from . import broker, create_app, orders, shipping
 from .app import db as payments_db

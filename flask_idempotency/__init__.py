@@ -8,7 +8,20 @@ rows.
 
 from __future__ import annotations
 
+# The public modules, also reachable as attributes (``flask_idempotency.inbox``):
+from . import config as config
+from . import errors as errors
+from . import inbox as inbox
+from . import jobs as jobs
+from . import keys as keys
+from . import models as models
+from . import outbox as outbox
+from . import publishers as publishers
+from . import relay as relay
+from . import scheduler as scheduler
+from . import scope as scope
 from . import signals
+from ._storage.schema import COMPLETED, IN_PROGRESS, Record
 from .errors import (
     ConflictError,
     DatabaseUnavailableError,
@@ -29,7 +42,6 @@ from .errors import (
 )
 from .extension import Idempotency
 from .keys import derive_key
-from .models import COMPLETED, IN_PROGRESS, Record
 
 #: The release, as on PyPI (setup.py reads it from here).
 __version__ = "0.1.0.dev0"

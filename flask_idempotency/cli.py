@@ -53,13 +53,13 @@ from flask import Flask
 from flask.cli import AppGroup
 
 from . import signals
+from ._context import AppState, app_state, resolve_app
 from .errors import InvalidKeyError
 from .keys import parse_key
 from .scope import MAX_SCOPE_LENGTH
-from .state import AppState, app_state, resolve_app
 
 if t.TYPE_CHECKING:
-    from .relay import Publisher, RelayRun
+    from ._messaging.relay import Publisher, RelayRun
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -161,7 +161,7 @@ class _LineFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         if self.tracebacks or not record.exc_info or record.exc_info[1] is None:
             return super().format(record)
-        from .dberrors import summary
+        from ._storage.dberrors import summary
 
         line = f"{record.getMessage()}: {summary(record.exc_info[1])}"
         flat = logging.makeLogRecord(
@@ -223,7 +223,7 @@ def _database_error(exc: BaseException) -> CommandError:
     """The one line for a database failure: which database, and the driver's
     first line (never SQLAlchemy's text, which carries the statement and its
     parameters)."""
-    from .dberrors import UNAVAILABLE, classify, summary
+    from ._storage.dberrors import UNAVAILABLE, classify, summary
 
     logger.debug("database error", exc_info=exc)
     where = ""
@@ -303,14 +303,15 @@ def _require_tables(*tables: sa.Table) -> None:
 
 
 def _outbox() -> sa.Table:
-    from .models import outbox_table
+    from ._storage.schema import outbox_table
 
     return outbox_table(_state().db.metadata)
 
 
 def _publisher(app: Flask) -> Publisher:
     """The app's ``IDEMPOTENCY_PUBLISHER``, or exit 78 saying what is wrong with it."""
-    from .relay import BrokerUnavailable, app_publisher
+    from ._messaging.relay import app_publisher
+    from .errors import BrokerUnavailable
 
     try:
         publisher = app_publisher(app)
@@ -395,7 +396,7 @@ def _scope_prefix_argument(
 @_command("create-tables")
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist."""
-    from .models import inbox_table, outbox_table
+    from ._storage.schema import inbox_table, outbox_table
 
     state = _state()
     metadata = state.db.metadata
@@ -415,7 +416,7 @@ def create_tables() -> None:
 @click.option("--dry-run", is_flag=True, help="Count the expired records; delete nothing.")
 def purge(batch_size: int | None, dry_run: bool) -> None:
     """Delete expired records in small batches, each its own transaction."""
-    from .jobs import purge_expired
+    from ._maintenance.jobs import purge_expired
 
     _require_tables(_state().store.table)
     report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run)
@@ -430,9 +431,9 @@ def stats() -> None:
     """Records by status, oldest in progress, expired awaiting cleanup, table size;
     the outbox (pending, retrying, oldest pending age, parked, published) and the
     inbox (processed ids, per consumer), each when its table exists."""
-    from . import inbox
-    from .models import OUTBOX_TABLE_NAME
-    from .relay import outbox_stats
+    from ._messaging import inbox
+    from ._messaging.relay import outbox_stats
+    from ._storage.schema import OUTBOX_TABLE_NAME
 
     state = _state()
     _require_tables(state.store.table)
@@ -600,7 +601,7 @@ def list_records(key: str | None, scope_prefix: str | None, status: str | None, 
 )
 def recover(limit: int) -> None:
     """Finish or release in-progress records whose lease has ended, once."""
-    from .jobs import recover_abandoned
+    from ._maintenance.jobs import recover_abandoned
 
     _require_tables(_state().store.table)
     report = recover_abandoned(resolve_app(), limit=limit)
@@ -634,7 +635,7 @@ class _Trouble:
 
 
 def _database_problem(exc: BaseException) -> str:
-    from .dberrors import summary
+    from ._storage.dberrors import summary
 
     logger.debug("database error", exc_info=exc)
     return f"the database failed: {summary(exc)}"
@@ -670,7 +671,7 @@ def _logged_scheduler(app: Flask) -> t.Any:
     run: the job, what it did and how long it took, at INFO (an idle relay run
     at DEBUG: it runs every second); a run that could not start because the
     database failed, as one line while that lasts."""
-    from .scheduler import JobFunc, JobScheduler
+    from ._maintenance.scheduler import JobFunc, JobScheduler
 
     trouble = _Trouble()
 
@@ -796,8 +797,8 @@ def relay(once: bool, batch: int, poll: float) -> None:
     line per run that published anything at INFO, an outage of the broker or
     the database when it starts and ends, and rides it out.
     """
-    from .relay import Listener, RelistenBackoff, relay_batch
-    from .scheduler import JobScheduler
+    from ._maintenance.scheduler import JobScheduler
+    from ._messaging.relay import Listener, RelistenBackoff, relay_batch
 
     wake = _state().settings.relay_wake
     app = resolve_app()
@@ -899,7 +900,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
 @_command("outbox-retry")
 def outbox_retry() -> None:
     """Un-park the events the relay gave up on (attempts reset, due now)."""
-    from .relay import retry_parked
+    from ._messaging.relay import retry_parked
 
     _require_tables(_outbox())
     _report(f"un-parked {retry_parked(resolve_app())} event(s)")
@@ -915,7 +916,7 @@ def outbox_retry() -> None:
 def outbox_purge(older_than: float | None) -> None:
     """Delete outbox events published more than --older-than hours ago (the
     cleanup job does it too, after IDEMPOTENCY_OUTBOX_RETENTION)."""
-    from .relay import purge_published
+    from ._messaging.relay import purge_published
 
     _require_tables(_outbox())
     age = None if older_than is None else dt.timedelta(hours=older_than)

@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'flask_idempotency.client needs requests: pip install "Flask-Idempotency[client]"'
     ) from exc
 
+from ._context import current_derived_key, in_keyed_request
 from .keys import quote_key
 
 if t.TYPE_CHECKING:
@@ -618,8 +619,6 @@ class IdempotentSession(requests.Session):
                 raise TypeError("pass idempotency_key= or step=, not both")
             return key
         if step is not None:
-            from .extension import current_derived_key
-
             return current_derived_key(step)
         if method not in KEYED_METHODS:
             return None
@@ -724,9 +723,4 @@ def _is_name(candidate: t.Any, name: str) -> bool:
 
 
 def _in_keyed_idempotent_request() -> bool:
-    from flask import g, has_app_context
-
-    if not has_app_context():
-        return False
-    state = g.get("_idempotency")
-    return state is not None and getattr(state, "key", None) is not None
+    return in_keyed_request()

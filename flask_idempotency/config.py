@@ -129,8 +129,8 @@ import math
 import typing as t
 from datetime import timedelta
 
+from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
-from .responses import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 
 PREFIX = "IDEMPOTENCY_"
 

@@ -7,8 +7,18 @@ may switch on; ``title`` is fixed per type; ``detail`` is for humans.
 Every error of the extension is an :class:`IdempotencyError`::
 
     IdempotencyError
-    +-- ProblemError (HTTP, problem+json): the client errors below
+    +-- ProblemError (HTTP, problem+json): what a client sees
+    |   +-- MissingKeyError, InvalidKeyError, MalformedBodyError,
+    |   |   UnsupportedMediaTypeError, PayloadTooLargeError, LengthRequiredError,
+    |   |   ValidationProblem, KeyReusedError, NothingToRecoverError (4xx)
+    |   +-- ConflictError (409)
+    |   |   +-- TransactionConflictError, LeaseLostError
+    |   +-- FailedAfterCommitError, DatabaseUnavailableError (5xx)
     +-- EventIdConflictError: an outbox event id already names another event
+    +-- BrokerUnavailable: a publisher cannot reach the broker (the relay retries)
+    +-- StalledMessage: one event's publish stalled again and again (its failure)
+    +-- ClaimWaitExceeded, TooLargeToStore, RecordGone: raised and handled inside
+        the extension (each becomes one of the answers above); never seen by a view
 """
 
 from __future__ import annotations
@@ -231,3 +241,36 @@ class EventIdConflictError(IdempotencyError):
     caller (two events given one name, or a named event whose payload differs
     between attempts), and a view that lets it through fails as for any error.
     """
+
+
+class BrokerUnavailable(IdempotencyError):
+    """Raised by a publisher when the broker cannot be reached (connection
+    refused, lost, timed out): the failure is not the event's.
+
+    The relay then stops the batch (the next events would only wait on the same
+    broker) and gives the event back as it was, its attempts unchanged and
+    ``last_error`` set: an outage never counts toward parking, and the events
+    flow again, in order, without an operator. A message the broker refused
+    (a nack) is the event's failure: raise something else for it.
+    """
+
+
+class StalledMessage(IdempotencyError):
+    """The same event's publish was cut off or timed out
+    :attr:`KombuPublisher.STALLS` times in a row while the broker kept
+    accepting connections: counted as the event's failure (see
+    :class:`KombuPublisher`)."""
+
+
+class ClaimWaitExceeded(IdempotencyError):
+    """The database gave up on this transaction while it waited for another on the
+    same key (lock timeout, deadlock victim, serialization failure)."""
+
+
+class TooLargeToStore(IdempotencyError):
+    """The request to keep for the recovery job is larger than the database takes
+    in one statement (MySQL's ``max_allowed_packet``)."""
+
+
+class RecordGone(IdempotencyError):
+    """A recovery run found no abandoned record to resume (someone else finished it)."""

@@ -9,22 +9,38 @@ import re
 import typing as t
 import weakref
 
-from flask import Flask, Response, current_app, g, jsonify, request
+from flask import Flask, Response, current_app, jsonify, request
 
-from . import config, dberrors, health, outbox, session_guard
+from . import config
+from ._context import (
+    OPTIMISTIC_WHY,
+    AppState,
+    RequestState,
+    app_state,
+    check_unregistered,
+    current_derived_key,
+    current_request_state,
+    downstream_state,
+    end_request,
+    find_app_state,
+    register,
+    resolve_app,
+)
+from ._maintenance import health
+from ._maintenance.scheduler import InProcessScheduler
+from ._messaging import outbox
+from ._request import session_guard
+from ._request.fingerprint import SchemaArg, exclude_paths, resolve_schema
+from ._request.flow import Clock, Flow
+from ._request.responses import replay
+from ._request.route import RouteOptions
+from ._request.steps import run_step
+from ._storage import dberrors
+from ._storage.schema import Record, inbox_table, job_lock_table, outbox_table, record_table
+from ._storage.store import Store
 from .cli import idempotency_cli
-from .errors import MissingKeyError, ProblemError
-from .fingerprint import SchemaArg, exclude_paths, resolve_schema
-from .flow import Clock, Flow, RequestState
-from .keys import derive_scoped_key, quote_key, resolve_key_format, resolve_key_max_length
-from .models import Record, inbox_table, job_lock_table, outbox_table, record_table
-from .optimistic import WHY as OPTIMISTIC_WHY
-from .recovery import run_step
-from .responses import replay
-from .route import RouteOptions
-from .scheduler import InProcessScheduler
-from .state import EXTENSION_KEY, AppState, app_state, resolve_app
-from .store import Store
+from .errors import ProblemError
+from .keys import quote_key, resolve_key_format, resolve_key_max_length
 
 if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -122,11 +138,7 @@ class Idempotency:
         group. With ``IDEMPOTENCY_SCHEDULER`` on, each serving process starts the
         maintenance jobs on its first request.
         """
-        if EXTENSION_KEY in app.extensions:
-            raise RuntimeError(
-                "Idempotency is already registered on this Flask app; "
-                "create one Idempotency() and call init_app once per app."
-            )
+        check_unregistered(app)
         if db is None:
             db = app.extensions.get("sqlalchemy")
             if db is None:
@@ -157,10 +169,10 @@ class Idempotency:
         session_guard.listen(db.session.session_factory)
         outbox_table(db.metadata)
         outbox.listen(db.session.session_factory)
-        app.extensions[EXTENSION_KEY] = state
+        register(app, state)
         self._states.add(state)
         app.before_request(_RouteCheck(app))
-        app.teardown_request(_end_request)
+        app.teardown_request(end_request)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:
             # Started by the first request a process serves: never at import, not
@@ -455,7 +467,7 @@ class Idempotency:
                 f"serve_readiness needs the Flask app, not {type(app).__name__} (pass the app "
                 "your middleware wraps)"
             )
-        if EXTENSION_KEY not in app.extensions:
+        if find_app_state(app) is None:
             raise RuntimeError("serve_readiness: call idem.init_app(app, db) first")
 
         def check() -> tuple[bool, dict[str, t.Any]]:
@@ -468,7 +480,7 @@ class Idempotency:
 
     @staticmethod
     def _request_state() -> RequestState | None:
-        return t.cast("RequestState | None", g.get("_idempotency"))
+        return current_request_state()
 
     @property
     def payload(self) -> t.Any:
@@ -571,7 +583,7 @@ class Idempotency:
         :meth:`derived_key`: outside an idempotent view, on optimistic routes,
         and (400 ``missing-key``) in a request without a key.
         """
-        state = _downstream_state("idem.forward_headers()")
+        state = downstream_state("idem.forward_headers()")
         header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
         assert state.key is not None
         if step is None:
@@ -625,58 +637,6 @@ def _unprotected_methods(app: Flask) -> list[str]:
         if left:
             found.append(f"{rule.endpoint} ({rule.rule}): {', '.join(left)}")
     return found
-
-
-def _downstream_state(caller: str) -> RequestState:
-    """The current idempotent request's state, for a call downstream; raises if none."""
-    state = t.cast("RequestState | None", g.get("_idempotency"))
-    if state is None:
-        raise RuntimeError(f"{caller} can only be called inside an idempotent view")
-    if state.optimistic:
-        raise RuntimeError(f"{caller} is refused: {OPTIMISTIC_WHY}")
-    if state.key is None or state.scope is None:
-        # The client sent no key (the route does not require one): there is no
-        # operation to derive from, and calling downstream without a stable key
-        # would make every retry a new call there. The client must send one.
-        header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
-        raise MissingKeyError(
-            f"This endpoint calls other services on the client's behalf and needs an "
-            f"{header} header to keep those calls idempotent."
-        )
-    return state
-
-
-def _end_request(exc: BaseException | None) -> None:
-    """The request's idempotency state ends with it, also where the app context
-    outlives the request (a test, a script or a CLI command sending several
-    requests in one context shares ``g`` between them): the next request's event
-    ids count from 0 again, and code after the request is outside any view."""
-    g.pop("_idempotency", None)
-    outbox.end_request()
-
-
-def current_derived_key(step: str, *, handed_out: bool = True) -> str:
-    """``idem.derived_key(step)`` of the current request, without the extension object.
-
-    ``handed_out`` (the default): the key leaves the request, so a failed
-    attempt keeps the operation for its retry (see ``Flow._keep_operation``).
-    The outbox's event ids pass ``False``: they roll back with the view.
-    """
-    state = _downstream_state("idem.derived_key()")
-    assert state.key is not None
-    assert state.scope is not None
-    if handed_out:
-        if not state.claim_committed and state.previous is None:
-            # An uncommitted claim dies with a crash or a rollback, and the
-            # retry would be a new operation with new keys: the downstream
-            # would act twice. The key may leave only once the record is durable.
-            raise RuntimeError(
-                "A derived key (idem.derived_key, forward_headers with a step, the "
-                "client's step=) needs a leased route: use @idem.idempotent(lease=...) "
-                "so the record is committed before the key leaves the request"
-            )
-        state.keys_handed_out = True
-    return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
 
 
 def _names_table(exc: Exception, table: str) -> bool:

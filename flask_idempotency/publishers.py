@@ -16,8 +16,10 @@ import logging
 import threading
 import typing as t
 
+from .errors import BrokerUnavailable, StalledMessage
+
 if t.TYPE_CHECKING:
-    from .outbox import OutboxEvent
+    from ._messaging.outbox import OutboxEvent
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -31,13 +33,6 @@ MESSAGE_CODES = frozenset({311, 406, 501, 502, 503, 505})
 #: AMQP reply codes of a refused login or vhost (at connect): 402 invalid
 #: path, 403 access refused, 530 not allowed.
 _LOGIN_CODES = frozenset({402, 403, 530})
-
-
-class StalledMessage(Exception):
-    """The same event's publish was cut off or timed out
-    :attr:`KombuPublisher.STALLS` times in a row while the broker kept
-    accepting connections: counted as the event's failure (see
-    :class:`KombuPublisher`)."""
 
 
 class CallablePublisher:
@@ -192,8 +187,6 @@ class KombuPublisher:
         return self._producer
 
     def publish(self, event: OutboxEvent) -> None:
-        from .relay import BrokerUnavailable
-
         with self._lock:
             try:
                 producer = self._ensure()

@@ -16,8 +16,8 @@ import weakref
 
 from flask import Flask, current_app, g, request
 
+from ._context import resolve_app
 from .keys import printable, sha256_hex
-from .state import resolve_app
 
 #: The most characters a scope may have: the size of the record's scope column.
 MAX_SCOPE_LENGTH = 512

@@ -31,8 +31,8 @@ import sqlalchemy as sa
 from flask import Flask
 from sqlalchemy import event
 
-from flask_idempotency.models import as_utc, inbox_table, job_lock_table, record_table
-from flask_idempotency.store import text_param
+from flask_idempotency._storage.schema import as_utc, inbox_table, job_lock_table, record_table
+from flask_idempotency._storage.store import text_param
 from tests import testapp
 from tests.live import LiveServer
 from tests.tcp_proxy import TcpProxy, upstream_of

@@ -15,7 +15,7 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy import orm
 
-from flask_idempotency import inbox
+from flask_idempotency._messaging import inbox
 
 CONSUMER = "shipping"
 

@@ -16,7 +16,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
-from flask_idempotency.outbox import OutboxEvent
+from flask_idempotency._messaging.outbox import OutboxEvent
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -96,7 +96,7 @@ class FilePublisher:
         if os.path.exists(self.path + ".away"):  # the broker is down: count the attempt
             with open(self.path + ".attempts", "a") as f:
                 f.write(f"{event.event_id}\n")
-            from flask_idempotency.relay import BrokerUnavailable
+            from flask_idempotency.errors import BrokerUnavailable
 
             raise BrokerUnavailable("connection refused (the test's broker is away)")
         with open(self.path, "a") as f:

@@ -16,7 +16,7 @@ import uuid
 import pytest
 from flask import Flask, request
 
-from flask_idempotency.body import parse_json, read_body
+from flask_idempotency._request.body import parse_json, read_body
 from flask_idempotency.errors import (
     PROBLEM_JSON,
     LengthRequiredError,

@@ -38,8 +38,8 @@ from flask import Flask
 
 from example_app import broker as example_broker
 from example_app import orders, shipping
+from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
-from flask_idempotency.relay import relay_batch
 from tests.live import start_ready
 
 AMQP_ENV = "IDEMPOTENCY_TEST_AMQP_URL"

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
-from flask_idempotency.jobs import purge_expired
-from flask_idempotency.scheduler import JobScheduler
+from flask_idempotency._maintenance.jobs import purge_expired
+from flask_idempotency._maintenance.scheduler import JobScheduler
 from tests import testapp
 from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
 from tests.test_flow import _abandon, post

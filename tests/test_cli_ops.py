@@ -32,6 +32,9 @@ from click.testing import Result
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
+from flask_idempotency._messaging.outbox import add_event
+from flask_idempotency._storage.schema import outbox_table
+from flask_idempotency._storage.store import text_param
 from flask_idempotency.cli import (
     EXIT_BROKER,
     EXIT_CONFIG,
@@ -41,10 +44,7 @@ from flask_idempotency.cli import (
     EXIT_USAGE,
     idempotency_cli,
 )
-from flask_idempotency.models import outbox_table
-from flask_idempotency.outbox import add_event
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-from flask_idempotency.store import text_param
 from tests import outbox_app
 from tests.live import ROOT
 from tests.tcp_proxy import TcpProxy, upstream_of

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from flask import Flask, request
 
 from flask_idempotency import Idempotency
-from flask_idempotency.jobs import purge_expired, recover_abandoned
+from flask_idempotency._maintenance.jobs import purge_expired, recover_abandoned
 from tests import testapp
 from tests.conftest import Clock, record_rows, reset_tables
 from tests.gates import Gates, send

@@ -20,6 +20,13 @@ from flask import Flask, request
 from marshmallow import Schema, fields, post_load, pre_load
 from werkzeug.wrappers import Response
 
+from flask_idempotency._request.fingerprint import (
+    canonical_json,
+    compute,
+    request_fingerprint,
+    resolve_schema,
+    without_fields,
+)
 from flask_idempotency.errors import (
     PROBLEM_JSON,
     MalformedBodyError,
@@ -27,13 +34,6 @@ from flask_idempotency.errors import (
     ProblemError,
     UnsupportedMediaTypeError,
     ValidationProblem,
-)
-from flask_idempotency.fingerprint import (
-    canonical_json,
-    compute,
-    request_fingerprint,
-    resolve_schema,
-    without_fields,
 )
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables

@@ -411,7 +411,7 @@ def test_default_ttl_is_24_hours(app: Flask, client: t.Any, clock: Clock) -> Non
 def _abandon(app: Flask, clock: Clock, *, path: str = "/status/201", key: str = "k1") -> None:
     """Leave an in-progress record as a worker that committed and died would."""
     with app.app_context(), app.test_request_context(path, method="POST", json={}):
-        from flask_idempotency.fingerprint import request_fingerprint
+        from flask_idempotency._request.fingerprint import request_fingerprint
 
         _, fingerprint = request_fingerprint(None, ())
         with testapp.db.engine.begin() as conn:

@@ -19,7 +19,7 @@ import pytest
 from flask import Flask, request
 from werkzeug.datastructures import FileStorage, MultiDict
 
-from flask_idempotency.fingerprint import request_fingerprint
+from flask_idempotency._request.fingerprint import request_fingerprint
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.test_fingerprint import URLENCODED, multipart
@@ -114,7 +114,7 @@ def test_file_a_hook_already_read_counts_whole(plain_app: Flask) -> None:
 
 
 def stored(app: Flask, form: Form, *, parsed_first: bool) -> tuple[bytes, str | None]:
-    from flask_idempotency.fingerprint import stored_request_body
+    from flask_idempotency._request.fingerprint import stored_request_body
 
     body, content_type = form
     with app.test_request_context(method="POST", path="/x", data=body, content_type=content_type):
@@ -289,7 +289,7 @@ def test_recovery_job_reruns_a_form_parsed_first(database_url: str, clock: Clock
     assert record["request_body"]  # what the job will re-run
 
     clock.advance(seconds=31)
-    from flask_idempotency.jobs import recover_abandoned
+    from flask_idempotency._maintenance.jobs import recover_abandoned
 
     assert recover_abandoned(app).completed == 1
     assert seen_forms[1] == seen_forms[0]

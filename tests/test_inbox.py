@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import inbox, signals
-from flask_idempotency.jobs import purge_expired
-from flask_idempotency.models import as_utc
+from flask_idempotency._maintenance.jobs import purge_expired
+from flask_idempotency._storage.schema import as_utc
 from tests import testapp
 from tests.conftest import Clock
 

@@ -108,7 +108,7 @@ def test_100k_expired_purged_while_requests_keep_succeeding(db: str) -> None:
     try:
         time.sleep(0.3)  # traffic is flowing before the cleanup starts
         app = testapp.create_app(db)
-        from flask_idempotency.jobs import purge_expired
+        from flask_idempotency._maintenance.jobs import purge_expired
 
         report = purge_expired(app, batch_size=1000)
         time.sleep(0.3)

@@ -18,7 +18,7 @@ import typing as t
 import pytest
 from flask import Flask
 
-from flask_idempotency import jobs
+from flask_idempotency._maintenance import jobs
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows
 

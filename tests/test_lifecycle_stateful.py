@@ -86,9 +86,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from flask_idempotency import jobs
+from flask_idempotency._maintenance import jobs
+from flask_idempotency._storage.schema import as_utc
 from flask_idempotency.errors import FailedAfterCommitError
-from flask_idempotency.models import as_utc
 from tests import testapp
 from tests.conftest import Clock, reset_tables
 

@@ -22,17 +22,17 @@ from flask import Flask
 from sqlalchemy import orm
 
 from flask_idempotency import EventIdConflictError, signals
-from flask_idempotency.keys import derive_scoped_key
-from flask_idempotency.models import (
+from flask_idempotency._messaging.outbox import OutboxEvent, add_event
+from flask_idempotency._messaging.relay import backoff, relay_once, retry_parked
+from flask_idempotency._storage.schema import (
     as_utc,
     inbox_table,
     job_lock_table,
     outbox_table,
     record_table,
 )
-from flask_idempotency.outbox import OutboxEvent, add_event
+from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
-from flask_idempotency.relay import backoff, relay_once, retry_parked
 
 from . import outbox_app
 from .conftest import Clock, run_sql
@@ -726,7 +726,7 @@ def wait_for_rows(url: str, sql: str, **params: t.Any) -> list[t.Any]:
 
 
 def test_the_scheduler_runs_the_relay_job_with_the_configured_publisher(tmp_path: Path) -> None:
-    from flask_idempotency.scheduler import JobScheduler
+    from flask_idempotency._maintenance.scheduler import JobScheduler
 
     url = f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
     publisher = ListPublisher()
@@ -744,7 +744,7 @@ def test_the_scheduler_runs_the_relay_job_with_the_configured_publisher(tmp_path
 
 
 def test_the_publisher_setting_takes_an_import_string(tmp_path: Path) -> None:
-    from flask_idempotency.relay import app_publisher
+    from flask_idempotency._messaging.relay import app_publisher
 
     url = f"sqlite:///{tmp_path / 'p.sqlite3'}"
     app = outbox_app.create_app(

@@ -33,8 +33,8 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
+from flask_idempotency._storage.schema import job_lock_table, record_table
 from flask_idempotency.errors import PROBLEM_JSON
-from flask_idempotency.models import job_lock_table, record_table
 from tests.conftest import mysql_url, postgres_url
 from tests.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
 
@@ -510,8 +510,8 @@ def test_jobs_on_a_read_only_database_say_so_in_one_line(
     tick (the job lock is a write), and runs again once writes return."""
     import logging
 
-    from flask_idempotency.jobs import purge_expired
-    from flask_idempotency.scheduler import JobScheduler
+    from flask_idempotency._maintenance.jobs import purge_expired
+    from flask_idempotency._maintenance.scheduler import JobScheduler
 
     writable_url, read_only_url, options = read_only_target
     app = create_app(read_only_url, options)

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from flask import Flask, request
 
 from flask_idempotency import IN_PROGRESS
-from flask_idempotency.jobs import recover_abandoned
+from flask_idempotency._maintenance.jobs import recover_abandoned
 from flask_idempotency.keys import derive_scoped_key as derive_key
 from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables

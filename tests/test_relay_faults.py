@@ -32,10 +32,11 @@ from flask import Flask
 from sqlalchemy import orm
 
 from flask_idempotency import signals
-from flask_idempotency.models import outbox_table
-from flask_idempotency.outbox import add_event
+from flask_idempotency._messaging.outbox import add_event
+from flask_idempotency._messaging.relay import backoff, relay_once
+from flask_idempotency._storage.schema import outbox_table
+from flask_idempotency.errors import BrokerUnavailable
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-from flask_idempotency.relay import BrokerUnavailable, backoff, relay_once
 
 from . import inbox_worker, outbox_app
 from .conftest import Clock

@@ -29,12 +29,13 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency import relay as relay_module
 from flask_idempotency import signals
-from flask_idempotency.models import as_utc, outbox_table
-from flask_idempotency.outbox import OutboxEvent, add_event
+from flask_idempotency._messaging import relay as relay_module
+from flask_idempotency._messaging.outbox import OutboxEvent, add_event
+from flask_idempotency._messaging.relay import backoff, relay_batch, relay_once
+from flask_idempotency._storage.schema import as_utc, outbox_table
+from flask_idempotency.errors import BrokerUnavailable
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-from flask_idempotency.relay import BrokerUnavailable, backoff, relay_batch, relay_once
 
 from . import outbox_app
 from .conftest import Clock, mysql_url, postgres_url

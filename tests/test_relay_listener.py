@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from flask_idempotency import scheduler as scheduler_module
+from flask_idempotency._maintenance import scheduler as scheduler_module
+from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
+from flask_idempotency._messaging.relay import Listener
 from flask_idempotency.publishers import ListPublisher
-from flask_idempotency.relay import Listener
-from flask_idempotency.scheduler import JobScheduler, RelayWaker
 
 from . import outbox_app
 from .conftest import run_sql

@@ -11,12 +11,12 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency import inbox
-from flask_idempotency.jobs import purge_expired
-from flask_idempotency.models import outbox_table
-from flask_idempotency.outbox import OutboxEvent, add_event
+from flask_idempotency._maintenance.jobs import purge_expired
+from flask_idempotency._messaging import inbox
+from flask_idempotency._messaging.outbox import OutboxEvent, add_event
+from flask_idempotency._messaging.relay import relay_once
+from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher
-from flask_idempotency.relay import relay_once
 
 from . import outbox_app
 from .conftest import Clock
@@ -90,7 +90,7 @@ def test_cleanup_purges_published_events_after_the_retention(app: Flask, clock: 
 
 
 def test_the_scheduler_purge_job_purges_the_outbox(app: Flask, clock: Clock) -> None:
-    from flask_idempotency.scheduler import JobScheduler
+    from flask_idempotency._maintenance.scheduler import JobScheduler
 
     add(app, "a", "b")
     assert relay_once(app, refusing()) == 2
@@ -115,7 +115,7 @@ def test_outbox_purge_command_defaults_to_the_retention(app: Flask, clock: Clock
 def test_the_retention_setting(database_url: str) -> None:
     app = outbox_app.create_app(database_url)
     with app.app_context():
-        from flask_idempotency.state import app_state
+        from flask_idempotency._context import app_state
 
         assert app_state(app).settings.outbox_retention == dt.timedelta(days=7)
     for bad in (0, -5):

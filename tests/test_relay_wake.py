@@ -27,9 +27,9 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
-from flask_idempotency.outbox import OutboxEvent, add_event
+from flask_idempotency._maintenance.scheduler import JobScheduler
+from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import ListPublisher
-from flask_idempotency.scheduler import JobScheduler
 
 from . import outbox_app
 from .conftest import run_sql
@@ -222,7 +222,7 @@ def test_a_commit_in_another_process_wakes_the_scheduler_and_shutdown_unlistens(
         script = (
             "import os\n"
             "from tests import outbox_app\n"
-            "from flask_idempotency.outbox import add_event\n"
+            "from flask_idempotency._messaging.outbox import add_event\n"
             "app = outbox_app.create_app(os.environ['OUTBOX_TEST_DB'])\n"
             "with app.app_context():\n"
             "    add_event(outbox_app.db.session, 't', {'n': 1}, event_id='elsewhere')\n"
@@ -334,8 +334,8 @@ def test_while_the_broker_is_away_commits_do_not_each_make_a_connection_attempt(
     connection attempt (it used to be one per commit). The wake-up that
     waited is not lost: when the pause ends it runs, the broker is back, and
     every event goes out, long before the 60 s poll."""
+    from flask_idempotency.errors import BrokerUnavailable
     from flask_idempotency.publishers import CallablePublisher
-    from flask_idempotency.relay import BrokerUnavailable
 
     attempts: list[float] = []
     published: list[str] = []

@@ -27,10 +27,10 @@ from flask import Flask
 from sqlalchemy.orm import Session
 
 from bench.wire import CountingProxy
-from flask_idempotency import inbox
-from flask_idempotency.models import COMPLETED, IN_PROGRESS, Record
-from flask_idempotency.scheduler import JobScheduler
-from flask_idempotency.store import Store, new_fencing_token, operation_values
+from flask_idempotency._maintenance.scheduler import JobScheduler
+from flask_idempotency._messaging import inbox
+from flask_idempotency._storage.schema import COMPLETED, IN_PROGRESS, Record
+from flask_idempotency._storage.store import Store, new_fencing_token, operation_values
 from tests import testapp
 from tests.conftest import reset_tables
 

@@ -23,7 +23,7 @@ import typing as t
 import uuid
 from decimal import Decimal
 
-from .errors import MalformedBodyError
+from ..errors import MalformedBodyError
 
 # Integral Decimals with more digits than Python turns into text by default are
 # written as coefficient and exponent instead (no JSON integer can be that long).

@@ -31,8 +31,8 @@ from flask import request
 from werkzeug.datastructures import FileStorage
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from ..errors import PayloadTooLargeError
 from .body import read_body
-from .errors import PayloadTooLargeError
 
 URLENCODED = "application/x-www-form-urlencoded"
 MULTIPART = "multipart/form-data"

@@ -31,16 +31,18 @@ import typing as t
 from flask import Response, current_app
 from sqlalchemy.orm import Session
 
-from . import signals
-from .errors import ConflictError
-from .models import COMPLETED, Record
+from .. import signals
+from .._context import OPTIMISTIC_WHY as WHY
+from .._context import resolve_app
+from .._storage.schema import COMPLETED, Record
+from .._storage.store import new_fencing_token, operation_values
+from ..errors import ClaimWaitExceeded, ConflictError
 from .responses import capture
 from .session_guard import SessionWatcher
-from .state import resolve_app
-from .store import ClaimWaitExceeded, new_fencing_token, operation_values
 
 if t.TYPE_CHECKING:
-    from .flow import Flow, RequestState
+    from .._context import RequestState
+    from .flow import Flow
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -48,14 +50,6 @@ logger = logging.getLogger("flask_idempotency")
 _IDENTITY = ("scope", "key", "fencing_token")
 # The record insert only repeats when the record it met was deleted in between.
 _ROUNDS = 3
-
-#: Why an optimistic route refuses what it refuses, for the errors a view sees.
-WHY = (
-    "an optimistic route (@idem.idempotent(optimistic=True)) writes its record at the end "
-    "of the view's transaction, and a duplicate runs the view before it learns the "
-    "operation happened: only writes to the same database, in that transaction, are "
-    "undone for it"
-)
 
 
 class NoCommitInView(SessionWatcher):

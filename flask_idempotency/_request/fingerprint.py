@@ -54,6 +54,8 @@ import typing as t
 from flask import request
 from marshmallow import Schema, ValidationError, fields
 
+from ..errors import MalformedBodyError, ValidationProblem
+
 # read_body and stored_request_body are re-exported: the request flow reads the
 # body, and the request it stores for recovery, through this module.
 from .body import read_body as read_body
@@ -61,7 +63,6 @@ from .body import read_json_body
 from .canonical import UnknownValueError as UnknownValueError
 from .canonical import canonical_json as canonical_json
 from .canonical import dataclass_fields, plain
-from .errors import MalformedBodyError, ValidationProblem
 from .forms import FORM_MIMETYPES, form_fields
 from .forms import consumed as form_consumed
 from .forms import stored_request_body as stored_request_body

@@ -25,7 +25,7 @@ import enum
 
 from sqlalchemy import exc as sa_exc
 
-from .errors import DatabaseUnavailableError, ProblemError, TransactionConflictError
+from ..errors import DatabaseUnavailableError, ProblemError, TransactionConflictError
 
 
 class Failure(enum.Enum):

@@ -21,11 +21,11 @@ import json
 import logging
 import typing as t
 
-from .errors import LeaseLostError
+from ..errors import LeaseLostError
 from .session_guard import Claim
 
 if t.TYPE_CHECKING:
-    from .flow import RequestState
+    from .._context import RequestState
 
 T = t.TypeVar("T")
 

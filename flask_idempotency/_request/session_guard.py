@@ -39,8 +39,8 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .errors import LeaseLostError
-from .store import ClaimWaitExceeded, Executor, Store, refuse_autocommit
+from .._storage.store import Executor, Store, refuse_autocommit
+from ..errors import ClaimWaitExceeded, LeaseLostError
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -155,6 +155,11 @@ class ClaimGuard(SessionWatcher):
     view and :meth:`stop` s right after; between the two, the session events
     below keep the claim in every transaction the view commits.
     """
+
+    @property
+    def durable(self) -> bool:
+        """The claimed record is committed (leased route, or the view committed)."""
+        return self.claim is Claim.DURABLE
 
     def __init__(
         self,

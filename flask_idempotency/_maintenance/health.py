@@ -51,9 +51,9 @@ import weakref
 
 import sqlalchemy as sa
 
-from . import dberrors
-from .errors import PROBLEM_JSON, DatabaseUnavailableError
-from .store import idle_bound
+from .._storage import dberrors
+from .._storage.store import idle_bound
+from ..errors import PROBLEM_JSON, DatabaseUnavailableError
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -17,13 +17,22 @@ import logging
 import typing as t
 import urllib.parse
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, scoped_session
 
-from . import dberrors, signals
-from .config import Settings
-from .errors import (
+from .. import signals
+from .._context import RequestState, resolve_app, set_request_state
+from .._storage import dberrors
+from .._storage.schema import COMPLETED, IN_PROGRESS, Record
+from .._storage.store import (
+    Store,
+    new_fencing_token,
+    operation_values,
+)
+from ..config import Settings
+from ..errors import (
+    ClaimWaitExceeded,
     ConflictError,
     FailedAfterCommitError,
     KeyReusedError,
@@ -31,24 +40,17 @@ from .errors import (
     MissingKeyError,
     NothingToRecoverError,
     PayloadTooLargeError,
+    RecordGone,
+    TooLargeToStore,
 )
+from ..keys import key_from_request
+from ..scope import resolve_scope
 from .fingerprint import load_payload, request_fingerprint, stored_request_body
-from .keys import key_from_request
-from .models import COMPLETED, IN_PROGRESS, Record
 from .optimistic import run_optimistic
-from .recovery import RECOVERY_ENVIRON_KEY, RecoveryRun
 from .responses import capture, replay
 from .route import RouteOptions
-from .scope import resolve_scope
 from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
-from .state import resolve_app
-from .store import (
-    ClaimWaitExceeded,
-    Store,
-    TooLargeToStore,
-    new_fencing_token,
-    operation_values,
-)
+from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -58,40 +60,6 @@ _CLAIM_ROUNDS = 5
 # A claim that waited longer than this on another request re-stamps its times.
 _RESTAMP_AFTER = dt.timedelta(seconds=1)
 Clock = t.Callable[[], dt.datetime]
-
-
-class RecordGone(Exception):
-    """A recovery run found no abandoned record to resume (someone else finished it)."""
-
-
-@dataclasses.dataclass
-class RequestState:
-    """What the view may read about the current idempotent request (on ``g``)."""
-
-    payload: t.Any
-    key: str | None
-    scope: str | None
-    fencing_token: int | None = None
-    recovery_points: dict[str, t.Any] = dataclasses.field(default_factory=dict)
-    guard: ClaimGuard | None = None
-    flow: Flow | None = None
-    #: Manual mode: the completed record of this operation, for the view.
-    previous: Record | None = None
-    #: An optimistic route: no record exists while the view runs.
-    optimistic: bool = False
-    #: When this operation began (its record's creation time): with scope and key,
-    #: what derived keys are made from, so that a new operation on a key that
-    #: expired never reuses the downstream keys of the one before.
-    operation: str = ""
-    #: The view handed a derived key out (``idem.derived_key``, ``forward_headers``
-    #: with a step, the client's ``step=``): a downstream may have acted under it,
-    #: so a failed attempt keeps the operation for the retry instead of freeing it.
-    keys_handed_out: bool = False
-
-    @property
-    def claim_committed(self) -> bool:
-        """The claimed record is committed (leased route, or the view committed)."""
-        return self.guard is not None and self.guard.claim is Claim.DURABLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +129,11 @@ class Flow:
         if not settings.protects(request.method):
             # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
             # is read, no body parsed, nothing recorded.
-            g._idempotency = RequestState(payload=None, key=None, scope=None, flow=self)
+            set_request_state(RequestState(payload=None, key=None, scope=None, flow=self))
             return self._run_unprotected(view, kwargs)
         if settings.skip is not None and settings.skip():
-            g._idempotency = RequestState(
-                payload=load_payload(route.schema), key=None, scope=None, flow=self
+            set_request_state(
+                RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
             return self._run_unprotected(view, kwargs)
         key = key_from_request(
@@ -174,8 +142,8 @@ class Flow:
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
-            g._idempotency = RequestState(
-                payload=load_payload(route.schema), key=None, scope=None, flow=self
+            set_request_state(
+                RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
             return self._run_unprotected(view, kwargs)
 
@@ -187,7 +155,7 @@ class Flow:
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )
-        g._idempotency = state
+        set_request_state(state)
         if route.optimistic and recovery is None:
             return run_optimistic(self, view, kwargs, state, fingerprint)
 

@@ -40,8 +40,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, scoped_session
 
+from ..errors import ClaimWaitExceeded, TooLargeToStore
 from . import dberrors
-from .models import COMPLETED, IN_PROGRESS, MYSQL_DIALECTS, Record, as_utc
+from .schema import COMPLETED, IN_PROGRESS, MYSQL_DIALECTS, Record, as_utc
 
 Executor = Session | sa.Connection
 
@@ -390,16 +391,6 @@ RECLAIM_KEEPS = (
     "request_content_type",
     "request_body",
 )
-
-
-class TooLargeToStore(Exception):
-    """The request to keep for the recovery job is larger than the database takes
-    in one statement (MySQL's ``max_allowed_packet``)."""
-
-
-class ClaimWaitExceeded(Exception):
-    """The database gave up on this transaction while it waited for another on the
-    same key (lock timeout, deadlock victim, serialization failure)."""
 
 
 class Store:

@@ -29,7 +29,7 @@ from flask import request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.http import parse_set_header
 
-from .errors import (
+from ..errors import (
     LengthRequiredError,
     MalformedBodyError,
     PayloadTooLargeError,

@@ -1,0 +1,237 @@
+"""The implementation of :mod:`flask_idempotency.jobs` (see its documentation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import typing as t
+
+import sqlalchemy as sa
+from flask import Flask
+
+from .._context import app_state, resolve_app
+from .._contract import REPLAYED_HEADER
+from .._messaging import inbox, relay
+from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
+from .._storage.schema import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, outbox_table
+
+logger = logging.getLogger("flask_idempotency")
+
+
+KeepGoing = t.Callable[[], bool]
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclasses.dataclass
+class PurgeReport:
+    """What one run of :func:`purge_expired` did."""
+
+    deleted: int = 0  #: records deleted (or, with ``dry_run``, that would be)
+    batches: int = 0  #: transactions used
+    inbox_deleted: int = 0  #: expired inbox ids deleted (or, with ``dry_run``, that would be)
+    inbox_batches: int = 0  #: transactions used for the inbox
+    #: published outbox events past ``IDEMPOTENCY_OUTBOX_RETENTION`` deleted
+    #: (or, with ``dry_run``, that would be)
+    outbox_deleted: int = 0
+    outbox_batches: int = 0  #: transactions used for the outbox
+
+    def __str__(self) -> str:
+        text = f"deleted {self.deleted} expired record(s) in {self.batches} batch(es)"
+        if self.inbox_deleted:
+            text += f"; {self.inbox_deleted} expired inbox id(s) in {self.inbox_batches} batch(es)"
+        if self.outbox_deleted:
+            text += (
+                f"; {self.outbox_deleted} published outbox event(s) in "
+                f"{self.outbox_batches} batch(es)"
+            )
+        return text
+
+
+def purge_expired(
+    app: Flask | None = None,
+    *,
+    batch_size: int | None = None,
+    dry_run: bool = False,
+    keep_going: KeepGoing = _always,
+) -> PurgeReport:
+    """Delete expired records in batches, each its own short transaction.
+
+    Writers are never blocked for longer than one batch, and several cleaners can
+    run at once: on PostgreSQL each skips the rows another holds. Stops when a
+    batch comes back short, or when ``keep_going()`` says so (the scheduler's
+    lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
+    ``IDEMPOTENCY_PURGE_BATCH``. Expired ids of the inbox
+    (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
+    records, and then outbox events published more than
+    ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
+    (:func:`flask_idempotency.relay.purge_published_batch`; pending and parked
+    events stay), each when its table exists.
+    """
+    app = resolve_app(app)
+    report = PurgeReport()
+    with app.app_context():
+        state = app_state(app)
+        size = batch_size or state.settings.purge_batch
+        engine = state.db.engine
+        with engine.connect() as conn:
+            has_inbox = inbox.table_exists(conn)
+            has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
+        outbox = outbox_table(state.db.metadata)
+
+        def outbox_cutoff() -> dt.datetime:
+            return state.clock() - state.settings.outbox_retention
+
+        if dry_run:
+            with engine.connect() as conn:
+                report.deleted = state.store.count_expired(conn, state.clock())
+                if has_inbox:
+                    report.inbox_deleted = inbox.count_expired(conn, state.clock())
+                if has_outbox:
+                    report.outbox_deleted = relay.count_purgeable(conn, outbox, outbox_cutoff())
+            return report
+        going = True
+        while True:
+            with engine.begin() as conn:
+                deleted = state.store.purge_batch(conn, state.clock(), size)
+            report.batches += 1
+            report.deleted += deleted
+            if deleted < size:
+                break
+            if not keep_going():
+                going = False
+                break
+        while has_inbox and going:
+            with engine.begin() as conn:
+                deleted = inbox.purge_batch(conn, state.clock(), size)
+            report.inbox_batches += 1
+            report.inbox_deleted += deleted
+            if deleted < size:
+                break
+            if not keep_going():
+                going = False
+                break
+        while has_outbox and going:
+            with engine.begin() as conn:
+                deleted = relay.purge_published_batch(conn, outbox, outbox_cutoff(), size)
+            report.outbox_batches += 1
+            report.outbox_deleted += deleted
+            if deleted < size or not keep_going():
+                break
+    if report.deleted or report.inbox_deleted or report.outbox_deleted:
+        logger.info("cleanup: %s", report)
+    return report
+
+
+@dataclasses.dataclass
+class RecoveryReport:
+    """What one run of :func:`recover_abandoned` did, by record."""
+
+    completed: int = 0  #: driven to completion from the stored request
+    released: int = 0  #: deleted, so the client's next retry runs again
+    skipped: int = 0  #: finished or reclaimed by someone else meanwhile
+    kept: int = 0  #: left for the client's retry (finished steps, or derived keys handed out)
+
+    def __str__(self) -> str:
+        return (
+            f"completed {self.completed}, released {self.released}, kept {self.kept}, "
+            f"skipped {self.skipped}"
+        )
+
+
+def _quoted(key: str) -> str:
+    """The key as a Structured Field string, safe whatever characters it has."""
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _rerun(app: Flask, record: Record) -> bool | None:
+    """Re-run the stored request through the app; ``True`` if it completed,
+    ``None`` if someone else finished or holds it, ``False`` if it failed."""
+    assert record.request_method is not None
+    assert record.request_path is not None
+    settings = app_state(app).settings
+    headers = {settings.header: _quoted(record.key)}
+    if record.request_content_type:
+        headers["Content-Type"] = record.request_content_type
+    client = app.test_client()
+    # An app context of its own, as a served request has: its own session, ended
+    # (and its locks freed) when the re-run is over, not shared with the job's.
+    with app.app_context():
+        response = client.open(
+            record.request_path,
+            method=record.request_method,
+            data=record.request_body or b"",
+            headers=headers,
+            environ_overrides={RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope)},
+        )
+    if response.status_code == 409:
+        return None
+    if response.status_code < 400 and response.headers.get(REPLAYED_HEADER) != "true":
+        return True
+    logger.warning(
+        "recovery of %r in scope %r answered %d", record.key, record.scope, response.status_code
+    )
+    return False
+
+
+def recover_abandoned(
+    app: Flask | None = None, *, limit: int = 100, keep_going: KeepGoing = _always
+) -> RecoveryReport:
+    """Move in-progress records whose lease has ended forward, so none stays stuck.
+
+    A record of a route declared with ``recover=True`` is driven to completion:
+    its stored request is re-run through the app with the same key and scope,
+    resuming from its recovery points, and the response is stored for the
+    client's retry. Any other abandoned record, or one whose re-run fails, is
+    released (deleted), so the client's next retry runs the view again, unless
+    it holds recovery points: then it is kept (its lease has ended), and the
+    client's retry resumes after its finished steps. At most ``limit`` records
+    per call.
+    """
+    app = resolve_app(app)
+    report = RecoveryReport()
+    with app.app_context():
+        state = app_state(app)
+        engine = state.db.engine
+        with engine.connect() as conn:
+            abandoned = state.store.find_abandoned(conn, state.clock(), limit)
+        for record in abandoned:
+            if not keep_going():
+                break
+            outcome = _rerun(app, record) if record.recoverable else False
+            if outcome is True:
+                report.completed += 1
+                continue
+            if outcome is None:
+                report.skipped += 1
+                continue
+            with engine.begin() as conn:
+                # A failed re-run reclaimed the record (new token) before it
+                # failed: release what is there now, if still abandoned.
+                current = (
+                    state.store.load(conn, record.scope, record.key)
+                    if record.recoverable
+                    else record
+                )
+                released = current is not None and state.store.release_abandoned(
+                    conn, current, state.clock()
+                )
+            if released:
+                report.released += 1
+            elif (
+                current is not None
+                and current.status == IN_PROGRESS
+                and not current.lease_live(state.clock())
+            ):
+                # Left for the client's retry: finished steps, or derived keys
+                # handed out (a kept operation, see Flow._keep_operation).
+                report.kept += 1
+            else:
+                report.skipped += 1
+        state.db.session.remove()
+    if abandoned:
+        logger.info("lease recovery: %s", report)
+    return report

@@ -1,0 +1,390 @@
+"""The implementation of :mod:`flask_idempotency.inbox` (see its documentation)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import logging
+import random
+import threading
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import current_app, has_app_context
+from sqlalchemy.orm import Session, scoped_session
+
+from .. import signals
+from .._context import find_app_state
+from .._storage import dberrors
+from .._storage.schema import INBOX_TABLE_NAME as INBOX_TABLE_NAME
+from .._storage.schema import MYSQL_DIALECTS, _text, as_utc
+from .._storage.schema import inbox_table as inbox_table
+from .._storage.store import changed_one, conflict_tolerant_inserts, text_param
+
+#: How long a processed id is kept when neither ``ttl=`` nor the app's
+#: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
+DEFAULT_TTL = dt.timedelta(days=7)
+
+_MYSQL = MYSQL_DIALECTS
+logger = logging.getLogger("flask_idempotency")
+_DEFAULT_TTL_TOLD = threading.Event()
+
+
+# The statements are built on a table of our own: the SQL is the same whatever
+# metadata the app's table lives on.
+_TABLE = inbox_table(sa.MetaData())
+_C = _TABLE.c
+#: The longest consumer name or event id the inbox keeps (characters).
+MAX_ID_LENGTH = 255
+
+_THIS = (_C.consumer == text_param("w_consumer"), _C.event_id == text_param("w_event_id"))
+_VALUES = {
+    "consumer": text_param("consumer"),
+    "event_id": text_param("event_id"),
+    "processed_at": sa.bindparam("processed_at"),
+    "expires_at": sa.bindparam("expires_at"),
+}
+#: Per dialect, the insert that returns the row it wrote (nothing for a duplicate).
+_INSERTS = {
+    name: insert.returning(_C.consumer)
+    for name, insert in conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"]).items()
+}
+_READ = sa.select(_C.expires_at).where(*_THIS)
+_READ_LOCKING = _READ.with_for_update(read=True)
+# An id kept past its window counts as new: the delivery that takes it over does
+# the work. The UPDATE re-checks the expiry on the latest row (a concurrent
+# taker's commit makes it fail), so only one delivery wins.
+_RENEW = (
+    sa.update(_TABLE)
+    .where(*_THIS, _C.expires_at <= sa.bindparam("w_now"))
+    .values(processed_at=sa.bindparam("processed_at"), expires_at=sa.bindparam("expires_at"))
+)
+_RENEW_RETURNING = _RENEW.returning(_C.consumer)
+
+
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _app_state() -> t.Any:
+    return find_app_state()
+
+
+def _resolve_ttl(ttl: dt.timedelta | float | None) -> dt.timedelta:
+    if ttl is None:
+        state = _app_state()
+        if state is not None:
+            return t.cast(dt.timedelta, state.settings.inbox_ttl)
+        if not _DEFAULT_TTL_TOLD.is_set():
+            # A consumer thread of its own (a broker callback) has no app context,
+            # so the app's setting cannot be read: say so once rather than keep
+            # ids for a window nobody chose.
+            _DEFAULT_TTL_TOLD.set()
+            logger.warning(
+                "inbox: outside an app context, IDEMPOTENCY_INBOX_TTL cannot be read; "
+                "processed ids are kept for the default %s. Pass ttl=, or deliver "
+                "inside app.app_context().",
+                DEFAULT_TTL,
+            )
+        return DEFAULT_TTL
+    value = ttl if isinstance(ttl, dt.timedelta) else dt.timedelta(seconds=ttl)
+    if value <= dt.timedelta(0):
+        raise ValueError(f"the inbox ttl must be positive, got {value}")
+    return value
+
+
+def _resolve_now(now: dt.datetime | None) -> dt.datetime:
+    if now is not None:
+        return now
+    state = _app_state()
+    return state.clock() if state is not None else _utc_now()
+
+
+def _id_text(event_id: str | int) -> str:
+    """An event id as the inbox keeps it: a string, or an integer (not a bool)
+    in decimal (``7`` and ``"7"`` are the same id)."""
+    if isinstance(event_id, int) and not isinstance(event_id, bool):
+        return str(event_id)
+    if not isinstance(event_id, str):
+        raise TypeError(
+            f"an inbox event_id must be a string or an integer, got "
+            f"{type(event_id).__name__} {event_id!r}"
+        )
+    return event_id
+
+
+def mark_processed(
+    session: Session | scoped_session[t.Any],
+    consumer: str,
+    event_id: str | int,
+    *,
+    ttl: dt.timedelta | float | None = None,
+    now: dt.datetime | None = None,
+) -> bool:
+    """Insert (consumer, event_id) in ``session``'s transaction; ``True`` if this
+    delivery must do the work, ``False`` if the event was processed already.
+
+    Waits for a concurrent delivery's transaction holding the same id. Nothing
+    is committed: the row commits (or rolls back) with the caller's work. An
+    integer ``event_id`` is kept in decimal (``7`` is ``"7"``); another type
+    raises ``TypeError``.
+    """
+    event_id = _id_text(event_id)
+    if not isinstance(consumer, str):
+        raise TypeError(f"an inbox consumer must be a string, got {type(consumer).__name__}")
+    if not consumer or not event_id:
+        raise ValueError("consumer and event_id must be non-empty strings")
+    if len(consumer) > MAX_ID_LENGTH or len(event_id) > MAX_ID_LENGTH:
+        # The columns hold 255 characters; refused here, before the insert, so
+        # the caller sees why rather than a driver error that differs per engine.
+        raise ValueError(f"consumer and event_id must be at most {MAX_ID_LENGTH} characters")
+    now = _resolve_now(now)
+    expires = now + _resolve_ttl(ttl)
+    params = {
+        "consumer": consumer,
+        "event_id": event_id,
+        "processed_at": now,
+        "expires_at": expires,
+    }
+    dialect = session.get_bind().dialect
+    name = dialect.name
+    # The insert may meet an expired row that cleanup deletes before the read
+    # or the renewal below: no row then means "not processed", so insert again.
+    read = _READ_LOCKING if name in _MYSQL else _READ
+    for _ in range(ATTEMPTS):
+        if _insert(session, dialect, params):
+            return True
+        # The id is there, committed. Only an expired one is taken over; a live
+        # one is left without a write lock (on MySQL every waiter holds a shared
+        # lock on it after INSERT IGNORE: a write by each would deadlock them).
+        # The read locks on MySQL, so that it sees the latest row whatever the
+        # snapshot. (On PostgreSQL an insert that conflicts with a row its
+        # REPEATABLE READ snapshot cannot see fails as a serialization error:
+        # the read sees the row the insert met, unless it was deleted since.)
+        expires_at = session.execute(
+            read, {"w_consumer": consumer, "w_event_id": event_id}
+        ).scalar()
+        if expires_at is None:
+            continue  # deleted since the insert met it (cleanup): insert again
+        if t.cast(dt.datetime, as_utc(expires_at)) > now:
+            return False  # processed, and still within its window
+        renewed = changed_one(
+            session,
+            _RENEW_RETURNING if dialect.update_returning else _RENEW,
+            {
+                "processed_at": now,
+                "expires_at": expires,
+                "w_consumer": consumer,
+                "w_event_id": event_id,
+                "w_now": now,
+            },
+        )
+        if renewed:
+            return True
+        # Renewed by a concurrent delivery (the insert now meets its live row:
+        # processed) or deleted by cleanup (the insert writes it: fresh).
+    raise RuntimeError(
+        f"inbox: the id {event_id!r} of {consumer!r} was in the way of the insert and gone "
+        f"by the read, {ATTEMPTS} times in a row"
+    )
+
+
+def _insert(
+    session: Session | scoped_session[t.Any], dialect: t.Any, params: dict[str, t.Any]
+) -> bool:
+    """Insert the id; whether this insert wrote the row (``False``: it was there)."""
+    insert = _INSERTS.get(dialect.name)
+    if insert is not None and dialect.insert_returning:
+        # Whether the row is ours is what the insert returns, never a row count.
+        return session.execute(insert, params).first() is not None
+    # No RETURNING here (MySQL): the insert in a savepoint, a duplicate is
+    # "exists" (an error the statement itself raises).
+    try:
+        with session.begin_nested():
+            session.execute(sa.insert(_TABLE).values(_VALUES), params)
+        return True
+    except sa.exc.IntegrityError:
+        return False
+
+
+@contextlib.contextmanager
+def process(
+    session: Session | scoped_session[t.Any],
+    *,
+    consumer: str,
+    event_id: str | int,
+    commit: bool = False,
+    ttl: dt.timedelta | float | None = None,
+    now: dt.datetime | None = None,
+) -> t.Iterator[bool]:
+    """Process one delivery of ``event_id`` for ``consumer`` at most once::
+
+        with inbox.process(db.session, consumer="billing", event_id=eid, commit=True) as fresh:
+            if fresh:
+                db.session.add(Invoice(...))
+
+    ``fresh`` is ``True`` when this delivery must do the work, ``False`` when
+    the event was processed (and committed) already: skip it. Enter it first in
+    the transaction (on SQLite a transaction that has read before it writes
+    cannot wait for another writer).
+
+    The inbox row is inserted in ``session``'s transaction, so it commits with
+    the work. The block does not commit unless ``commit=True``: without it the
+    caller commits (and a row never committed is a delivery never processed).
+    An exception leaving the block rolls the session back (the work and the
+    inbox row alike, and anything else pending in it) and propagates, so the
+    redelivery does the work. A duplicate sends
+    :data:`~flask_idempotency.signals.event_skipped_duplicate`.
+    """
+    # A scoped session: the registry's current session.
+    current = session() if isinstance(session, scoped_session) else session
+    event_id = _id_text(event_id)
+    try:
+        fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
+        if not fresh:
+            _skipped(consumer, event_id)
+        yield fresh
+        if commit:
+            current.commit()
+    except BaseException:
+        current.rollback()
+        raise
+
+
+#: Attempts at the insert when the database picks it as a deadlock victim.
+ATTEMPTS = 5
+
+
+def _deadlock_victim(exc: sa.exc.DBAPIError) -> bool:
+    """The database rolled this transaction back to break a deadlock or a
+    serialization conflict: running it again may succeed."""
+    orig = exc.orig
+    if orig is None:
+        return False
+    if dberrors.sqlstate(orig) in ("40P01", "40001"):
+        return True
+    return dberrors._mysql_errno(orig) in (1213, 1020)  # deadlock; record changed (MariaDB)
+
+
+def _mark_retrying(
+    session: Session,
+    consumer: str,
+    event_id: str,
+    *,
+    ttl: dt.timedelta | float | None,
+    now: dt.datetime | None,
+) -> bool:
+    """:func:`mark_processed`, run again when the database picks it as a deadlock
+    victim (on MySQL/MariaDB, deliveries waiting on a first one that rolls back
+    deadlock each other), provided the transaction held nothing before it: then
+    the rollback loses nothing of the caller's."""
+    retry = not session.in_transaction()
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return mark_processed(session, consumer, event_id, ttl=ttl, now=now)
+        except sa.exc.DBAPIError as exc:
+            if not retry or attempt == ATTEMPTS or not _deadlock_victim(exc):
+                raise
+            session.rollback()
+            time.sleep(random.uniform(0, 0.01 * attempt))
+    raise AssertionError("unreachable")
+
+
+def _skipped(consumer: str, event_id: str) -> None:
+    sender = current_app._get_current_object() if has_app_context() else None  # type: ignore[attr-defined]
+    signals.event_skipped_duplicate.send(sender, consumer=consumer, event_id=event_id)
+
+
+F = t.TypeVar("F", bound=t.Callable[..., t.Any])
+
+SessionArg = t.Union[Session, "scoped_session[t.Any]", t.Callable[[], t.Any]]
+
+
+def consumer(
+    name: str,
+    *,
+    session: SessionArg,
+    event_id: t.Callable[..., str | int],
+    ttl: dt.timedelta | float | None = None,
+) -> t.Callable[[F], F]:
+    """Make a plain function (a broker callback, a Celery task) process each event
+    once for the consumer ``name``::
+
+        @inbox.consumer("billing", session=lambda: db.session, event_id=lambda msg: msg["id"])
+        def bill(msg): ...
+
+    ``event_id`` is called with the function's arguments and returns the id
+    (a string, or an integer, kept in decimal).
+    ``session`` is a session, or a callable returning one (called per delivery).
+    Each call inserts the id in the session's transaction, runs the function and
+    commits (the function's work, anything else pending in the session, and the
+    id together). A duplicate does not run the function and returns ``None``
+    (the signal ``event_skipped_duplicate`` tells it apart). An exception rolls
+    the session back and propagates: the redelivery runs the function again.
+    """
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            s = session if isinstance(session, (Session, scoped_session)) else session()
+            eid = event_id(*args, **kwargs)
+            with process(s, consumer=name, event_id=eid, ttl=ttl, commit=True) as fresh:
+                if not fresh:
+                    return None
+                return func(*args, **kwargs)
+
+        return t.cast(F, wrapper)
+
+    return decorate
+
+
+def purge_batch(conn: sa.Connection, now: dt.datetime, limit: int) -> int:
+    """Delete up to ``limit`` expired ids in one transaction; the number deleted.
+
+    As :meth:`.Store.purge_batch`: on PostgreSQL and MySQL/MariaDB the batch is
+    chosen ``FOR UPDATE SKIP LOCKED`` (cleaners skip each other's rows), and
+    the delete re-checks the expiry, so an id renewed meanwhile stays.
+    """
+    gone = _C.expires_at <= now
+    dialect = conn.dialect.name
+    batch = sa.select(_C.consumer, _C.event_id).where(gone).order_by(_C.expires_at).limit(limit)
+    if dialect == "postgresql" or dialect in _MYSQL:
+        batch = batch.with_for_update(skip_locked=True)
+    pair = sa.tuple_(_C.consumer, _C.event_id)
+    if dialect in ("postgresql", "sqlite"):
+        return int(conn.execute(sa.delete(_TABLE).where(pair.in_(batch), gone)).rowcount)
+    keys = [tuple(row) for row in conn.execute(batch)]
+    if not keys:
+        return 0
+    return int(conn.execute(sa.delete(_TABLE).where(pair.in_(keys), gone)).rowcount)
+
+
+def count_expired(conn: sa.Connection, now: dt.datetime) -> int:
+    """How many processed ids are past their window and await cleanup."""
+    stmt = sa.select(sa.func.count()).select_from(_TABLE).where(_C.expires_at <= now)
+    return int(conn.execute(stmt).scalar_one())
+
+
+def table_exists(conn: sa.Connection) -> bool:
+    """Whether the database has the inbox table (an app that upgraded without
+    migrating has not: cleanup leaves the inbox alone then)."""
+    return bool(sa.inspect(conn).has_table(INBOX_TABLE_NAME))
+
+
+def stats(conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
+    """The inbox for an operator: ``inbox_processed`` (ids kept, expired or not),
+    ``inbox_by_consumer`` (the same per consumer name) and ``inbox_expired``
+    (past their window, awaiting cleanup)."""
+    by_consumer = {
+        t.cast(str, _text(name)): int(n)
+        for name, n in conn.execute(
+            sa.select(_C.consumer, sa.func.count()).group_by(_C.consumer).order_by(_C.consumer)
+        )
+    }
+    return {
+        "inbox_processed": sum(by_consumer.values()),
+        "inbox_by_consumer": by_consumer,
+        "inbox_expired": count_expired(conn, now),
+    }

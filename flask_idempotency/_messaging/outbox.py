@@ -1,0 +1,264 @@
+"""The implementation of :mod:`flask_idempotency.outbox` (see its documentation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import threading
+import typing as t
+import uuid
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from .._context import app_state, current_derived_key, current_request_state
+from .._storage.schema import MYSQL_DIALECTS, _text, as_utc, outbox_table
+from ..errors import EventIdConflictError
+
+#: Set when a transaction that emitted events commits in this process: an
+#: in-process relay waits on it instead of sleeping its whole poll interval.
+WAKE = threading.Event()
+
+#: The PostgreSQL channel a transaction that emitted notifies.
+CHANNEL = "idempotency_outbox"
+
+_INFO_FLAG = "idempotency_outbox_emitted"
+_watched: set[t.Any] = set()
+_wakers: set[t.Callable[[], None]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxEvent:
+    """One event as the relay hands it to a publisher."""
+
+    id: int
+    event_id: str
+    topic: str
+    payload: t.Any
+    headers: dict[str, str]
+    created_at: dt.datetime
+    attempts: int
+
+    @classmethod
+    def from_row(cls, row: t.Any) -> OutboxEvent:
+        m = row._mapping
+        return cls(
+            id=int(m["id"]),
+            event_id=t.cast(str, _text(m["event_id"])),
+            topic=m["topic"],
+            payload=json.loads(m["payload"]),
+            headers=json.loads(m["headers"]) if m["headers"] else {},
+            created_at=t.cast(dt.datetime, as_utc(m["created_at"])),
+            attempts=int(m["attempts"]),
+        )
+
+
+def _insert(table: sa.Table, dialect: str, values: dict[str, t.Any]) -> t.Any:
+    if dialect == "postgresql":
+        return (
+            postgresql.insert(table)
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(table.c.id)
+        )
+    if dialect == "sqlite":
+        return (
+            sqlite.insert(table)
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(table.c.id)
+        )
+    if dialect in MYSQL_DIALECTS:
+        stmt = mysql.insert(table).values(**values)
+        return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
+    return sa.insert(table).values(**values)
+
+
+def canonical_payload(payload: t.Any) -> str:
+    """The JSON text an event's payload is stored as: keys sorted, no spaces."""
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
+
+
+def _same_payload(stored: t.Any, text: str) -> bool:
+    if isinstance(stored, bytes):
+        stored = stored.decode("utf-8")
+    if stored == text:
+        return True
+    try:  # a row written by other means, with other spacing
+        return canonical_payload(json.loads(stored)) == text
+    except ValueError:
+        return False
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: The most UTF-8 bytes of an event's topic and id: an AMQP short string (the
+#: routing key, the message id) holds 255.
+MAX_SHORT_BYTES = 255
+
+
+def _check_short_text(what: str, value: str) -> None:
+    """Refuse, when it is emitted, a topic or event id that no broker could be
+    sent: over 255 UTF-8 bytes (AMQP's routing key and message id; a
+    255-character column holds 100 characters of 3 bytes, which AMQP does
+    not), or not UTF-8 at all (a lone surrogate)."""
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"an event's {what} must be valid Unicode, got {value!r}") from exc
+    if size > MAX_SHORT_BYTES:
+        raise ValueError(
+            f"an event's {what} must be at most {MAX_SHORT_BYTES} bytes in UTF-8 (an AMQP "
+            f"routing key or message id), got {size}: {_clip(value, 60)!r}"
+        )
+
+
+def add_event(
+    session: t.Any,
+    topic: str,
+    payload: t.Any,
+    *,
+    event_id: str,
+    headers: t.Mapping[str, str] | None = None,
+    now: dt.datetime | None = None,
+) -> str:
+    """Insert an event through ``session`` (in its current transaction).
+
+    ``payload`` must be JSON-serializable; ``event_id`` (at most 64 characters)
+    identifies the event. ``topic`` (the routing key) and ``event_id`` (the
+    message id) must each fit in 255 bytes of UTF-8, AMQP's limit, and a
+    topic in 255 characters: a ``ValueError`` here, before anything is added,
+    rather than an event that can never be published. Adding an id that
+    exists already with the same topic and payload adds nothing (the same
+    event, added again: a resumed operation); with another topic or payload it raises
+    :class:`~flask_idempotency.errors.EventIdConflictError` and adds nothing,
+    leaving the transaction usable. Headers are not compared. The event is
+    published by the relay once the session's transaction commits, and never if
+    it rolls back. Returns ``event_id``. Call in an app context of an app with
+    the extension registered.
+    """
+    if not isinstance(event_id, str) or not event_id or len(event_id) > 64:
+        raise ValueError(f"event_id must be 1 to 64 characters, got {event_id!r}")
+    _check_short_text("event_id", event_id)
+    if not isinstance(topic, str) or not topic:
+        raise ValueError(f"an event's topic must be a non-empty string, got {topic!r}")
+    _check_short_text("topic", topic)
+    state = app_state()
+    table = outbox_table(state.db.metadata)
+    text = canonical_payload(payload)
+    # As a string on every engine: MySQL's VARBINARY type would want bytes
+    # (the server stores the string's bytes; see store.text_param).
+    values = {
+        "event_id": sa.bindparam("event_id", event_id, type_=sa.String()),
+        "topic": topic,
+        "payload": text,
+        "headers": json.dumps(dict(headers)) if headers else None,
+        "created_at": now or state.clock(),
+        "attempts": 0,
+    }
+    dialect = session.get_bind().dialect.name
+    result = session.execute(_insert(table, dialect, values))
+    # Whether the insert wrote the row is read from what it returned (RETURNING),
+    # never from a driver's rowcount; MySQL has no RETURNING here: read the row.
+    if dialect in MYSQL_DIALECTS or result.first() is None:
+        _check_same_event(session, table, dialect, event_id, topic, text)
+    if dialect == "postgresql" and not session.info.get(_INFO_FLAG):
+        # Once per transaction; PostgreSQL delivers it at the commit, and drops it
+        # with a rollback. A LISTENing relay wakes at once (relay.Listener).
+        session.execute(sa.text(f"SELECT pg_notify('{CHANNEL}', '')"))
+    session.info[_INFO_FLAG] = True
+    return event_id
+
+
+def _check_same_event(
+    session: t.Any, table: sa.Table, dialect: str, event_id: str, topic: str, text: str
+) -> None:
+    """Raise unless the row with ``event_id`` holds ``topic`` and ``text``."""
+    query = sa.select(table.c.topic, table.c.payload).where(
+        table.c.event_id == sa.bindparam("event_id", event_id, type_=sa.String())
+    )
+    if dialect in MYSQL_DIALECTS:
+        # A locking read sees the latest committed row, which a REPEATABLE READ
+        # snapshot taken before that row's commit would not (the insert above
+        # already holds its lock).
+        query = query.with_for_update()
+    existing = session.execute(query).first()
+    if existing is None:  # pragma: no cover - the insert conflicted on this id
+        raise RuntimeError(f"outbox insert of {event_id!r} neither wrote nor met a row")
+    if existing.topic == topic and _same_payload(existing.payload, text):
+        return
+    stored = existing.payload.decode() if isinstance(existing.payload, bytes) else existing.payload
+    raise EventIdConflictError(
+        f"outbox event id {event_id!r} already names another event: topic "
+        f"{existing.topic!r}, payload {_clip(stored)}; this one is topic {topic!r}, "
+        f"payload {_clip(text)}. One id is one event: give each event a name of its "
+        f"own (idem.emit(..., name=...)) or an event_id of its own (add_event)"
+    )
+
+
+def emit(
+    topic: str,
+    payload: t.Any,
+    headers: t.Mapping[str, str] | None = None,
+    *,
+    name: str | None = None,
+) -> str:
+    """``idem.emit``: add an event to the current request's transaction; its id.
+
+    See the module for how the id is made from ``name`` or, without one, from
+    the topic and payload, and for :class:`~flask_idempotency.errors.EventIdConflictError`.
+    """
+    if name is not None and (not isinstance(name, str) or not name or "\x00" in name):
+        raise ValueError(f"an event name must be a non-empty string without NUL, got {name!r}")
+    text = canonical_payload(payload)
+    state = current_request_state()
+    if state is not None and not state.optimistic and state.key is not None:
+        if name is not None:
+            step = "event:" + name
+        else:
+            content = json.dumps([topic, text], separators=(",", ":"))
+            seen = state.event_counts
+            n = seen.get(content, 0)
+            seen[content] = n + 1
+            digest = hashlib.sha256(json.dumps([topic, text, n]).encode("utf-8")).hexdigest()
+            step = "event#" + digest
+        event_id = current_derived_key(step, handed_out=False)
+    else:
+        event_id = uuid.uuid4().hex
+    return add_event(app_state().db.session, topic, payload, event_id=event_id, headers=headers)
+
+
+def on_commit(callback: t.Callable[[], None]) -> None:
+    """Call ``callback()`` (in the committing thread, so it must be quick and
+    must not raise) after each commit in this process that carried events."""
+    _wakers.add(callback)
+
+
+def remove_on_commit(callback: t.Callable[[], None]) -> None:
+    """Stop calling ``callback``; a callback not registered is ignored."""
+    _wakers.discard(callback)
+
+
+def _after_commit(session: t.Any) -> None:
+    if session.info.pop(_INFO_FLAG, False):
+        WAKE.set()
+        for wake in list(_wakers):
+            wake()
+
+
+def _after_rollback(session: t.Any) -> None:
+    session.info.pop(_INFO_FLAG, None)
+
+
+def listen(session_factory: t.Any) -> None:
+    """Wake the in-process relay when a transaction that emitted commits."""
+    if session_factory in _watched:
+        return
+    sa_event.listen(session_factory, "after_commit", _after_commit)
+    sa_event.listen(session_factory, "after_rollback", _after_rollback)
+    _watched.add(session_factory)
