@@ -3,8 +3,8 @@
 The extension claims in one round trip on psycopg 3: its four statements (the
 ``lock_timeout`` bound, the insert, the bound restored, the read of the record)
 go as one ``;``-joined string through :class:`psycopg.ClientCursor`
-(``flask_idempotency._storage.store._client_batched``): psycopg quotes the values into the
-text and sends it as one simple query, as psycopg2 does. To show what that costs
+(``flask_idempotency._storage.drivers.psycopg``): psycopg quotes the values into
+the text and sends it as one simple query, as psycopg2 does. To show what that costs
 and buys, the benchmark app on psycopg 3 has routes that claim another way,
 chosen per request by the route:
 
@@ -18,15 +18,15 @@ chosen per request by the route:
   one); without it the route fails;
 * ``serial``: the same four statements, on a regular cursor, sent one at a time,
   each waiting for its answer: four round trips;
-* ``generic``: ``store._fast_driver`` answers ``None``, so the extension takes
+* ``generic``: the psycopg 3 fast path does not apply, so the extension takes
   its path for drivers it has no batch for: each statement executed by
   SQLAlchemy, compiled per execution, the request's other statements too.
 
-:func:`install` puts dispatchers in place of ``store._client_batched`` and
-``store._fast_driver``: they run the route's way, and the extension's own
-function for every other request, so ``/ext`` on the same app claims as the
-extension does (through one more function call). Nothing here changes the
-package: its module attributes are replaced in the benchmark's processes only.
+:func:`install` registers a dispatcher as the fast path of psycopg 3
+(``drivers.register``): it runs the route's way, and the extension's own for
+every other request, so ``/ext`` on the same app claims as the extension does
+(through one more method call). Nothing here changes the package: the
+registry's entry is replaced in the benchmark's processes only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import typing as t
 import psycopg
 import sqlalchemy as sa
 
-from flask_idempotency._storage import store
+from flask_idempotency._storage import drivers
+from flask_idempotency._storage.drivers.psycopg import Psycopg, as_sqlalchemy_error
 
 EXT, PIPELINE, SERIAL, GENERIC = "ext", "pipeline", "serial", "generic"
 
@@ -69,12 +70,12 @@ def _as_sqlalchemy_error(
     connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
 ) -> t.Iterator[None]:
     """A driver error raised as the extension's own path raises it
-    (``store._as_sqlalchemy_error``), so the flow above sees the same kind of
-    error on every path."""
+    (``drivers.psycopg.as_sqlalchemy_error``), so the flow above sees the same
+    kind of error on every path."""
     try:
         yield
     except psycopg.Error as exc:
-        raise store._as_sqlalchemy_error(connection, statements, params, exc) from exc
+        raise as_sqlalchemy_error(connection, statements, params, exc) from exc
 
 
 def _first_row(cursor: psycopg.Cursor[t.Any]) -> dict[str, t.Any] | None:
@@ -132,23 +133,24 @@ _RUNNERS: dict[str, Runner] = {PIPELINE: pipeline, SERIAL: serial}
 _INSTALLED: dict[str, t.Any] = {}
 
 
+class _Dispatching(Psycopg):
+    """psycopg 3's fast path, unless the route claims another way."""
+
+    def applies(self, connection: sa.Connection) -> bool:
+        # The generic path, for psycopg 3 on a generic route only.
+        return _PATH.get() != GENERIC and super().applies(connection)
+
+    def send_batch(
+        self, connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+    ) -> dict[str, t.Any] | None:
+        runner = _RUNNERS.get(_PATH.get())
+        if runner is None:
+            return super().send_batch(connection, statements, params)
+        return runner(connection, statements, params)
+
+
 def install() -> None:
     """Route the claim through :data:`_PATH` (once per process)."""
     if _INSTALLED:
         return
-    batched = _INSTALLED["client_batched"] = store._client_batched
-    fast_driver = _INSTALLED["fast_driver"] = store._fast_driver
-
-    def batched_or_other(
-        connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
-    ) -> dict[str, t.Any] | None:
-        return _RUNNERS.get(_PATH.get(), batched)(connection, statements, params)
-
-    def fast_unless_generic(connection: sa.Connection) -> str | None:
-        driver = fast_driver(connection)
-        if driver == "psycopg" and _PATH.get() == GENERIC:
-            return None  # the generic path, for psycopg 3 on a generic route only
-        return driver
-
-    store._client_batched = batched_or_other
-    store._fast_driver = fast_unless_generic
+    _INSTALLED["psycopg"] = drivers.register("postgresql", "psycopg", _Dispatching())

@@ -35,9 +35,15 @@ from ._request.flow import Clock, Flow
 from ._request.responses import replay
 from ._request.route import RouteOptions
 from ._request.steps import run_step
-from ._storage import dberrors
-from ._storage.schema import Record, inbox_table, job_lock_table, outbox_table, record_table
-from ._storage.store import Store
+from ._storage import (
+    Record,
+    Store,
+    dberrors,
+    inbox_table,
+    job_lock_table,
+    outbox_table,
+    record_table,
+)
 from .cli import idempotency_cli
 from .errors import ProblemError
 from .keys import quote_key, resolve_key_format, resolve_key_max_length

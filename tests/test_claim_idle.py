@@ -171,7 +171,7 @@ def test_a_stricter_server_setting_is_kept(claim_app: tuple[Flask, str]) -> None
     """The claim never loosens a shorter idle_in_transaction_session_timeout the
     operator set (here on the connection): it only tightens."""
     _, url = claim_app
-    from flask_idempotency._storage.store import _PG_SET_IDLE
+    from flask_idempotency._storage.dialects.postgresql import SET_IDLE as _PG_SET_IDLE
 
     made = sa.make_url(url)
     given = made.query.get("options", "")  # a search_path, when the suite uses a schema
@@ -277,7 +277,7 @@ def test_the_bound_rides_in_the_claims_one_round_trip(
     a statement to the claim's round trip, not a round trip: counted on the wire,
     for a new key and a taken one; the bound is in force after the claim."""
     from bench.wire import CountingProxy
-    from flask_idempotency._storage.store import Store
+    from flask_idempotency._storage import Store
     from tests import testapp
     from tests.test_store_outcomes import _values
 

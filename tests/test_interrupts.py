@@ -142,7 +142,7 @@ def test_an_interruption_while_the_answer_is_stored_after_the_views_commit(
     is sent, or right after the COMMIT landed. The operation stays recorded,
     never freed: retries replay the answer stored (``failed-after-commit``
     when the answer's own commit did not land). One charge."""
-    from flask_idempotency._storage.store import Store
+    from flask_idempotency._storage import Store
 
     app = testapp.create_app(database_url)
     reset_tables(database_url)

@@ -16,9 +16,9 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency._maintenance.scheduler import JobScheduler
+from flask_idempotency._storage import database_now
 from flask_idempotency._storage.locks import MAX_SLACK, interval_slack
 from flask_idempotency._storage.schema import as_utc
-from flask_idempotency._storage.store import database_now
 from tests import testapp
 from tests.conftest import Clock, reset_tables
 from tests.test_cleanup import cli, keys, make_records

@@ -29,8 +29,14 @@ from sqlalchemy.orm import Session
 from bench.wire import CountingProxy
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
-from flask_idempotency._storage.schema import COMPLETED, IN_PROGRESS, Record
-from flask_idempotency._storage.store import Store, new_fencing_token, operation_values
+from flask_idempotency._storage import (
+    COMPLETED,
+    IN_PROGRESS,
+    Record,
+    Store,
+    new_fencing_token,
+    operation_values,
+)
 from tests import testapp
 from tests.conftest import reset_tables
 

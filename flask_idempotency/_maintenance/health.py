@@ -51,8 +51,7 @@ import weakref
 
 import sqlalchemy as sa
 
-from .._storage import dberrors
-from .._storage.store import idle_bound
+from .._storage import dberrors, idle_bound
 from ..errors import PROBLEM_JSON, DatabaseUnavailableError
 
 logger = logging.getLogger("flask_idempotency")

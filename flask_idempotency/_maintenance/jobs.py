@@ -14,7 +14,7 @@ from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
 from .._messaging import inbox, relay
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
-from .._storage.schema import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, outbox_table
+from .._storage import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, outbox_table
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -23,10 +23,12 @@ from sqlalchemy.orm import Session, scoped_session
 
 from .. import signals
 from .._context import RequestState, resolve_app, set_request_state
-from .._storage import dberrors
-from .._storage.schema import COMPLETED, IN_PROGRESS, Record
-from .._storage.store import (
+from .._storage import (
+    COMPLETED,
+    IN_PROGRESS,
+    Record,
     Store,
+    dberrors,
     new_fencing_token,
     operation_values,
 )

@@ -34,8 +34,7 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._context import OPTIMISTIC_WHY as WHY
 from .._context import resolve_app
-from .._storage.schema import COMPLETED, Record
-from .._storage.store import new_fencing_token, operation_values
+from .._storage import COMPLETED, Record, new_fencing_token, operation_values
 from ..errors import ClaimWaitExceeded, ConflictError
 from .responses import capture
 from .session_guard import SessionWatcher

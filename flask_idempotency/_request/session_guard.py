@@ -39,7 +39,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .._storage.store import Executor, Store, refuse_autocommit
+from .._storage import Executor, Store, refuse_autocommit
 from ..errors import ClaimWaitExceeded, LeaseLostError
 
 logger = logging.getLogger("flask_idempotency")

@@ -270,6 +270,21 @@ def sqlstate(exc: BaseException) -> str | None:
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
 
 
+# query_canceled: what a statement_timeout raises.
+_PG_QUERY_CANCELED = "57014"
+
+
+def stopped_waiting(exc: BaseException) -> bool:
+    """The database gave up on a claim while it waited on another transaction:
+    a lock timeout, a deadlock or serialization victim (:data:`CONFLICT`), or
+    (PostgreSQL) a ``statement_timeout`` of the app's that ended the wait
+    (SQLSTATE 57014; the claim's statements themselves are instant unless
+    they wait)."""
+    if classify(exc) is CONFLICT:
+        return True
+    return sqlstate(exc) == _PG_QUERY_CANCELED
+
+
 def _classify_driver_error(orig: BaseException) -> Failure | None:
     if read_only(orig):
         return UNAVAILABLE

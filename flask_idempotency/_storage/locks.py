@@ -18,7 +18,7 @@ keeps a tick that fires a few milliseconds early, relative to the previous
 run's start, from being skipped into a doubled interval. A run asked for by
 hand (``every=None``) skips only while another run holds the lock.
 
-Times are the database's clock (:func:`~flask_idempotency.store.database_now`),
+Times are the database's clock (:func:`~flask_idempotency._storage.sql.database_now`),
 read in the transaction of each statement, not the hosts' own: every host
 compares the row with the same clock, so a host whose clock runs behind
 cannot run a job twice as often, and one whose clock runs ahead cannot start a
@@ -33,7 +33,7 @@ job for longer than ``every``.
 
 The holder renews while it works and frees the row when done. Whether a
 conditional ``UPDATE`` won is read from the row it returns where the engine
-has ``RETURNING`` (:func:`~flask_idempotency.store.changed_one`).
+has ``RETURNING`` (:func:`~flask_idempotency._storage.sql.changed_one`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from .store import changed_one, database_now, returning
+from .sql import changed_one, database_now, returning
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -1,0 +1,165 @@
+"""The operator's and the maintenance jobs' statements on the record table.
+
+Cleanup (:meth:`OperatorQueries.purge_batch`), the lease recovery job's
+(:meth:`~OperatorQueries.find_abandoned`,
+:meth:`~OperatorQueries.release_abandoned`), and what the CLI shows and
+deletes. Each runs on a connection of its caller's, in its transaction; none
+holds locks longer than its one statement's batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import typing as t
+
+import sqlalchemy as sa
+
+from .dialects import dialect_for
+from .execute import Statements
+from .schema import IN_PROGRESS, Record, as_utc
+from .sql import changed_one, expired, lease_over, returning, text_param
+
+
+class OperatorQueries(Statements):
+    """The statements of the jobs and the CLI (see the module's documentation)."""
+
+    def _deleted_one(self, conn: sa.Connection, stmt: t.Any) -> bool:
+        """Run a ``DELETE`` of one record whose values are bound in ``stmt``;
+        whether it deleted it (see :func:`.sql.changed_one`)."""
+        return changed_one(conn, returning(stmt, conn.dialect, self.table.c.fencing_token), {})
+
+    def find_abandoned(self, conn: sa.Connection, now: dt.datetime, limit: int) -> list[Record]:
+        """In-progress, unexpired records whose lease has ended, oldest lease first,
+        that the recovery job can act on: those it can re-run (a stored request),
+        and those with no recovery points (released). A record that keeps
+        finished steps for the client's retry to resume from is left alone."""
+        c = self.table.c
+        stmt = (
+            sa.select(self.table)
+            .where(
+                c.status == IN_PROGRESS,
+                lease_over(c, now),
+                c.expires_at > now,
+                sa.or_(c.recovery_points.is_(None), c.request_method.is_not(None)),
+            )
+            .order_by(c.locked_until)
+            .limit(limit)
+        )
+        return [Record.from_row(row) for row in conn.execute(stmt)]
+
+    def release_abandoned(self, conn: sa.Connection, record: Record, now: dt.datetime) -> bool:
+        """Delete an abandoned record, unless someone reclaimed it since it was read
+        or it holds recovery points (a retry resumes after its finished steps)."""
+        c = self.table.c
+        stmt = sa.delete(self.table).where(
+            c.scope == text_param("w_scope", record.scope),
+            c.key == text_param("w_key", record.key),
+            c.fencing_token == record.fencing_token,
+            c.status == IN_PROGRESS,
+            lease_over(c, now),
+            c.recovery_points.is_(None),
+        )
+        return self._deleted_one(conn, stmt)
+
+    def purge_batch(self, conn: sa.Connection, now: dt.datetime, limit: int) -> int:
+        """Delete up to ``limit`` expired records in one statement; the number deleted.
+
+        Where the engine has it (PostgreSQL, MySQL 8, MariaDB 10.6), the batch is
+        chosen ``FOR UPDATE SKIP LOCKED``: rows another cleaner (or a request
+        replacing an expired record) holds are skipped, so cleaners never wait
+        on each other and cannot deadlock. The delete re-checks ``expires_at``,
+        so a record replaced meanwhile stays.
+        """
+        c = self.table.c
+        dialect = dialect_for(conn.dialect.name)
+        # A record past its retention whose holder's lease still runs is not
+        # expired yet: cleanup waits for the lease to end.
+        gone = expired(c, now)
+        batch = sa.select(c.scope, c.key).where(*gone).order_by(c.expires_at).limit(limit)
+        if dialect.skip_locked:
+            batch = batch.with_for_update(skip_locked=True)
+        if dialect.limit_in_subquery:
+            stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(batch), *gone)
+            return int(conn.execute(stmt).rowcount)
+        # Engines that refuse LIMIT in an IN subquery (MySQL): read (and lock),
+        # then delete, in the caller's transaction.
+        keys = [tuple(row) for row in conn.execute(batch)]
+        if not keys:
+            return 0
+        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), *gone)
+        return int(conn.execute(stmt).rowcount)
+
+    def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
+        """How many records are past their retention and await cleanup."""
+        c = self.table.c
+        stmt = sa.select(sa.func.count()).select_from(self.table).where(*expired(c, now))
+        return int(conn.execute(stmt).scalar_one())
+
+    def stats(self, conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
+        """Counts by status (unexpired), expired awaiting cleanup, oldest in progress,
+        and the table's size in bytes where the database tells it."""
+        c = self.table.c
+        live = c.expires_at > now
+        by_status = {
+            status: int(n)
+            for status, n in conn.execute(
+                sa.select(c.status, sa.func.count()).where(live).group_by(c.status)
+            )
+        }
+        oldest = conn.execute(
+            sa.select(sa.func.min(c.created_at)).where(live, c.status == IN_PROGRESS)
+        ).scalar_one()
+        return {
+            "by_status": by_status,
+            "expired_awaiting_cleanup": self.count_expired(conn, now),
+            "oldest_in_progress": as_utc(oldest),
+            "table_bytes": dialect_for(conn.dialect.name).table_bytes(conn, self.table),
+        }
+
+    def find(
+        self,
+        conn: sa.Connection,
+        *,
+        key: str | None = None,
+        scope_prefix: str | None = None,
+        status: str | None = None,
+        limit: int = 20,
+    ) -> list[Record]:
+        """Records matching all the given filters, newest first (an operator query)."""
+        c = self.table.c
+        stmt = sa.select(self.table)
+        if key is not None:
+            stmt = stmt.where(c.key == text_param("w_key", key))
+        if scope_prefix:
+            # substr/= rather than LIKE, which folds case on SQLite; MySQL's
+            # binary column counts bytes.
+            length = dialect_for(conn.dialect.name).text_length(scope_prefix)
+            prefix = text_param("w_prefix", scope_prefix)
+            stmt = stmt.where(sa.func.substr(c.scope, 1, length) == prefix)
+        if status is not None:
+            stmt = stmt.where(c.status == status)
+        stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
+        return [Record.from_row(row) for row in conn.execute(stmt)]
+
+    def delete_record(
+        self,
+        conn: sa.Connection,
+        scope: str,
+        key: str,
+        *,
+        token: int | None = None,
+        status: str | None = None,
+    ) -> bool:
+        """Delete one record (the operator's ``release``): only while it still has
+        the fencing ``token`` and ``status`` the operator was shown, when given, so
+        that a record that completed, or was replaced by a new operation, in the
+        meantime is left alone."""
+        c = self.table.c
+        stmt = sa.delete(self.table).where(
+            c.scope == text_param("w_scope", scope), c.key == text_param("w_key", key)
+        )
+        if token is not None:
+            stmt = stmt.where(c.fencing_token == token)
+        if status is not None:
+            stmt = stmt.where(c.status == status)
+        return self._deleted_one(conn, stmt)

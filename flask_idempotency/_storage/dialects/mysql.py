@@ -1,0 +1,71 @@
+"""MySQL and MariaDB.
+
+* The claim is ``INSERT IGNORE``: the values are ours and bounded, so IGNORE
+  can only skip the duplicate. No ``RETURNING`` on MySQL (MariaDB has it for
+  ``INSERT`` and ``DELETE``): whether the insert won is read back from the
+  fencing token, and an ``UPDATE``'s outcome is the matched-row count the
+  server sends with its result.
+* A duplicate's wait is bounded with ``innodb_lock_wait_timeout`` (whole
+  seconds). The variable is per connection, not per transaction: it is
+  restored even after a failure, or the pooled connection would keep our bound.
+* The record is read with a locking read, so that a REPEATABLE READ snapshot
+  taken earlier in the transaction cannot hide the winner's row.
+* Scope and key columns are VARBINARY (the default collations fold case and
+  ignore trailing spaces): lengths are counted in bytes.
+* A statement larger than ``max_allowed_packet`` is answered by dropping the
+  connection, so the store refuses one before sending it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import typing as t
+
+import sqlalchemy as sa
+
+from ..schema import as_utc
+from .base import Dialect, Executor, millis
+
+_SET_WAIT = sa.text(
+    "SET @flask_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = :v"
+)
+_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
+_NOW = sa.text("SELECT UTC_TIMESTAMP(6)")
+_PACKET_LIMIT = sa.text("SELECT @@max_allowed_packet")
+
+
+class MySQL(Dialect):
+    """MySQL or MariaDB, by SQLAlchemy's ``name`` for it (``mysql``, ``mariadb``)."""
+
+    locking_reads = True
+    # MySQL 8 and MariaDB 10.6 know SKIP LOCKED too; neither takes LIMIT in an
+    # IN subquery.
+    skip_locked = True
+    limits_statement_size = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def conflict_tolerant_insert(
+        self, table: sa.Table, values: dict[str, t.Any], key: list[str]
+    ) -> t.Any:
+        return sa.insert(table).values(values).prefix_with("IGNORE", dialect=self.name)
+
+    def now(self, conn: sa.Connection) -> dt.datetime:
+        """``UTC_TIMESTAMP(6)``: microseconds, whatever the session's time zone."""
+        return t.cast(dt.datetime, as_utc(conn.execute(_NOW).scalar_one()))
+
+    def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
+        executor.execute(_SET_WAIT, {"v": max(1, math.ceil(millis(wait) / 1000))})
+        return None  # the previous value waits in a user variable of the session
+
+    def restore_wait(self, executor: Executor, previous: t.Any, *, failed: bool) -> None:
+        executor.execute(_RESTORE_WAIT)
+
+    def statement_limit(self, executor: Executor) -> int | None:
+        return int(executor.execute(_PACKET_LIMIT).scalar_one())
+
+    def text_length(self, value: str) -> int:
+        return len(value.encode())

@@ -1,0 +1,198 @@
+"""PostgreSQL: the production target.
+
+* The claim is ``INSERT ... ON CONFLICT DO NOTHING``; a duplicate waits on the
+  unique index for the first request's transaction.
+* That wait is bounded with ``lock_timeout``, set transaction-local
+  (``set_config(..., true)`` is ``SET LOCAL``: it ends with the transaction
+  whatever happens, so a failed statement needs no restore).
+* With ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``, a claim also sets
+  ``idle_in_transaction_session_timeout`` for the rest of its transaction
+  (:func:`idle_bound`): a claim whose app vanished mid-transaction (a host cut
+  off, frozen or killed without a word) is ended by the server, not held until
+  TCP gives up.
+* A transaction that renewed a lease before its ``COMMIT`` is named by
+  ``txid_current()``, so that a ``COMMIT`` whose answer was lost can be judged
+  (:meth:`PostgreSQL.commit_outcome`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql as pg
+
+from ..schema import as_utc
+from .base import Dialect, Executor, millis
+
+
+def idle_bound(param: str) -> str:
+    """A select-list expression that sets ``idle_in_transaction_session_timeout``
+    to ``param`` for the rest of the transaction (``SET LOCAL``), unless a
+    stricter one is in force (the server's, the role's, the app's): it only
+    tightens. ``CASE`` evaluates its branches lazily, so ``set_config`` runs
+    only when it must; a setting of 0 (off) is not stricter."""
+    current = "current_setting('idle_in_transaction_session_timeout')::interval"
+    # Text in both places: a driver binding on the server (psycopg 3) sends one
+    # parameter, whose type the server must deduce once.
+    value = f"CAST({param} AS text)"
+    return (
+        f"CASE WHEN {current} BETWEEN interval '1 microsecond' AND CAST({value} AS interval) "
+        f"THEN NULL ELSE set_config('idle_in_transaction_session_timeout', {value}, true) END"
+    )
+
+
+#: The idle bound alone, as :meth:`PostgreSQL.bound_idle` sends it (``:idle``: "500ms").
+SET_IDLE = sa.text(f"SELECT {idle_bound(':idle')}")
+
+_SET_WAIT = sa.text("SELECT current_setting('lock_timeout'), set_config('lock_timeout', :v, true)")
+_RESTORE_WAIT = sa.text("SELECT set_config('lock_timeout', :v, true)")
+
+# Where a batched claim keeps the app's lock_timeout while ours applies.
+_SAVED_WAIT = "flask_idempotency.saved_lock_timeout"
+
+
+def batch_bounds(bounded: bool, idle_bounded: bool) -> tuple[str | None, str | None]:
+    """The statements around the insert of a claim sent as one batch (drivers
+    that bind on the client, ``%(name)s`` parameters): the one that sets the
+    bounds (``%(wait)s``, ``%(idle)s``) and the one that puts the app's
+    ``lock_timeout`` back after the insert; ``None`` for either not needed.
+
+    The app's ``lock_timeout`` is kept in a custom setting of the transaction
+    meanwhile; all of it has ``SET LOCAL`` semantics, so a failure ends both.
+    The idle bound is kept to the transaction's end: the claim is held until then.
+    """
+    bounds: list[str] = []
+    if bounded:
+        bounds += [
+            f"set_config('{_SAVED_WAIT}', current_setting('lock_timeout'), true)",
+            "set_config('lock_timeout', %(wait)s, true)",
+        ]
+    if idle_bounded:
+        bounds.append(idle_bound("%(idle)s"))
+    before = "SELECT " + ", ".join(bounds) if bounds else None
+    after = (
+        f"SELECT set_config('lock_timeout', current_setting('{_SAVED_WAIT}'), true)"
+        if bounded
+        else None
+    )
+    return before, after
+
+
+_NOW = sa.text("SELECT clock_timestamp()")
+_TABLE_BYTES = sa.text("SELECT pg_total_relation_size(CAST(:t AS regclass))")
+
+# Whether a transaction committed (PostgreSQL 10+), and the end of one still open
+# whose client gave up on it (backend_xid is the 32-bit xid of the 64-bit id).
+_TRANSACTION_STATUS = sa.text("SELECT txid_status(:xid)")
+# pg_stat_activity is read once per transaction, then cached: cleared first where
+# the caller's transaction may have read it already.
+_FRESH_ACTIVITY = sa.text("SELECT pg_stat_clear_snapshot()")
+_END_TRANSACTION = sa.text(
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_xid::text = :xid"
+)
+
+
+def interval(wait: dt.timedelta) -> str:
+    """``wait`` as a PostgreSQL setting's value: ``"1500ms"``."""
+    return f"{millis(wait)}ms"
+
+
+class PostgreSQL(Dialect):
+    name = "postgresql"
+    skip_locked = True
+    limit_in_subquery = True
+
+    def conflict_tolerant_insert(
+        self, table: sa.Table, values: dict[str, t.Any], key: list[str]
+    ) -> t.Any:
+        return pg.insert(table).values(values).on_conflict_do_nothing(index_elements=key)
+
+    def now(self, conn: sa.Connection) -> dt.datetime:
+        """``clock_timestamp()``: the time of the call, not of the transaction's start."""
+        return t.cast(dt.datetime, as_utc(conn.execute(_NOW).scalar_one()))
+
+    def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
+        return executor.execute(_SET_WAIT, {"v": interval(wait)}).scalar_one()
+
+    def restore_wait(self, executor: Executor, previous: t.Any, *, failed: bool) -> None:
+        if not failed:  # after a failure the transaction is over, and SET LOCAL with it
+            executor.execute(_RESTORE_WAIT, {"v": previous})
+
+    def bound_idle(self, executor: Executor, idle: dt.timedelta) -> None:
+        executor.execute(SET_IDLE, {"idle": interval(idle)})
+
+    def table_bytes(self, conn: sa.Connection, table: sa.Table) -> int | None:
+        return t.cast("int | None", conn.execute(_TABLE_BYTES, {"t": table.name}).scalar_one())
+
+    def transaction_id(self) -> t.Any:
+        """``txid_current()``: 64 bits, epoch included, so ``txid_status`` can
+        judge it however old."""
+        return sa.func.txid_current()
+
+    def commit_outcome(
+        self, executor: sa.Engine | sa.Connection, transaction: int, wait: dt.timedelta
+    ) -> bool | None:
+        """Whether ``transaction`` committed: ``True`` or ``False``, or ``None``
+        when that cannot be known within ``wait``.
+
+        ``txid_status`` is PostgreSQL's answer to exactly this question (a
+        connection lost during ``COMMIT``). A transaction still in progress
+        after half of ``wait`` has a ``COMMIT`` that may yet arrive (held in a
+        network buffer or a proxy) while its client has given up on it: its
+        backend is terminated (allowed for the app's own role), so that it
+        can never commit later, and the status read again.
+
+        ``executor``: an engine (read on a connection of its own), or a
+        connection in a transaction of the caller's, which is left usable
+        (where a second connection may not be had: a pool of one).
+        """
+        if isinstance(executor, sa.Engine):
+            with executor.connect() as conn:
+                return _commit_outcome(conn, transaction, wait, own=True)
+        return _commit_outcome(executor, transaction, wait, own=False)
+
+
+def _commit_outcome(
+    conn: sa.Connection, transaction: int, wait: dt.timedelta, *, own: bool
+) -> bool | None:
+    deadline = time.monotonic() + wait.total_seconds()
+    status = _settle(conn, transaction, deadline - wait.total_seconds() / 2, own)
+    if status == "in progress":
+        end = {"xid": str(transaction % 2**32)}
+        try:
+            if own:
+                conn.execute(_END_TRANSACTION, end)
+                conn.commit()
+            else:  # a savepoint: a refusal must not abort the caller's transaction
+                with conn.begin_nested():
+                    conn.execute(_FRESH_ACTIVITY)
+                    conn.execute(_END_TRANSACTION, end)
+        except sa_exc.DBAPIError:  # not allowed to: then it stays unknown
+            if own:
+                conn.rollback()
+            return None
+        status = _settle(conn, transaction, deadline, own)
+    if status == "committed":
+        return True
+    if status == "aborted":
+        return False
+    return None  # too old to tell (NULL), or still in progress
+
+
+def _settle(conn: sa.Connection, transaction: int, deadline: float, own: bool) -> str | None:
+    """``txid_status`` of ``transaction``, polled until it is no longer in
+    progress or ``deadline`` (a ``time.monotonic()``) passes. (It reads the
+    commit log, not a snapshot: a transaction of the caller's sees it change.)"""
+    pause = 0.01
+    while True:
+        status = conn.execute(_TRANSACTION_STATUS, {"xid": transaction}).scalar()
+        if own:
+            conn.rollback()
+        if status != "in progress" or time.monotonic() >= deadline:
+            return t.cast("str | None", status)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)

@@ -1,0 +1,73 @@
+"""psycopg 3: the batch through a client-side-binding cursor, as psycopg2 sends it."""
+
+from __future__ import annotations
+
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from .base import FastPath
+
+
+class Psycopg(FastPath):
+    name = "psycopg"
+
+    def send_batch(
+        self, connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
+    ) -> dict[str, t.Any] | None:
+        """The statements as one batch, as psycopg2 sends it: parameters bound on
+        the client (:class:`psycopg.ClientCursor`), every statement in one
+        simple query, one round trip.
+
+        Not psycopg's pipeline mode, also one round trip: PostgreSQL arms
+        ``idle_in_transaction_session_timeout`` when it sends ReadyForQuery, and a
+        pipeline's Sync is followed by a Flush whose arrival disarms the timer until
+        the next statement. A host cut off right after a pipelined claim sends no
+        next statement, so its claim would be held, past the app's bound and the
+        server's own setting, for as long as TCP keeps the session. A simple query
+        ends with ReadyForQuery, and the timer runs.
+
+        The statements go to the driver's connection, inside the transaction
+        SQLAlchemy opened on it.
+        """
+        dbapi = connection.dialect.loaded_dbapi
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        try:
+            with dbapi.ClientCursor(raw) as cursor:
+                cursor.execute(";\n".join(statements), params)
+                while cursor.nextset():  # the read is the last statement
+                    pass
+                row = cursor.fetchone()
+                if row is None:
+                    return None
+                return {
+                    column.name: value
+                    for column, value in zip(cursor.description, row, strict=True)
+                }
+        except dbapi.Error as exc:
+            raise as_sqlalchemy_error(connection, statements, params, exc) from exc
+
+
+def as_sqlalchemy_error(
+    connection: sa.Connection, statements: list[str], params: dict[str, t.Any], exc: t.Any
+) -> sa_exc.DBAPIError:
+    """The driver's error as SQLAlchemy would raise it: a ``DBAPIError`` wrapping it,
+    the connection invalidated when the driver says it is gone."""
+    dialect = connection.dialect
+    gone = dialect.is_disconnect(exc, connection.connection.driver_connection, None)
+    if gone:
+        connection.invalidate(exc)
+    return t.cast(
+        sa_exc.DBAPIError,
+        sa_exc.DBAPIError.instance(
+            ";\n".join(statements),
+            params,
+            exc,
+            dialect.loaded_dbapi.Error,
+            hide_parameters=connection.engine.hide_parameters,
+            connection_invalidated=gone,
+            dialect=dialect,
+        ),
+    )

@@ -1,0 +1,81 @@
+"""How the store sends a statement on one table, and reads whether it changed its row."""
+
+from __future__ import annotations
+
+import typing as t
+
+import sqlalchemy as sa
+
+from . import drivers
+from .dialects import Executor, dialect_for
+from .sql import changed_one
+
+
+class Statements:
+    """The base of the statements on one table: the connection they run on, the
+    fast path where the driver has one (:mod:`.drivers`), the outcome of a
+    conditional change.
+
+    Parameters named ``w_*`` are the WHERE clause; the others are column values.
+    """
+
+    def __init__(self, table: sa.Table) -> None:
+        self.table = table
+        self._compiled = drivers.Compiled(table)
+        self._returning_cache: dict[int, tuple[t.Any, t.Any]] = {}
+
+    def _connection(self, executor: Executor) -> sa.Connection:
+        """The connection under ``executor`` that holds the table, in the
+        session's transaction. Core statements go to it directly: the ORM's
+        execute path (bind lookup, ORM compile hooks) costs more than the statement."""
+        if isinstance(executor, sa.Connection):
+            return executor
+        return executor.connection(bind_arguments={"clause": self.table})
+
+    def _execute(
+        self, connection: sa.Connection, stmt: t.Any, params: dict[str, t.Any]
+    ) -> sa.CursorResult[t.Any]:
+        """Run ``stmt``: compiled once where the driver has a fast path, through
+        SQLAlchemy elsewhere."""
+        path = drivers.fast_path(connection) if params else None
+        if path is None:
+            return connection.execute(stmt, params)
+        sql, constants = self._compiled.statement(connection, stmt, params)
+        return connection.exec_driver_sql(sql, {**constants, **params})
+
+    def _changed_one(self, executor: Executor, stmt: t.Any, params: dict[str, t.Any]) -> bool:
+        """Run a conditional ``UPDATE``/``DELETE`` (or a conflict-tolerant
+        ``INSERT``) of one record; whether it changed the row.
+
+        The answer is the row the statement returns (``RETURNING``) wherever the
+        engine has it for that kind of statement (PostgreSQL on every driver,
+        SQLite 3.35+, MariaDB for ``DELETE`` and ``INSERT``), never a driver's
+        row count: psycopg 3 under SQLAlchemy 2.1 reports -1 for an ``INSERT``.
+        Only where there is no ``RETURNING`` (MySQL, MariaDB's ``UPDATE``) is it
+        the matched-row count the server sends with the statement's result
+        (SQLAlchemy's MySQL drivers all ask for matched, not changed, rows),
+        kept with ``preserve_rowcount``. Inserts without ``RETURNING`` are
+        decided by reading the fencing token back (``Store._insert``).
+        """
+        connection = self._connection(executor)
+        if dialect_for(connection.dialect.name).returns_rows(connection.dialect, stmt):
+            stmt = self._returning_form(stmt)
+        path = drivers.fast_path(connection) if params else None
+        if path is None:
+            return changed_one(connection, stmt, params)
+        sql, constants = self._compiled.statement(connection, stmt, params)
+        result = connection.exec_driver_sql(sql, {**constants, **params})
+        if stmt._returning:
+            return result.first() is not None
+        return bool(result.rowcount == 1)  # an UPDATE or DELETE: the server's count
+
+    def _returning_form(self, stmt: t.Any) -> t.Any:
+        """``stmt ... RETURNING fencing_token``, built once per statement."""
+        found = self._returning_cache.get(id(stmt))
+        # The entry holds the statement itself, so its id cannot be reused by another.
+        if found is None or found[0] is not stmt:
+            found = self._returning_cache[id(stmt)] = (
+                stmt,
+                stmt.returning(self.table.c.fencing_token),
+            )
+        return found[1]

@@ -1,0 +1,210 @@
+"""A holder's statements on the record it holds, each fenced by its token.
+
+Every one is a conditional ``UPDATE``/``DELETE`` on (scope, key, fencing token,
+in progress): a holder that lost the record (taken over, released, purged)
+changes nothing, and is told so (``False``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import typing as t
+
+import sqlalchemy as sa
+
+from .dialects import Executor, dialect_for, dialect_of
+from .execute import Statements
+from .schema import COMPLETED, IN_PROGRESS
+from .sql import text_param
+
+
+class HeldRecord(Statements):
+    """The statements of a record's holder (see the module's documentation)."""
+
+    def __init__(self, table: sa.Table) -> None:
+        super().__init__(table)
+        c = table.c
+        still_held = (
+            c.scope == text_param("w_scope"),
+            c.key == text_param("w_key"),
+            c.fencing_token == sa.bindparam("w_token"),
+            c.status == IN_PROGRESS,
+        )
+        self._complete = (
+            sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
+        )
+        self._release = sa.delete(table).where(*still_held)
+        # An UPDATE of a held record; the SET clause comes from the parameters.
+        self._update_held = sa.update(table).where(*still_held)
+        # The same, naming the transaction it runs in, per engine that can.
+        self._update_held_naming: dict[str, t.Any] = {}
+
+    def complete(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        response_code: int,
+        response_headers: list[tuple[str, str]],
+        response_body: bytes | None,
+        body_omitted: bool,
+        now: dt.datetime,
+    ) -> bool:
+        """Mark the record completed with its response, fenced by ``token``.
+
+        ``False`` means another request took the record over: the caller must
+        roll back.
+        """
+        params = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "response_code": response_code,
+            "response_headers": json.dumps(response_headers),
+            "response_body": response_body,
+            "body_omitted": body_omitted,
+            "completed_at": now,
+        }
+        return self._changed_one(executor, self._complete, params)
+
+    def release(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        keep_recovery_points: bool = False,
+    ) -> bool:
+        """Free a record this holder (``token``) still owns, so a retry runs at once.
+
+        The record is deleted, unless it has recovery points to keep: then its
+        lease is ended instead, and the retry reclaims it and resumes.
+        """
+        if keep_recovery_points:
+            return self._set_held(executor, scope, key, token, {"locked_until": None})
+        params = {"w_scope": scope, "w_key": key, "w_token": token}
+        return self._changed_one(executor, self._release, params)
+
+    def keep_for_retry(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        recovery_points: t.Mapping[str, t.Any],
+    ) -> bool:
+        """End the lease of a record this holder (``token``) still owns, and keep
+        it for the client's retry.
+
+        Its recovery points are written (an empty set included) and its stored
+        request dropped, so neither a release nor the recovery job (which
+        re-runs stored requests and deletes records without points) takes it:
+        the client's retry reclaims the same operation.
+        """
+        values: dict[str, t.Any] = {
+            "locked_until": None,
+            "recovery_points": json.dumps(
+                dict(recovery_points), sort_keys=True, separators=(",", ":")
+            ),
+            "request_method": None,
+            "request_path": None,
+            "request_content_type": None,
+            "request_body": None,
+        }
+        return self._set_held(executor, scope, key, token, values)
+
+    def renew_lease(
+        self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
+    ) -> bool:
+        """Extend the lease of a record this holder (``token``) still owns.
+
+        Run inside a transaction that commits business rows, it also locks the
+        record until that commit, so nobody can take the key over in between.
+        ``False``: the record was taken over or deleted.
+        """
+        return self._set_held(executor, scope, key, token, {"locked_until": locked_until})
+
+    def renew_lease_before_commit(
+        self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
+    ) -> tuple[bool, int | None]:
+        """:meth:`renew_lease` in a transaction about to commit, and, on
+        PostgreSQL, that transaction's id: should the ``COMMIT`` be interrupted
+        with no answer, :meth:`commit_outcome` tells from the id whether it
+        landed (``None`` elsewhere)."""
+        connection = self._connection(executor)
+        dialect = dialect_for(connection.dialect.name)
+        naming = dialect.transaction_id()
+        if naming is None:
+            return self.renew_lease(connection, scope, key, token, locked_until), None
+        stmt = self._update_held_naming.get(dialect.name)
+        if stmt is None:
+            stmt = self._update_held.returning(self.table.c.fencing_token, naming)
+            self._update_held_naming[dialect.name] = stmt
+        params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
+        row: t.Any = self._execute(connection, stmt, params).first()
+        if row is None:
+            return False, None
+        return True, int(row[1])
+
+    def commit_outcome(
+        self, executor: sa.Engine | sa.Connection, transaction: int, wait: dt.timedelta
+    ) -> bool | None:
+        """Whether transaction ``transaction`` (from
+        :meth:`renew_lease_before_commit`) committed: ``True`` or ``False``,
+        or ``None`` when that cannot be known within ``wait`` (see
+        :meth:`.dialects.PostgreSQL.commit_outcome`).
+
+        ``executor``: an engine (read on a connection of its own), or a
+        connection in a transaction of the caller's, which is left usable
+        (where a second connection may not be had: a pool of one).
+        """
+        return dialect_of(executor).commit_outcome(executor, transaction, wait)
+
+    def restamp(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        locked_until: dt.datetime,
+        created_at: dt.datetime | None = None,
+        expires_at: dt.datetime | None = None,
+    ) -> bool:
+        """Set a held record's lease end (and creation and expiry, for a new
+        operation), fenced by ``token``."""
+        values: dict[str, t.Any] = {"locked_until": locked_until}
+        if created_at is not None:
+            values["created_at"] = created_at
+        if expires_at is not None:
+            values["expires_at"] = expires_at
+        return self._set_held(executor, scope, key, token, values)
+
+    def save_recovery_points(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        points: dict[str, t.Any],
+        locked_until: dt.datetime,
+    ) -> bool:
+        """Store the recovery points and renew the lease, fenced by ``token``;
+        ``False``: the lease was lost."""
+        values = {
+            "locked_until": locked_until,
+            "recovery_points": json.dumps(points, sort_keys=True, separators=(",", ":")),
+        }
+        return self._set_held(executor, scope, key, token, values)
+
+    def _set_held(
+        self, executor: Executor, scope: str, key: str, token: int, values: dict[str, t.Any]
+    ) -> bool:
+        """Set ``values`` on a record this holder (``token``) still has in progress."""
+        params = {"w_scope": scope, "w_key": key, "w_token": token, **values}
+        return self._changed_one(executor, self._update_held, params)

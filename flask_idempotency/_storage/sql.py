@@ -1,0 +1,172 @@
+"""The building blocks the storage layer's statements share, on every engine.
+
+Conditions on a record (:func:`lease_over`, :func:`expired`), a scope or key
+bound byte for byte (:func:`text_param`), fencing tokens, the columns of a new
+operation, and the two rules every change of a row follows: an insert never
+checks first (:func:`conflict_tolerant_inserts`), and whether a statement
+changed its row is read from what it returned (:func:`changed_one`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy.orm import scoped_session
+
+from .dialects import DIALECTS, Executor, dialect_for
+from .schema import IN_PROGRESS
+
+#: The request as sent, kept for the recovery job only (``recover=True`` routes).
+STORED_REQUEST = ("request_method", "request_path", "request_content_type", "request_body")
+
+#: Columns a reclaim leaves alone: they belong to the operation it continues.
+RECLAIM_KEEPS = (
+    "created_at",
+    "expires_at",
+    "recovery_points",
+    "request_method",
+    "request_path",
+    "request_content_type",
+    "request_body",
+)
+
+
+def lease_over(c: t.Any, now: t.Any) -> t.Any:
+    """SQL: the record's lease has ended (or it has none); ``now`` a time or a bind."""
+    return sa.or_(c.locked_until.is_(None), c.locked_until <= now)
+
+
+def expired(c: t.Any, now: t.Any) -> tuple[t.Any, ...]:
+    """SQL, as :meth:`Record.is_expired`: past its retention and not held under a live
+    lease (a holder whose lease still runs keeps its record past the retention)."""
+    return (c.expires_at <= now, sa.or_(c.status != IN_PROGRESS, lease_over(c, now)))
+
+
+def text_param(name: str, value: t.Any = None) -> t.Any:
+    """A bind parameter for a scope or key, bound as a string on every engine.
+
+    MySQL's scope and key columns are VARBINARY, whose own type would insist on
+    bytes; a string compared with (or stored in) them is taken byte for byte.
+    """
+    if value is None:
+        return sa.bindparam(name, type_=sa.String())
+    return sa.bindparam(name, value, type_=sa.String())
+
+
+def conflict_tolerant_inserts(
+    table: sa.Table, values: dict[str, t.Any], key: list[str]
+) -> dict[str, t.Any]:
+    """An insert of ``values`` per dialect name that inserts nothing when a row
+    with the same ``key`` columns exists (each engine's
+    :meth:`~.dialects.Dialect.conflict_tolerant_insert`); engines without one
+    are absent."""
+    inserts = {
+        name: dialect.conflict_tolerant_insert(table, values, key)
+        for name, dialect in DIALECTS.items()
+    }
+    return {name: insert for name, insert in inserts.items() if insert is not None}
+
+
+def new_fencing_token(previous: int | None = None) -> int:
+    """A fresh fencing token: random, 63 bits, positive, never ``previous``.
+
+    Random rather than counted, because a counter kept on the row restarts
+    whenever the row is deleted; two draws for one key collide with odds of
+    about one in 2**62.
+    """
+    while True:
+        token = secrets.randbits(63)
+        if token and token != previous:
+            return token
+
+
+def operation_values(**values: t.Any) -> dict[str, t.Any]:
+    """Every column of an operation, those not in ``values`` as a new one starts
+    (no response, no recovery points, no stored request): so that a record that
+    replaces an expired one keeps nothing of the operation before it."""
+    return {
+        "response_code": None,
+        "response_headers": None,
+        "response_body": None,
+        "body_omitted": False,
+        "locked_until": None,
+        "completed_at": None,
+        "recovery_points": None,
+        "request_method": None,
+        "request_path": None,
+        "request_content_type": None,
+        "request_body": None,
+        **values,
+    }
+
+
+def returning(stmt: t.Any, dialect: sa.Dialect, column: t.Any) -> t.Any:
+    """``stmt ... RETURNING column`` where the engine returns rows from this kind
+    of statement; ``stmt`` itself elsewhere."""
+    if dialect_for(dialect.name).returns_rows(dialect, stmt):
+        return stmt.returning(column)
+    return stmt
+
+
+def changed_one(
+    executor: Executor | scoped_session[t.Any], stmt: t.Any, params: dict[str, t.Any]
+) -> bool:
+    """Run a conditional ``UPDATE``/``DELETE`` of one row, or a conflict-tolerant
+    ``INSERT`` of one, with ``RETURNING`` already added where the engine has it
+    (:func:`returning`); whether the row was changed.
+
+    The answer is whether the statement returned a row, where it returns rows;
+    elsewhere (MySQL; MariaDB's ``UPDATE``) the matched-row count the server
+    sends with the statement's result (SQLAlchemy's MySQL drivers all ask for
+    matched, not changed, rows), kept with ``preserve_rowcount``. Never a row
+    count where the engine could return rows: psycopg 3 under SQLAlchemy 2.1
+    reports -1 for an ``INSERT``.
+    """
+    if stmt._returning:
+        return executor.execute(stmt, params).first() is not None
+    if isinstance(stmt, sa.Insert):
+        raise ValueError("an INSERT's outcome needs RETURNING (or a token read back)")
+    result = executor.execute(stmt, params, execution_options={"preserve_rowcount": True})
+    return bool(t.cast("sa.CursorResult[t.Any]", result).rowcount == 1)
+
+
+def database_now(conn: sa.Connection) -> dt.datetime:
+    """The database server's clock, as an aware UTC datetime (microseconds where
+    the engine keeps them).
+
+    For time that coordinates processes on several hosts (the job lock): every
+    host reads the same clock, so a host whose own clock is off cannot make a
+    job run twice as often, or start while another run still holds it.
+    PostgreSQL's ``clock_timestamp()``, MySQL/MariaDB's ``UTC_TIMESTAMP(6)``;
+    SQLite runs on the app's host, whose clock it reads.
+    """
+    return dialect_for(conn.dialect.name).now(conn)
+
+
+def refuse_autocommit(connection: sa.Connection) -> None:
+    """Refuse a connection in autocommit mode (``isolation_level="AUTOCOMMIT"`` on
+    the engine, the session's bind or its execution options; pysqlite's own
+    autocommit): each statement would commit on its own, so the claim could
+    not commit or roll back with the view's rows, and a failed view would
+    leave them committed under a record in progress."""
+    autocommits = getattr(connection, "_is_autocommit_isolation", None)
+    if autocommits is not None:
+        refused = bool(autocommits())
+    else:  # an SQLAlchemy without the check: the levels set on the connection
+        level = connection.get_execution_options().get("isolation_level") or getattr(
+            connection.dialect, "_on_connect_isolation_level", None
+        )
+        refused = level == "AUTOCOMMIT"
+    if not refused:
+        refused = dialect_for(connection.dialect.name).autocommits(connection)
+    if refused:
+        raise RuntimeError(
+            "Flask-Idempotency needs a transactional session: the session's connection "
+            "is in AUTOCOMMIT mode (isolation_level='AUTOCOMMIT', or pysqlite's "
+            "isolation_level=None without a BEGIN of SQLAlchemy's), where the claim and "
+            "the view's rows cannot commit or roll back together. Use another "
+            "isolation level for the app's session."
+        )
