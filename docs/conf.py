@@ -57,7 +57,7 @@ html_context = {
         ProjectLink(
             "Issue Tracker", "https://github.com/flask-idempotency/flask-idempotency/issues/"
         ),
-        ProjectLink("Changes", "https://flask-idempotency.readthedocs.io/en/latest/changelog/"),
+        ProjectLink("Changes", "https://flask-idempotency.readthedocs.io/en/latest/changelog.html"),
     ]
 }
 html_sidebars = {

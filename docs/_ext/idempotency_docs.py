@@ -45,7 +45,7 @@ def default_text(value: t.Any) -> str:
     if isinstance(value, timedelta):
         seconds = int(value.total_seconds())
         for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
-            if seconds % size == 0:
+            if seconds % size == 0 and (seconds != size or unit != "day"):  # 24 hours
                 count = seconds // size
                 return f"{count} {unit}{'' if count == 1 else 's'}"
     return f"`{value!r}`"
