@@ -22,6 +22,13 @@ from datetime import timedelta
 from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
 
+__all__ = [
+    "DEFAULTS",
+    "PREFIX",
+    "SETTINGS",
+    "Setting",
+]
+
 PREFIX = "IDEMPOTENCY_"
 
 
