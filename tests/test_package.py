@@ -268,7 +268,9 @@ def test_only_the_context_reads_the_request_state() -> None:
         if path != owner:
             assert '"_idempotency"' not in text, path
             assert "g._idempotency" not in text, path
-            assert not re.search(r"^from flask import .*\bg\b", text, re.M), path
+            # ``g`` may be read for other extensions' state (Flask-HTTPAuth's user),
+            # never written, and never for ours.
+            assert not re.search(r"\bg\.(pop|setdefault|_\w+)\b|setattr\(g,", text), path
             assert "app.extensions[" not in text, path
             assert 'extensions.get("idempotency' not in text, path
 
