@@ -37,6 +37,7 @@ from flask_idempotency._storage import (
     dialects,
     drivers,
     new_fencing_token,
+    open_transaction,
     operation_values,
 )
 from flask_idempotency._storage.dialects import Dialect, MySQL, PostgreSQL, SQLite, dialect_of
@@ -462,4 +463,17 @@ def test_an_autocommit_connection_is_refused_before_anything_is_written(impl: Im
             impl.store.claim(session, _values(_key(), _now()), None)
     finally:
         engine.dispose()
+    assert impl.rows() == {}
+
+
+def test_a_savepoint_first_in_the_transaction_rolls_back_with_it(impl: Impl) -> None:
+    """Once the transaction is opened on the server (pysqlite's own waits for a
+    write), a savepoint made first belongs to it: released, then rolled back
+    with it, it leaves nothing."""
+    with impl.engine.connect() as conn:
+        conn.begin()
+        open_transaction(conn)
+        with conn.begin_nested():
+            assert impl.store.try_insert(conn, _values(_key(), _now()))
+        conn.rollback()
     assert impl.rows() == {}

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._context import OPTIMISTIC_WHY as WHY
 from .._context import resolve_app
-from .._storage import COMPLETED, Record, new_fencing_token, operation_values
+from .._storage import COMPLETED, Record, new_fencing_token, open_transaction, operation_values
 from ..errors import ClaimWaitExceeded, ConflictError
 from .responses import capture
 from .session_guard import SessionWatcher
@@ -105,11 +105,7 @@ def _begin(session: Session) -> None:
     statement is a savepoint would commit at its release, before the record.
     Elsewhere (and when the app's own settings begin it) there is nothing to do.
     """
-    connection = session.connection()
-    if connection.dialect.name == "sqlite":
-        raw = connection.connection.driver_connection
-        if raw is not None and not raw.in_transaction:
-            raw.execute("BEGIN")
+    open_transaction(session.connection())
 
 
 def _record(flow: Flow, state: RequestState, fingerprint: str, response: Response) -> Response:

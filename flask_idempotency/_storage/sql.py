@@ -146,6 +146,13 @@ def database_now(conn: sa.Connection) -> dt.datetime:
     return dialect_for(conn.dialect.name).now(conn)
 
 
+def open_transaction(connection: sa.Connection) -> None:
+    """Open the database transaction of ``connection`` on the server now, where the
+    driver would wait for the first write (pysqlite): so that a savepoint the
+    view makes first is part of it (see :meth:`.dialects.Dialect.open_transaction`)."""
+    dialect_for(connection.dialect.name).open_transaction(connection)
+
+
 def refuse_autocommit(connection: sa.Connection) -> None:
     """Refuse a connection in autocommit mode (``isolation_level="AUTOCOMMIT"`` on
     the engine, the session's bind or its execution options; pysqlite's own

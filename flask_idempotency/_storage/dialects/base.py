@@ -86,6 +86,11 @@ class Dialect:
         """Have the server end the rest of this transaction should it sit idle
         for ``idle`` (only where the server can: PostgreSQL)."""
 
+    def open_transaction(self, connection: sa.Connection) -> None:
+        """Make sure the database transaction SQLAlchemy began on ``connection`` is
+        open on the server too, before the next statement (which may be a
+        savepoint)."""
+
     def autocommits(self, connection: sa.Connection) -> bool:
         """Whether the driver's connection commits each statement on its own in a
         way SQLAlchemy's isolation level does not show."""

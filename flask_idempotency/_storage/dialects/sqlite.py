@@ -54,6 +54,14 @@ class SQLite(Dialect):
     def restore_wait(self, executor: Executor, previous: t.Any, *, failed: bool) -> None:
         _driver_connection(executor).execute(f"PRAGMA busy_timeout = {int(previous)}")
 
+    def open_transaction(self, connection: sa.Connection) -> None:
+        """pysqlite sends ``BEGIN`` only before a write: a first statement that is a
+        savepoint would open a transaction of its own, committed at its release.
+        (Nothing to do where the app's own settings began it.)"""
+        raw = connection.connection.driver_connection
+        if raw is not None and not raw.in_transaction:
+            raw.execute("BEGIN")
+
     def autocommits(self, connection: sa.Connection) -> bool:
         """pysqlite's own autocommit, which SQLAlchemy does not see:
         ``connect_args={"isolation_level": None}`` (unless a "begin" listener
