@@ -33,9 +33,9 @@ from sqlalchemy import event
 
 from flask_idempotency._storage.schema import as_utc, inbox_table, job_lock_table, record_table
 from flask_idempotency._storage.store import text_param
-from tests import testapp
-from tests.live import LiveServer
-from tests.tcp_proxy import TcpProxy, upstream_of
+from tests.support import testapp
+from tests.support.live import LiveServer
+from tests.support.tcp_proxy import TcpProxy, upstream_of
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
 MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"

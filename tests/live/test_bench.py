@@ -24,7 +24,7 @@ from bench.variants import CLAIM_PATHS, VARIANTS
 from bench.wire import CountingProxy
 from tests.conftest import POSTGRES_ENV, postgres_url
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _harness(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> str:

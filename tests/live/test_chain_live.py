@@ -40,7 +40,7 @@ from example_app import broker as example_broker
 from example_app import orders, shipping
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
-from tests.live import start_ready
+from tests.support.live import start_ready
 
 AMQP_ENV = "IDEMPOTENCY_TEST_AMQP_URL"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 class Service:
-    """``python -m tests.chain_server`` in a child process; ``supervise`` starts
+    """``python -m tests.support.chain_server`` in a child process; ``supervise`` starts
     it again, on the same port, each time it dies."""
 
     def __init__(self, name: str, config: dict[str, t.Any], port: int = 0) -> None:
@@ -75,7 +75,7 @@ class Service:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
         self.proc, self.port = start_ready(
-            "tests.chain_server", self.name, str(self.port), json.dumps(self.config)
+            "tests.support.chain_server", self.name, str(self.port), json.dumps(self.config)
         )
         return self
 

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
 from tests.conftest import postgres_url, reset_tables, run_sql
-from tests.live import LiveServer
+from tests.support.live import LiveServer
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -225,7 +225,7 @@ def test_a_frozen_hosts_claim_does_not_hold_the_retry_elsewhere(driver: str, bou
         config["IDEMPOTENCY_CLAIM_IDLE_TIMEOUT"] = 1
     started = time.time() - 1
     host_a = LiveServer("tests", url, config).start()
-    from tests import testapp
+    from tests.support import testapp
 
     host_b = testapp.create_app(url, **config)
     key = f"frozen-{uuid.uuid4()}"
@@ -278,8 +278,8 @@ def test_the_bound_rides_in_the_claims_one_round_trip(
     for a new key and a taken one; the bound is in force after the claim."""
     from bench.wire import CountingProxy
     from flask_idempotency._storage.store import Store
-    from tests import testapp
-    from tests.test_store_outcomes import _values
+    from tests.support import testapp
+    from tests.unit.storage.test_store_outcomes import _values
 
     reset_tables(pg_url)
     store = Store(
@@ -313,7 +313,7 @@ def test_a_new_keys_request_costs_the_same_exchanges_with_the_bound(pg_url: str)
     """A whole request, not only the claim: with the bound on, a new key's POST
     exchanges as many messages with PostgreSQL as without it."""
     from bench.wire import CountingProxy
-    from tests import testapp
+    from tests.support import testapp
 
     reset_tables(pg_url)
     exchanges = {}

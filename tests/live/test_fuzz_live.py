@@ -3,7 +3,7 @@ records always agree with the side effects.
 
 Keys, bodies, content types, framings (Content-Length, chunked, broken chunked,
 cut short) and headers are drawn by hypothesis and sent byte for byte over a
-socket to ``python -m tests.live_server`` on PostgreSQL. After every request:
+socket to ``python -m tests.support.live_server`` on PostgreSQL. After every request:
 
 * the answer is a normal app answer (JSON from the view, or its replay) or a
   problem+json 4xx/409/503 from the extension, never an HTML error;
@@ -12,7 +12,7 @@ socket to ``python -m tests.live_server`` on PostgreSQL. After every request:
   progress.
 
 CI runs a bounded, derandomized profile. For a long exploration with fresh
-randomness: ``IDEMPOTENCY_FUZZ_EXAMPLES=20000 pytest tests/test_fuzz_live.py``.
+randomness: ``IDEMPOTENCY_FUZZ_EXAMPLES=20000 pytest tests/live/test_fuzz_live.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from flask_idempotency.errors import PROBLEM_JSON
-from tests import testapp
 from tests.conftest import reset_tables
-from tests.live import LiveServer, Reply, chunked, raw_request
+from tests.support import testapp
+from tests.support.live import LiveServer, Reply, chunked, raw_request
 
 pytestmark = pytest.mark.slow
 

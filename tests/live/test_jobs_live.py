@@ -20,9 +20,9 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from tests import cli_app, testapp
 from tests.conftest import reset_tables, run_sql
-from tests.live import ROOT, LiveServer, Reply
+from tests.support import cli_app, testapp
+from tests.support.live import ROOT, LiveServer, Reply
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def flask_cmd(
     url: str, *args: str, config: dict[str, t.Any] | None = None, **env: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "flask", "--app", "tests.cli_app", "idempotency", *args],
+        [sys.executable, "-m", "flask", "--app", "tests.support.cli_app", "idempotency", *args],
         cwd=ROOT,
         env={
             **os.environ,

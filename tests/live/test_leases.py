@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 
-from tests import testapp
 from tests.conftest import reset_tables, run_sql
-from tests.downstream import Downstream
-from tests.live import LiveServer, Reply, concurrently
+from tests.support import testapp
+from tests.support.downstream import Downstream
+from tests.support.live import LiveServer, Reply, concurrently
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 from bench import netns
 from bench.partition import APP_PORT, Host, Options, _get, _post
-from tests.private_servers import PgCluster
+from tests.support.private_servers import PgCluster
 
 WORKERS = 2
 READY_PORT = 8081

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import POSTGRES_ENV, reset_tables, run_sql
-from tests.live import MERCHANT, LiveServer, concurrently
+from tests.support.live import MERCHANT, LiveServer, concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def example_server(pg_url: str) -> t.Iterator[LiveServer]:
 
 @pytest.fixture
 def test_server(pg_url: str) -> t.Iterator[LiveServer]:
-    from tests import testapp
+    from tests.support import testapp
 
     testapp.create_app(pg_url)  # registers the record table on the metadata
     reset_tables(pg_url)
@@ -187,7 +187,7 @@ def test_view_that_commits_itself_under_concurrency(test_server: LiveServer, pg_
 
 def test_sqlite_concurrent_duplicates_run_once(tmp_path: Path) -> None:
     """SQLite has one writer at a time; duplicates wait for it and replay."""
-    from tests import testapp
+    from tests.support import testapp
 
     url = f"sqlite:///{tmp_path / 'live.sqlite3'}"
     testapp.create_app(url)
@@ -219,7 +219,7 @@ def test_configured_postgres_is_used_when_named(pg_url: str) -> None:
 
 
 def test_duplicate_past_the_configured_wait_gets_409(pg_url: str) -> None:
-    from tests import testapp
+    from tests.support import testapp
 
     testapp.create_app(pg_url)
     reset_tables(pg_url)

@@ -3,7 +3,7 @@ of each serving process, so a load balancer gets its answer when every worker
 of the host is waiting on the database.
 
 The live test runs the example on a real gunicorn (sync workers, the README's
-``post_worker_init`` hook) with PostgreSQL behind tests/tcp_proxy.py in
+``post_worker_init`` hook) with PostgreSQL behind tests/support/tcp_proxy.py in
 blackhole mode: every worker hangs in a request, the app's own ``/readyz``
 waits in the queue, and the readiness port answers 503 problem+json.
 """
@@ -30,10 +30,10 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
-from tests.private_servers import free_port
-from tests.tcp_proxy import TcpProxy
+from tests.support.private_servers import free_port
+from tests.support.tcp_proxy import TcpProxy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _get(port: int, path: str = "/readyz", method: str = "GET", timeout: float = 30) -> t.Any:
@@ -333,6 +333,6 @@ def test_readiness_answers_while_every_gunicorn_worker_hangs(pg_url: str) -> Non
 
 
 def _upstream(url: str) -> t.Any:
-    from tests.tcp_proxy import upstream_of
+    from tests.support.tcp_proxy import upstream_of
 
     return upstream_of(url)

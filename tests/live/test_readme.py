@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.live import ROOT, LiveServer
+from tests.support.live import ROOT, LiveServer
 
 README = ROOT / "README.md"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -110,7 +110,7 @@ def test_python_blocks_run_in_order(
 
 def test_excerpts_of_the_example_are_its_code() -> None:
     """The chain's code in the README is the example's, character for character,
-    so what the README shows is what the demo and tests/test_chain_live.py run."""
+    so what the README shows is what the demo and tests/live/test_chain_live.py run."""
     quoted = [(line, code) for line, _, code in blocks("python") if excerpt_of(code)]
     assert len(quoted) >= 5
     for line, code in quoted:

@@ -37,11 +37,10 @@ from flask_idempotency._messaging.relay import backoff, relay_once
 from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.errors import BrokerUnavailable
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-
-from . import inbox_worker, outbox_app
-from .conftest import Clock
-from .tcp_proxy import TcpProxy, Upstream, upstream_of
-from .test_outbox import ROOT, post, reset, rows
+from tests.conftest import Clock
+from tests.support import inbox_worker, outbox_app
+from tests.support.tcp_proxy import TcpProxy, Upstream, upstream_of
+from tests.unit.messaging.test_outbox import ROOT, post, reset, rows
 
 RABBITMQ = ("127.0.0.1", 5672)
 
@@ -365,11 +364,11 @@ def test_a_hung_broker_times_out_instead_of_holding_the_relay(
 def relay_process(
     pg_url: str, app: str, env: dict[str, str], *options: str, kill: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """``flask idempotency relay`` on ``tests.outbox_app:<app>``, to its end."""
+    """``flask idempotency relay`` on ``tests.support.outbox_app:<app>``, to its end."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), "OUTBOX_TEST_DB": pg_url, **env}
     if kill:
         full["OUTBOX_KILL_AFTER_PUBLISH"] = "1"
-    cmd = [sys.executable, "-m", "flask", "--app", f"tests.outbox_app:{app}", "idempotency"]
+    cmd = [sys.executable, "-m", "flask", "--app", f"tests.support.outbox_app:{app}", "idempotency"]
     return subprocess.run(
         [*cmd, "relay", *options], env=full, cwd=ROOT, capture_output=True, text=True, timeout=120
     )
@@ -478,7 +477,7 @@ def test_three_relay_processes_over_ten_thousand_events(pg_url: str, tmp_path: P
         "OUTBOX_TEST_DB": pg_url,
         "OUTBOX_TEST_DIR": str(tmp_path),
     }
-    cmd = [sys.executable, "-m", "flask", "--app", "tests.outbox_app:intervals_from_env"]
+    cmd = [sys.executable, "-m", "flask", "--app", "tests.support.outbox_app:intervals_from_env"]
     relays = [
         subprocess.Popen(
             [*cmd, "idempotency", "relay", "--once", "--batch", "250"],
@@ -500,7 +499,7 @@ def test_three_relay_processes_over_ten_thousand_events(pg_url: str, tmp_path: P
     queues = sorted(tmp_path.glob("relay-*.jsonl"))
     consumers = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.inbox_worker", pg_url, str(path)],
+            [sys.executable, "-m", "tests.support.inbox_worker", pg_url, str(path)],
             env=env,
             cwd=ROOT,
             stderr=subprocess.PIPE,

@@ -1,6 +1,6 @@
-"""One service of the example chain, for tests/test_chain_live.py.
+"""One service of the example chain, for tests/live/test_chain_live.py.
 
-``python -m tests.chain_server SERVICE PORT CONFIG_JSON`` runs ``payments``
+``python -m tests.support.chain_server SERVICE PORT CONFIG_JSON`` runs ``payments``
 (example_app/app.py) or ``orders`` (example_app/orders.py) on 127.0.0.1:PORT (0:
 any free port), or the ``shipping`` consumer (example_app/shipping.py) until
 its queue has been idle for 10 s, with ``CONFIG_JSON`` as extra ``app.config``,

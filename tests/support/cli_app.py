@@ -1,4 +1,4 @@
-"""An app factory for ``flask --app tests.cli_app`` in subprocesses.
+"""An app factory for ``flask --app tests.support.cli_app`` in subprocesses.
 
 Reads the database from ``IDEMPOTENCY_TEST_APP_DB`` and extra config (JSON,
 durations in seconds) from ``IDEMPOTENCY_TEST_APP_CONFIG``. With
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
-from tests import testapp
+from tests.support import testapp
 
 job_runs = sa.Table(
     "job_runs",

@@ -1,7 +1,7 @@
 """An inbox consumer for the relay fault tests: the work for each event is one
 ``relay_work`` row, done at most once per event through ``@inbox.consumer``.
 
-``python -m tests.inbox_worker DATABASE_URL FILE...`` delivers every message
+``python -m tests.support.inbox_worker DATABASE_URL FILE...`` delivers every message
 (one JSON line ``{"event_id", "payload"}``) of the files, each in a
 transaction of its own, as a consumer process reading a queue would.
 """

@@ -14,7 +14,7 @@ import threading
 import typing as t
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The caller the example's payments service needs on every request
 #: (``example_app.app.merchant``: its scope, and the filter of its reads).
 MERCHANT = {"X-Merchant": "shop-1"}
@@ -61,7 +61,7 @@ def start_ready(module: str, *args: str) -> tuple[subprocess.Popen[str], int]:
 
 
 class LiveServer:
-    """``python -m tests.live_server`` as a child process that can be killed."""
+    """``python -m tests.support.live_server`` as a child process that can be killed."""
 
     def __init__(
         self, which: str, database_url: str, config: dict[str, t.Any] | None = None
@@ -74,7 +74,7 @@ class LiveServer:
 
     def start(self) -> LiveServer:
         self.proc, self.port = start_ready(
-            "tests.live_server", self.which, self.database_url, json.dumps(self.config)
+            "tests.support.live_server", self.which, self.database_url, json.dumps(self.config)
         )
         return self
 

@@ -1,6 +1,6 @@
-"""Serve an app for the live tests: ``python -m tests.live_server APP URL [CONFIG_JSON]``.
+"""Serve an app for the live tests: ``python -m tests.support.live_server APP URL [CONFIG_JSON]``.
 
-APP is ``tests`` (tests/testapp.py) or ``example`` (example_app); CONFIG_JSON
+APP is ``tests`` (tests/support/testapp.py) or ``example`` (example_app); CONFIG_JSON
 is extra ``app.config`` for the test app (durations in seconds). Prints
 ``READY <port>`` once listening. A request carrying ``X-Test-Crash: after-commit``
 kills this process with SIGKILL right after the record and the business rows
@@ -39,7 +39,7 @@ def main() -> None:
 
         app = create_app({"SQLALCHEMY_ENGINE_OPTIONS": {"pool_size": 40, "max_overflow": 10}})
     else:
-        from tests import testapp
+        from tests.support import testapp
 
         extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
         app = testapp.create_app(url, **extra)

@@ -1,6 +1,6 @@
 """A small app for the outbox tests: one order row per request, events emitted
 with it. Also the ``flask --app`` target of the killed-relay test
-(``tests.outbox_app:from_env``)."""
+(``tests.support.outbox_app:from_env``)."""
 
 from __future__ import annotations
 

@@ -325,8 +325,8 @@ def create_app(
 
 
 # --- scope routes ---
-# Routes for the default scope (tests/test_scope.py) and the key options
-# (tests/test_keys.py): each writes one ledger row and says which caller it saw.
+# Routes for the default scope (tests/unit/test_scope.py) and the key options
+# (tests/unit/test_keys.py): each writes one ledger row and says which caller it saw.
 
 
 def _caller() -> str | None:

@@ -45,9 +45,9 @@ from flask_idempotency.cli import (
     idempotency_cli,
 )
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-from tests import outbox_app
-from tests.live import ROOT
-from tests.tcp_proxy import TcpProxy, upstream_of
+from tests.support import outbox_app
+from tests.support.live import ROOT
+from tests.support.tcp_proxy import TcpProxy, upstream_of
 
 
 def reset(url: str) -> None:
@@ -201,10 +201,10 @@ def test_relay_once_without_a_publisher_is_misconfigured(
     "publisher",
     [
         "no.such.module:publisher",
-        "tests.outbox_app",  # no attribute named
-        "tests.outbox_app:nothing_here",
-        "tests.outbox_app:FilePublisher",  # a class that needs a path
-        "tests.outbox_app:Order",  # a class without publish()
+        "tests.support.outbox_app",  # no attribute named
+        "tests.support.outbox_app:nothing_here",
+        "tests.support.outbox_app:FilePublisher",  # a class that needs a path
+        "tests.support.outbox_app:Order",  # a class without publish()
     ],
 )
 def test_relay_once_with_an_unusable_publisher_is_misconfigured(
@@ -246,7 +246,7 @@ def refused_broker() -> t.Any:
 def test_a_publisher_that_cannot_be_made_without_the_broker_exits_75(
     make_app: t.Callable[..., Flask], command: str
 ) -> None:
-    app = make_app(IDEMPOTENCY_PUBLISHER="tests.test_cli_ops:refused_broker")
+    app = make_app(IDEMPOTENCY_PUBLISHER="tests.unit.test_cli_ops:refused_broker")
     assert_one_line_error(
         invoke(app, *COMMANDS[command]), EXIT_BROKER, "broker is unavailable", "refused"
     )
@@ -554,20 +554,20 @@ def test_cron_sees_each_outcome_of_relay_once(pg_url: str, tmp_path: Path) -> No
         "OUTBOX_EXCHANGE": f"cli-{uuid.uuid4().hex[:8]}",
         "OUTBOX_QUEUE": f"cli-{uuid.uuid4().hex[:8]}",
     }
-    down = flask_run("tests.outbox_app:broker_from_env", "relay", "--once", env=broker)
+    down = flask_run("tests.support.outbox_app:broker_from_env", "relay", "--once", env=broker)
     assert_cron_sees(down, EXIT_BROKER, "broker is unavailable")
     assert [r["published_at"] for r in outbox_rows(pg_url)] == [None, None]
     bare = {"IDEMPOTENCY_TEST_APP_DB": pg_url}
     assert_cron_sees(
-        flask_run("tests.cli_app", "relay", "--once", env=bare),
+        flask_run("tests.support.cli_app", "relay", "--once", env=bare),
         EXIT_CONFIG,
         "IDEMPOTENCY_PUBLISHER",
     )
-    fine = flask_run("tests.outbox_app:from_env", "relay", "--once", env=files)
+    fine = flask_run("tests.support.outbox_app:from_env", "relay", "--once", env=files)
     assert (fine.returncode, fine.stdout, fine.stderr) == (0, "outbox relay: published 2\n", "")
     assert [json.loads(line)["event_id"] for line in out.read_text().splitlines()] == ["e0", "e1"]
     assert all(r["published_at"] is not None for r in outbox_rows(pg_url))
-    quiet = flask_run("tests.outbox_app:from_env", "relay", "--once", "-q", env=files)
+    quiet = flask_run("tests.support.outbox_app:from_env", "relay", "--once", "-q", env=files)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
 
 
@@ -576,7 +576,7 @@ def test_cron_sees_each_outcome_of_relay_once(pg_url: str, tmp_path: Path) -> No
 def test_cron_sees_69_when_the_database_is_down(command: str, tmp_path: Path) -> None:
     url = f"postgresql+psycopg2://postgres@127.0.0.1:{closed_port()}/nowhere"
     env = {"OUTBOX_TEST_DB": url, "OUTBOX_TEST_FILE": str(tmp_path / "out.jsonl")}
-    done = flask_run("tests.outbox_app:from_env", *COMMANDS[command], env=env)
+    done = flask_run("tests.support.outbox_app:from_env", *COMMANDS[command], env=env)
     assert_cron_sees(done, EXIT_DATABASE, "is unavailable")
 
 
@@ -647,7 +647,7 @@ def test_the_scheduler_logs_a_line_per_run(pg_url: str, tmp_path: Path) -> None:
         "OUTBOX_TEST_FILE": str(out),
         "OUTBOX_TEST_CONFIG": json.dumps(config),
     }
-    scheduler = Process("tests.outbox_app:from_env", "scheduler", env=env)
+    scheduler = Process("tests.support.outbox_app:from_env", "scheduler", env=env)
     try:
         assert "deleted 2 expired record(s)" in scheduler.wait_for("INFO job purge:")
         assert "completed 0, released 0" in scheduler.wait_for("INFO job recover:")
@@ -677,7 +677,7 @@ def test_the_relay_logs_its_runs_and_rides_out_a_database_outage_in_a_few_lines(
     out = tmp_path / "published.jsonl"
     with TcpProxy(upstream_of(pg_url)) as proxy:
         env = {"OUTBOX_TEST_DB": proxy.url(pg_url), "OUTBOX_TEST_FILE": str(out)}
-        relay = Process("tests.outbox_app:from_env", "relay", "--poll", "0.1", env=env)
+        relay = Process("tests.support.outbox_app:from_env", "relay", "--poll", "0.1", env=env)
         try:
             seed(app, events=2)
             relay.wait_for("INFO outbox relay: published 2")
@@ -719,7 +719,7 @@ def test_the_relay_makes_one_connection_attempt_per_pause_while_the_broker_is_aw
     attempts = Path(str(out) + ".attempts")
     away.touch()
     env = {"OUTBOX_TEST_DB": pg_url, "OUTBOX_TEST_FILE": str(out)}
-    relay = Process("tests.outbox_app:from_env", "relay", "--poll", "60", env=env)
+    relay = Process("tests.support.outbox_app:from_env", "relay", "--poll", "60", env=env)
     try:
         time.sleep(1.0)  # listening by now; if not, the 60 s poll fails the test
         for i in range(30):
@@ -754,7 +754,7 @@ def test_the_logging_the_app_configures_gets_the_lines(pg_url: str, tmp_path: Pa
         "OUTBOX_TEST_FILE": str(tmp_path / "out.jsonl"),
         "OUTBOX_TEST_LOGGING": "APP %(levelname)s %(name)s %(message)s",
     }
-    relay = Process("tests.outbox_app:from_env", "relay", "--poll", "0.1", env=env)
+    relay = Process("tests.support.outbox_app:from_env", "relay", "--poll", "0.1", env=env)
     try:
         line = relay.wait_for("outbox relay: published 1")
     finally:

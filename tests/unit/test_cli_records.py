@@ -14,7 +14,7 @@ import pytest
 from flask import Flask
 
 from tests.conftest import Clock, ledger_count, record_rows
-from tests.test_scope import basic_scope
+from tests.unit.test_scope import basic_scope
 
 ENDPOINT = "t.scope_charge"
 
@@ -140,9 +140,9 @@ def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
     """The operator is shown an in-progress record and asked to confirm; meanwhile
     the slow request completes. Without --force nothing is deleted: the completed
     record stays, and the client's retry replays instead of charging again."""
-    from tests import testapp
     from tests.conftest import reset_tables
-    from tests.gates import Gates, send
+    from tests.support import testapp
+    from tests.support.gates import Gates, send
 
     gates = Gates()
     app = testapp.create_app(database_url, clock=clock)

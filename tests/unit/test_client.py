@@ -29,8 +29,8 @@ from flask import Flask
 from flask_idempotency.client import IdempotentSession
 from flask_idempotency.keys import derive_key as public_derive_key
 from flask_idempotency.keys import parse_key, quote_key, scoped_parent_key
-from tests import testapp
 from tests.conftest import reset_tables
+from tests.support import testapp
 
 Action = int | tuple[int, dict[str, str]] | str | tuple[str, float]
 

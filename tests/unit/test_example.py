@@ -28,7 +28,7 @@ from werkzeug.serving import make_server
 
 from example_app import app as example
 from example_app import broker, orders, shipping
-from tests.live import ROOT
+from tests.support.live import ROOT
 
 CHARGE = {"customer_id": "cus_1", "amount": 1250, "currency": "EUR"}
 MERCHANT = "shop-1"

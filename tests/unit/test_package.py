@@ -7,7 +7,7 @@ from pathlib import Path
 
 import flask_idempotency
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_version_is_the_distributions() -> None:

@@ -24,8 +24,8 @@ import pytest
 from flask import Flask, abort, g, request, session
 from flask_login import LoginManager, UserMixin
 
-from tests import testapp
 from tests.conftest import ledger_count, record_rows
+from tests.support import testapp
 
 ROUTE = "scope/charge"
 ENDPOINT = "t.scope_charge"
@@ -613,7 +613,7 @@ def test_the_default_scope_works_without_flask_login_installed() -> None:
         "import sys\n"
         "sys.modules['flask_login'] = None  # as if it were not installed\n"
         "import flask_idempotency\n"
-        "from tests import testapp\n"
+        "from tests.support import testapp\n"
         "from tests.conftest import record_rows\n"
         "app = testapp.create_app('sqlite://')\n"
         "with app.app_context():\n"
@@ -630,6 +630,6 @@ def test_the_default_scope_works_without_flask_login_installed() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0, done.stderr

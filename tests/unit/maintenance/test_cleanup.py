@@ -15,9 +15,9 @@ from flask import Flask
 from flask_idempotency import signals
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._maintenance.scheduler import JobScheduler
-from tests import testapp
 from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
-from tests.test_flow import _abandon, post
+from tests.support import testapp
+from tests.unit.request.test_flow import _abandon, post
 
 
 def make_records(app: Flask, clock: Clock, n: int, *, expired: bool, prefix: str = "k") -> None:

@@ -1,7 +1,7 @@
 """Readiness: ``idem.readiness()`` and ``idem.readiness_view`` tell a load balancer
 whether this host can use the record's database, in time, even in a partition.
 
-The database is made unreachable for real with tests/tcp_proxy.py: "cut" closes
+The database is made unreachable for real with tests/support/tcp_proxy.py: "cut" closes
 connections and refuses new ones; "blackhole" accepts connections and forwards
 nothing, so queries hang instead of failing, as in a network partition. Timing
 bounds are generous on purpose (shared, noisy machines): they separate
@@ -21,8 +21,8 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
-from tests.live import MERCHANT, LiveServer
-from tests.tcp_proxy import TcpProxy
+from tests.support.live import MERCHANT, LiveServer
+from tests.support.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
 idem = Idempotency()

@@ -19,9 +19,9 @@ from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._storage.locks import MAX_SLACK, interval_slack
 from flask_idempotency._storage.schema import as_utc
 from flask_idempotency._storage.store import database_now
-from tests import testapp
 from tests.conftest import Clock, reset_tables
-from tests.test_cleanup import cli, keys, make_records
+from tests.support import testapp
+from tests.unit.maintenance.test_cleanup import cli, keys, make_records
 
 EVERY = dt.timedelta(seconds=10)
 SLACK = interval_slack(EVERY)

@@ -16,8 +16,8 @@ from flask import Flask
 from flask_idempotency import inbox, signals
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._storage.schema import as_utc
-from tests import testapp
 from tests.conftest import Clock
+from tests.support import testapp
 
 Ledger = testapp.Ledger
 db = testapp.db

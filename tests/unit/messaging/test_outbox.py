@@ -33,11 +33,10 @@ from flask_idempotency._storage.schema import (
 )
 from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
+from tests.conftest import Clock, run_sql
+from tests.support import outbox_app
 
-from . import outbox_app
-from .conftest import Clock, run_sql
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def reset(url: str) -> None:
@@ -194,7 +193,7 @@ def crash_then_resume(app: Flask, url: str, clock: Clock, body: dict[str, t.Any]
     its first events and is SIGKILLed, then again here once its lease has run
     out (the test's clock moves past it): the resumed attempt's response."""
     child = (
-        "import json, sys; from tests import outbox_app; "
+        "import json, sys; from tests.support import outbox_app; "
         "outbox_app.create_app(sys.argv[1]).test_client().post("
         "'/resumable', json=json.loads(sys.argv[2]), headers={'Idempotency-Key': 'resume-1'})"
     )
@@ -530,7 +529,7 @@ def relay_command(url: str, out: Path, *options: str) -> tuple[dict[str, str], l
         "OUTBOX_TEST_DB": url,
         "OUTBOX_TEST_FILE": str(out),
     }
-    app = "tests.outbox_app:from_env"
+    app = "tests.support.outbox_app:from_env"
     return env, [sys.executable, "-m", "flask", "--app", app, "idempotency", "relay", *options]
 
 

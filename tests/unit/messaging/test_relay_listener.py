@@ -31,11 +31,10 @@ from flask_idempotency._maintenance import scheduler as scheduler_module
 from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
 from flask_idempotency._messaging.relay import Listener
 from flask_idempotency.publishers import ListPublisher
-
-from . import outbox_app
-from .conftest import run_sql
-from .tcp_proxy import TcpProxy, upstream_of
-from .test_outbox import ROOT, relay_command, reset
+from tests.conftest import run_sql
+from tests.support import outbox_app
+from tests.support.tcp_proxy import TcpProxy, upstream_of
+from tests.unit.messaging.test_outbox import ROOT, relay_command, reset
 
 SOON = 10.0  # generous: a bound for the test, not a timing assertion
 

@@ -17,10 +17,9 @@ from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency._messaging.relay import relay_once
 from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher
-
-from . import outbox_app
-from .conftest import Clock
-from .test_outbox import reset
+from tests.conftest import Clock
+from tests.support import outbox_app
+from tests.unit.messaging.test_outbox import reset
 
 HOUR = dt.timedelta(hours=1)
 

@@ -30,10 +30,9 @@ from flask_idempotency import signals
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import ListPublisher
-
-from . import outbox_app
-from .conftest import run_sql
-from .test_outbox import ROOT, post, relay_command, reset, rows
+from tests.conftest import run_sql
+from tests.support import outbox_app
+from tests.unit.messaging.test_outbox import ROOT, post, relay_command, reset, rows
 
 POLL = 60.0
 SOON = 10.0
@@ -221,7 +220,7 @@ def test_a_commit_in_another_process_wakes_the_scheduler_and_shutdown_unlistens(
         assert listening(pg_url, name) == 1
         script = (
             "import os\n"
-            "from tests import outbox_app\n"
+            "from tests.support import outbox_app\n"
             "from flask_idempotency._messaging.outbox import add_event\n"
             "app = outbox_app.create_app(os.environ['OUTBOX_TEST_DB'])\n"
             "with app.app_context():\n"

@@ -23,9 +23,9 @@ from flask_idempotency.errors import (
     MalformedBodyError,
     PayloadTooLargeError,
 )
-from tests import testapp
 from tests.conftest import ledger_count, record_rows, reset_tables, run_sql
-from tests.live import LiveServer, Reply, chunked, raw_request
+from tests.support import testapp
+from tests.support.live import LiveServer, Reply, chunked, raw_request
 
 LIMIT = 1000
 CHUNKED = {"Transfer-Encoding": "chunked"}

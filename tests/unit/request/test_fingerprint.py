@@ -35,8 +35,8 @@ from flask_idempotency.errors import (
     UnsupportedMediaTypeError,
     ValidationProblem,
 )
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.support import testapp
 
 JSON = "application/json"
 
@@ -1143,7 +1143,7 @@ def test_unknown_loaded_type_names_the_field_and_the_type(
     with pytest.raises(TypeError, match=where) as info:
         fingerprint_hash(plain_app, body, schema=DeviceSchema())
     message = str(info.value)
-    assert "tests.test_fingerprint.Device" in message
+    assert "tests.unit.request.test_fingerprint.Device" in message
     assert "DeviceSchema" in message
     assert "exclude" in message  # says how to get out of it
 

@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import COMPLETED, IN_PROGRESS, Idempotency, signals
-from tests import testapp
 from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
+from tests.support import testapp
 
 PROBLEM = "application/problem+json"
 CHARGE = {"amount": 500, "currency": "EUR", "meta": {"note": "n", "trace_id": "t1"}}

@@ -26,11 +26,11 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
-from tests.live import ROOT, Reply
-from tests.tcp_proxy import TcpProxy, upstream_of
-from tests.test_flow import assert_problem
+from tests.support import testapp
+from tests.support.live import ROOT, Reply
+from tests.support.tcp_proxy import TcpProxy, upstream_of
+from tests.unit.request.test_flow import assert_problem
 
 
 class GreenletExit(BaseException):
@@ -363,7 +363,7 @@ def test_a_gunicorn_worker_timeout_after_the_views_commit_charges_once(
             "5",
             "--bind",
             f"127.0.0.1:{port}",
-            "tests.gunicorn_app:app",
+            "tests.support.gunicorn_app:app",
         ],
         cwd=ROOT,
         env=env,

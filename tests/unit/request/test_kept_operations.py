@@ -19,8 +19,8 @@ import pytest
 from flask import Flask
 
 from flask_idempotency._maintenance import jobs
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows
+from tests.support import testapp
 
 idem = testapp.idem
 

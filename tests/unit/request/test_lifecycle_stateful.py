@@ -50,7 +50,7 @@ on empty tables.
 The run length is chosen by environment variables: by default (CI) 100 derandomized examples
 of up to 25 steps per database (a passing run takes about 10 s on each);
 ``IDEMPOTENCY_STATEFUL_EXAMPLES=2000 .venv/bin/python -m pytest
-tests/test_lifecycle_stateful.py`` explores longer with fresh randomness (add
+tests/unit/request/test_lifecycle_stateful.py`` explores longer with fresh randomness (add
 ``IDEMPOTENCY_STATEFUL_STEPS=60`` for longer lifecycles, ``--hypothesis-seed=N`` to repeat
 one, ``IDEMPOTENCY_STATEFUL_LEAVE_OUT=cli_release,rollback`` to leave rules or view actions
 out and look past a defect every example hits first). Hypothesis stops generating soon
@@ -89,8 +89,8 @@ from hypothesis.stateful import (
 from flask_idempotency._maintenance import jobs
 from flask_idempotency._storage.schema import as_utc
 from flask_idempotency.errors import FailedAfterCommitError
-from tests import testapp
 from tests.conftest import Clock, reset_tables
+from tests.support import testapp
 
 LEASE = 30  # seconds, for the leased route and (IDEMPOTENCY_LEASE) a plain route's own commit
 TTL = 300  # seconds of retention, on every route

@@ -14,10 +14,10 @@ import sqlalchemy as sa
 from flask import Flask, request
 
 from flask_idempotency import Idempotency
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows
-from tests.gates import Gates, send
-from tests.live import LiveServer
+from tests.support import testapp
+from tests.support.gates import Gates, send
+from tests.support.live import LiveServer
 
 CHARGE = {"amount": 700, "currency": "EUR"}
 

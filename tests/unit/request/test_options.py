@@ -14,9 +14,9 @@ from flask import Flask, Response, request
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
-from tests.test_flow import assert_problem
+from tests.support import testapp
+from tests.unit.request.test_flow import assert_problem
 
 idem = testapp.idem
 

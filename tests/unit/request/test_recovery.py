@@ -12,9 +12,9 @@ from flask import Flask, request
 from flask_idempotency import IN_PROGRESS
 from flask_idempotency._maintenance.jobs import recover_abandoned
 from flask_idempotency.keys import derive_scoped_key as derive_key
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
-from tests.test_flow import _abandon, assert_problem, post
+from tests.support import testapp
+from tests.unit.request.test_flow import _abandon, assert_problem, post
 
 
 def test_derived_keys_are_stable_and_distinct_per_step_and_scope() -> None:

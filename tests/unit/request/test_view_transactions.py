@@ -17,10 +17,10 @@ import sqlalchemy as sa
 from flask import Flask, request
 from sqlalchemy.exc import IntegrityError
 
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
-from tests.gates import Gates, send
-from tests.test_flow import assert_problem
+from tests.support import testapp
+from tests.support.gates import Gates, send
+from tests.unit.request.test_flow import assert_problem
 
 db = testapp.db
 idem = testapp.idem

@@ -19,10 +19,10 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, request
 
-from tests import testapp
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
-from tests.gates import Gates, send
-from tests.test_flow import assert_problem
+from tests.support import testapp
+from tests.support.gates import Gates, send
+from tests.unit.request.test_flow import assert_problem
 
 
 def make_app(database_url: str, clock: Clock | None = None, **config: t.Any) -> Flask:

@@ -1,6 +1,6 @@
 """The database fails under a protected route: 503 or 409 problem+json, never an HTML 500.
 
-Real failures only: a TCP proxy (tests/tcp_proxy.py) between the app and the
+Real failures only: a TCP proxy (tests/support/tcp_proxy.py) between the app and the
 real PostgreSQL cuts connections or loses a commit's reply; real row locks
 produce lock timeouts, deadlocks and serialization failures; a real SQLite file
 is locked or cannot be opened. Each test counts the business rows and records
@@ -26,8 +26,8 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, run_sql
-from tests.live import MERCHANT, LiveServer, Reply
-from tests.tcp_proxy import TcpProxy
+from tests.support.live import MERCHANT, LiveServer, Reply
+from tests.support.tcp_proxy import TcpProxy
 
 db = SQLAlchemy()
 idem = Idempotency()

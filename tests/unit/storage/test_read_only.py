@@ -9,7 +9,7 @@ Read-only for real, on each engine and each way it happens in production:
   ``default_transaction_read_only`` (psycopg2 and psycopg 3), MariaDB's
   ``SET SESSION TRANSACTION READ ONLY``, a SQLite file opened ``mode=ro``;
 * a PostgreSQL hot standby, then promoted (a failover), on a cluster of the
-  test's own (tests/private_servers.py);
+  test's own (tests/support/private_servers.py);
 * MariaDB's ``read_only`` (for an ordinary user; a user allowed to write
   anyway is ready and served) and ``innodb_read_only``, on a server of the
   test's own.
@@ -36,7 +36,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency._storage.schema import job_lock_table, record_table
 from flask_idempotency.errors import PROBLEM_JSON
 from tests.conftest import mysql_url, postgres_url
-from tests.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
+from tests.support.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
 
 db = SQLAlchemy()
 idem = Idempotency()

@@ -31,8 +31,8 @@ from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
 from flask_idempotency._storage.schema import COMPLETED, IN_PROGRESS, Record
 from flask_idempotency._storage.store import Store, new_fencing_token, operation_values
-from tests import testapp
 from tests.conftest import reset_tables
+from tests.support import testapp
 
 HOUR = dt.timedelta(hours=1)
 
