@@ -25,7 +25,6 @@ import sqlalchemy as sa
 from flask import Flask, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
-from sqlalchemy.orm import Session
 
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
@@ -276,37 +275,20 @@ def test_the_bound_rides_in_the_claims_one_round_trip(
     """On psycopg2 and psycopg 3 (one client-bound batch on each) the idle bound adds
     a statement to the claim's round trip, not a round trip: counted on the wire,
     for a new key and a taken one; the bound is in force after the claim."""
-    from bench.wire import CountingProxy
     from flask_idempotency._storage.store import Store
     from tests.support import testapp
-    from tests.unit.storage.test_store_outcomes import _values
+    from tests.support.claims import claimed_in_one_round_trip_each
 
     reset_tables(pg_url)
     store = Store(
         testapp.db.metadata.tables["idempotency_keys"], claim_idle=dt.timedelta(seconds=5)
     )
-    with CountingProxy(pg_url) as proxy:
-        engine = sa.create_engine(proxy.url())
-        try:
-            now = dt.datetime.now(dt.timezone.utc)
-            values = _values(str(uuid.uuid4()), now)
-            with Session(engine) as session:
-                session.execute(sa.text("SELECT 1"))  # BEGIN and the connection's set-up
-                proxy.reset()
-                assert store.claim(session, values, wait) == (True, None)
-                assert proxy.exchanges == 1
-                proxy.reset()
-                won, held = store.claim(session, _values(values["key"], now), wait)
-                assert (won, held is not None) == (False, True)
-                assert proxy.exchanges == 1
-                bound = session.execute(sa.text("SHOW idle_in_transaction_session_timeout"))
-                assert bound.scalar_one() == "5s"
-                session.rollback()
-                after = session.execute(sa.text("SHOW idle_in_transaction_session_timeout"))
-                assert after.scalar_one() == "0"  # SET LOCAL: gone with the transaction
-                session.rollback()
-        finally:
-            engine.dispose()
+    with claimed_in_one_round_trip_each(pg_url, store, wait) as session:
+        bound = session.execute(sa.text("SHOW idle_in_transaction_session_timeout"))
+        assert bound.scalar_one() == "5s"
+        session.rollback()
+        after = session.execute(sa.text("SHOW idle_in_transaction_session_timeout"))
+        assert after.scalar_one() == "0"  # SET LOCAL: gone with the transaction
 
 
 def test_a_new_keys_request_costs_the_same_exchanges_with_the_bound(pg_url: str) -> None:

@@ -55,6 +55,21 @@ def notify(pg_url: str) -> None:
     run_sql(pg_url, "SELECT pg_notify('idempotency_outbox', '')")
 
 
+def assert_an_event_from_elsewhere_is_relayed(pg_url: str, publisher: ListPublisher) -> None:
+    """An event written and NOTIFYed by a connection outside the app reaches
+    ``publisher`` within :data:`SOON` seconds, long before a 60 s poll."""
+    run_sql(
+        pg_url,
+        "INSERT INTO idempotency_outbox (event_id, topic, payload, created_at, attempts)"
+        " VALUES ('from-elsewhere', 't', '{}', now(), 0)",
+    )
+    notify(pg_url)
+    deadline = time.monotonic() + SOON
+    while not publisher.events and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [e.event_id for e in publisher.events] == ["from-elsewhere"]
+
+
 def listen_backends(pg_url: str, name: str) -> list[int]:
     rows = run_sql(
         pg_url,
@@ -129,16 +144,7 @@ def test_the_scheduler_wakes_on_notify_from_another_connection(pg_url: str, driv
     try:
         assert jobs.waker is not None
         assert jobs.waker.listening
-        run_sql(
-            pg_url,
-            "INSERT INTO idempotency_outbox (event_id, topic, payload, created_at, attempts)"
-            " VALUES ('from-elsewhere', 't', '{}', now(), 0)",
-        )
-        notify(pg_url)
-        deadline = time.monotonic() + SOON
-        while not publisher.events and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert [e.event_id for e in publisher.events] == ["from-elsewhere"]
+        assert_an_event_from_elsewhere_is_relayed(pg_url, publisher)
     finally:
         jobs.shutdown()
         with app.app_context():
@@ -175,16 +181,7 @@ def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back
             while not jobs.waker.listening and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert jobs.waker.listening
-            run_sql(
-                pg_url,
-                "INSERT INTO idempotency_outbox (event_id, topic, payload, created_at, attempts)"
-                " VALUES ('from-elsewhere', 't', '{}', now(), 0)",
-            )
-            notify(pg_url)
-            deadline = time.monotonic() + SOON
-            while not publisher.events and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert [e.event_id for e in publisher.events] == ["from-elsewhere"]
+            assert_an_event_from_elsewhere_is_relayed(pg_url, publisher)
         finally:
             jobs.shutdown()
             with app.app_context():

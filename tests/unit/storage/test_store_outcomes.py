@@ -26,30 +26,13 @@ import sqlalchemy as sa
 from flask import Flask
 from sqlalchemy.orm import Session
 
-from bench.wire import CountingProxy
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
-from flask_idempotency._storage.schema import COMPLETED, IN_PROGRESS, Record
-from flask_idempotency._storage.store import Store, new_fencing_token, operation_values
+from flask_idempotency._storage.schema import COMPLETED, Record
+from flask_idempotency._storage.store import Store, new_fencing_token
 from tests.conftest import reset_tables
 from tests.support import testapp
-
-HOUR = dt.timedelta(hours=1)
-
-
-def _values(key: str, now: dt.datetime, *, lease: dt.timedelta = HOUR) -> dict[str, t.Any]:
-    return {
-        "scope": "outcomes",
-        "key": key,
-        "fencing_token": new_fencing_token(),
-        **operation_values(
-            request_hash="h",
-            status=IN_PROGRESS,
-            locked_until=now + lease,
-            created_at=now,
-            expires_at=now + 24 * HOUR,
-        ),
-    }
+from tests.support.claims import HOUR, claim_values, claimed_in_one_round_trip_each
 
 
 @pytest.fixture(params=["as-is", "no-returning", "rowcount-lies"])
@@ -85,7 +68,7 @@ def test_claim_takeover_completion_and_release_outcomes(outcome_app: Flask) -> N
     app, store = outcome_app, _store(outcome_app)
     now = dt.datetime.now(dt.timezone.utc)
     key = str(uuid.uuid4())
-    first = _values(key, now, lease=dt.timedelta(seconds=-1))  # its lease already over
+    first = claim_values(key, now, lease=dt.timedelta(seconds=-1))  # its lease already over
     with app.app_context():
         engine = testapp.db.engine
         with Session(engine) as session:
@@ -93,11 +76,11 @@ def test_claim_takeover_completion_and_release_outcomes(outcome_app: Flask) -> N
             session.commit()
         # A second claim of the key loses, and is told whose record holds it.
         with Session(engine) as session:
-            won, held = store.claim(session, _values(key, now), dt.timedelta(seconds=5))
+            won, held = store.claim(session, claim_values(key, now), dt.timedelta(seconds=5))
             assert won is False
             assert held is not None
             assert held.fencing_token == first["fencing_token"]
-            assert store.try_insert(session, _values(key, now)) is False
+            assert store.try_insert(session, claim_values(key, now)) is False
             session.rollback()
         record = store.load_committed(engine, "outcomes", key)
         assert isinstance(record, Record)
@@ -108,7 +91,7 @@ def test_claim_takeover_completion_and_release_outcomes(outcome_app: Flask) -> N
             with Session(engine) as session:
                 columns = {
                     k: v
-                    for k, v in _values(key, now).items()
+                    for k, v in claim_values(key, now).items()
                     if k not in ("scope", "key", "fencing_token")
                 }
                 taken = store.take_over(session, record, columns, now, expired=False, token=token)
@@ -151,12 +134,12 @@ def test_claim_takeover_completion_and_release_outcomes(outcome_app: Flask) -> N
 def test_release_of_a_held_record_frees_it(outcome_app: Flask) -> None:
     app, store = outcome_app, _store(outcome_app)
     now = dt.datetime.now(dt.timezone.utc)
-    values = _values(str(uuid.uuid4()), now)
+    values = claim_values(str(uuid.uuid4()), now)
     with app.app_context(), Session(testapp.db.engine) as session:
         assert store.claim(session, values, None) == (True, None)
         token = values["fencing_token"]
         assert store.release(session, "outcomes", values["key"], token)
-        assert store.claim(session, _values(values["key"], now), None)[0] is True
+        assert store.claim(session, claim_values(values["key"], now), None)[0] is True
         session.rollback()
 
 
@@ -211,23 +194,8 @@ def test_the_claim_is_one_round_trip_on_psycopg2_and_psycopg_3(
         table = testapp.db.metadata.tables["idempotency_keys"]
     reset_tables(pg_url)
     store = Store(table)
-    with CountingProxy(pg_url) as proxy:
-        engine = sa.create_engine(proxy.url())
-        try:
-            now = dt.datetime.now(dt.timezone.utc)
-            values = _values(str(uuid.uuid4()), now)
-            with Session(engine) as session:
-                session.execute(sa.text("SELECT 1"))  # BEGIN and the connection's set-up
-                proxy.reset()
-                assert store.claim(session, values, wait) == (True, None)
-                assert proxy.exchanges == 1
-                proxy.reset()
-                won, held = store.claim(session, _values(values["key"], now), wait)
-                assert (won, held is not None) == (False, True)
-                assert proxy.exchanges == 1
-                session.rollback()
-        finally:
-            engine.dispose()
+    with claimed_in_one_round_trip_each(pg_url, store, wait):
+        pass  # the claims and their exchanges are checked as they run
 
 
 def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) -> None:
@@ -245,7 +213,7 @@ def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) 
     )
     try:
         now = dt.datetime.now(dt.timezone.utc)
-        values = _values(str(uuid.uuid4()), now)
+        values = claim_values(str(uuid.uuid4()), now)
         with Session(engine) as session:
             assert store.claim(session, values, dt.timedelta(seconds=5)) == (True, None)
             time.sleep(2)  # quiet: the server's timer must end the transaction
@@ -254,7 +222,7 @@ def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) 
             session.rollback()
         # The claim went with it: the key is free for the retry elsewhere.
         with Session(engine) as session:
-            assert store.claim(session, _values(values["key"], now), None) == (True, None)
+            assert store.claim(session, claim_values(values["key"], now), None) == (True, None)
             session.rollback()
     finally:
         engine.dispose()
@@ -281,7 +249,7 @@ def test_the_outcome_of_a_commit_whose_answer_was_lost(driver: str) -> None:
     outcomes = {}
     for ending in ("commit", "rollback", "left-open"):
         key = f"in-doubt-{ending}"
-        values = _values(key, now)
+        values = claim_values(key, now)
         with Session(engine) as session:
             assert store.claim(session, values, None)[0]
             session.commit()
