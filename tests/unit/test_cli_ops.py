@@ -47,6 +47,7 @@ from flask_idempotency.cli import (
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
 from tests.support import outbox_app
 from tests.support.live import ROOT
+from tests.support.tables import recreate_tables
 from tests.support.tcp_proxy import TcpProxy, upstream_of
 
 
@@ -54,12 +55,7 @@ def reset(url: str) -> None:
     """Empty tables of the outbox test app (its own, and the extension's, which
     ``init_app`` puts on its metadata)."""
     outbox_app.create_app(url)
-    engine = sa.create_engine(url)
-    try:
-        outbox_app.db.metadata.drop_all(engine)
-        outbox_app.db.metadata.create_all(engine)
-    finally:
-        engine.dispose()
+    recreate_tables(outbox_app.db.metadata, url, ())
 
 
 def drop_all(url: str) -> None:

@@ -35,6 +35,7 @@ from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock, run_sql
 from tests.support import outbox_app
+from tests.support.tables import recreate_tables
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -42,14 +43,8 @@ ROOT = Path(__file__).resolve().parents[3]
 def reset(url: str) -> None:
     """Drop and create the outbox app's tables, the extension's among them (they
     join the metadata at init_app, which a test may not have run yet)."""
-    for table in (record_table, outbox_table, inbox_table, job_lock_table):
-        table(outbox_app.db.metadata)
-    engine = sa.create_engine(url)
-    try:
-        outbox_app.db.metadata.drop_all(engine)
-        outbox_app.db.metadata.create_all(engine)
-    finally:
-        engine.dispose()
+    tables = (record_table, outbox_table, inbox_table, job_lock_table)
+    recreate_tables(outbox_app.db.metadata, url, tables)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ only the LISTEN connection can deliver them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from flask import Flask
 
 from flask_idempotency._maintenance import scheduler as scheduler_module
 from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
@@ -68,6 +70,20 @@ def assert_an_event_from_elsewhere_is_relayed(pg_url: str, publisher: ListPublis
     while not publisher.events and time.monotonic() < deadline:
         time.sleep(0.02)
     assert [e.event_id for e in publisher.events] == ["from-elsewhere"]
+
+
+@contextlib.contextmanager
+def started_scheduler(app: Flask) -> t.Iterator[JobScheduler]:
+    """A scheduler started on ``app``; after, shut down and the app's
+    connections closed."""
+    jobs = JobScheduler(app)
+    jobs.start()
+    try:
+        yield jobs
+    finally:
+        jobs.shutdown()
+        with app.app_context():
+            outbox_app.db.engine.dispose()
 
 
 def listen_backends(pg_url: str, name: str) -> list[int]:
@@ -139,16 +155,10 @@ def test_the_scheduler_wakes_on_notify_from_another_connection(pg_url: str, driv
         on_driver(pg_url, driver, name), IDEMPOTENCY_PUBLISHER=publisher, IDEMPOTENCY_RELAY_EVERY=60
     )
     reset(pg_url)
-    jobs = JobScheduler(app)
-    jobs.start()
-    try:
+    with started_scheduler(app) as jobs:
         assert jobs.waker is not None
         assert jobs.waker.listening
         assert_an_event_from_elsewhere_is_relayed(pg_url, publisher)
-    finally:
-        jobs.shutdown()
-        with app.app_context():
-            outbox_app.db.engine.dispose()
 
 
 def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back(
@@ -169,9 +179,7 @@ def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back
             IDEMPOTENCY_RELAY_EVERY=60,
         )
         proxy.cut()
-        jobs = JobScheduler(app)
-        jobs.start()
-        try:
+        with started_scheduler(app) as jobs:
             assert jobs.waker is not None
             assert not jobs.waker.listening  # the database is away
             time.sleep(1)  # a few RELISTEN intervals with the database still away
@@ -182,10 +190,6 @@ def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back
                 time.sleep(0.02)
             assert jobs.waker.listening
             assert_an_event_from_elsewhere_is_relayed(pg_url, publisher)
-        finally:
-            jobs.shutdown()
-            with app.app_context():
-                outbox_app.db.engine.dispose()
 
 
 class Terminator:

@@ -33,10 +33,11 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
-from flask_idempotency._storage.schema import job_lock_table, record_table
+from flask_idempotency._storage.schema import record_table
 from flask_idempotency.errors import PROBLEM_JSON
 from tests.conftest import mysql_url, postgres_url
 from tests.support.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
+from tests.support.tables import recreate_tables
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -90,19 +91,6 @@ def create_app(url: str, engine_options: dict[str, t.Any] | None = None) -> Flas
         return _write(idem.key)
 
     return app
-
-
-def create_tables(url: str) -> None:
-    # The record's and the job lock's tables, whether or not an app of this
-    # module was made yet in this process (test order varies with xdist).
-    record_table(db.metadata)
-    job_lock_table(db.metadata)
-    engine = sa.create_engine(url)
-    try:
-        db.metadata.drop_all(engine)
-        db.metadata.create_all(engine)
-    finally:
-        engine.dispose()
 
 
 def counts(url: str) -> tuple[int, int]:
@@ -207,7 +195,7 @@ def read_only_target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
 def test_read_only_database_answers_503_and_is_not_ready(read_only_target: Target) -> None:
     writable_url, read_only_url, options = read_only_target
     writable = create_app(writable_url)
-    create_tables(writable_url)
+    recreate_tables(db.metadata, writable_url)
     done = str(uuid.uuid4())
     try:
         assert post(writable, "/pay", done).status_code == 201
@@ -233,7 +221,7 @@ def test_read_only_database_answers_503_and_is_not_ready(read_only_target: Targe
         assert counts(writable_url) == (2, 2)
     finally:
         dispose(writable)
-        create_tables(writable_url)
+        recreate_tables(db.metadata, writable_url)
 
 
 # -- a PostgreSQL standby, then a failover ---------------------------------------------------
@@ -250,7 +238,7 @@ def primary() -> t.Iterator[PgCluster]:
 def test_standby_is_not_ready_until_promoted(primary: PgCluster, driver: str) -> None:
     """A replica after a failover (the app still pointing at a standby): 503 and not
     ready, with the reason; promoted, it serves the refused keys once."""
-    create_tables(primary.url(driver))
+    recreate_tables(db.metadata, primary.url(driver))
     seeded = create_app(primary.url(driver))
     try:
         assert post(seeded, "/pay", "seed").status_code == 201
@@ -303,7 +291,7 @@ def test_mariadb_read_only_server(private_mariadb: PrivateMariaDB) -> None:
     since readiness asks the server, not the setting."""
     server = private_mariadb
     user_url, root_url = server.url("shop", user="app"), server.url("shop")
-    create_tables(root_url)
+    recreate_tables(db.metadata, root_url)
     user_app, root_app = create_app(user_url), create_app(root_url)
     try:
         assert post(user_app, "/pay", "before").status_code == 201
@@ -328,7 +316,7 @@ def test_mariadb_innodb_read_only(private_mariadb: PrivateMariaDB) -> None:
     10.11 refuses with 1036 "Table is read only", for every user."""
     server = private_mariadb
     root_url = server.url("shop")
-    create_tables(root_url)
+    recreate_tables(db.metadata, root_url)
     app = create_app(root_url)
     try:
         assert post(app, "/pay", "before").status_code == 201
@@ -351,7 +339,7 @@ def test_write_check_passes_sql_safe_updates() -> None:
     url = mysql_url()
     if url is None:
         pytest.skip("no MariaDB/MySQL reachable (see the report header)")
-    create_tables(url)
+    recreate_tables(db.metadata, url)
     app = create_app(url, {"connect_args": {"init_command": "SET SESSION sql_safe_updates = 1"}})
     try:
         response = app.test_client().get("/readyz")
@@ -360,7 +348,7 @@ def test_write_check_passes_sql_safe_updates() -> None:
         assert counts(url) == (1, 1)
     finally:
         dispose(app)
-        create_tables(url)
+        recreate_tables(db.metadata, url)
 
 
 def test_a_user_without_delete_is_ready_as_its_claims_work() -> None:
@@ -373,7 +361,7 @@ def test_a_user_without_delete_is_ready_as_its_claims_work() -> None:
     root = sa.make_url(url)
     user = f"nodel_{uuid.uuid4().hex[:8]}"
     app = create_app(root.set(username=user, password=None).render_as_string(False))
-    create_tables(url)  # init_app put the record's table on the metadata
+    recreate_tables(db.metadata, url)  # init_app put the record's table on the metadata
     admin = sa.create_engine(root)
     try:
         with admin.begin() as conn:
@@ -394,7 +382,7 @@ def test_a_user_without_delete_is_ready_as_its_claims_work() -> None:
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP USER IF EXISTS '{user}'@'%'"))
         admin.dispose()
-        create_tables(url)
+        recreate_tables(db.metadata, url)
 
 
 @contextlib.contextmanager
@@ -404,7 +392,7 @@ def pg_role(url: str, prefix: str, *grants: str) -> t.Iterator[Flask]:
     dropped after, the tables made again."""
     role = f"{prefix}_{uuid.uuid4().hex[:8]}"
     app = create_app(sa.make_url(url).set(username=role).render_as_string(False))
-    create_tables(url)
+    recreate_tables(db.metadata, url)
     admin = sa.create_engine(url)
     try:
         with admin.begin() as conn:
@@ -422,7 +410,7 @@ def pg_role(url: str, prefix: str, *grants: str) -> t.Iterator[Flask]:
             conn.execute(sa.text(f"DROP OWNED BY {role}"))
             conn.execute(sa.text(f"DROP ROLE IF EXISTS {role}"))
         admin.dispose()
-        create_tables(url)
+        recreate_tables(db.metadata, url)
 
 
 SEQUENCES = 'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}'
@@ -516,7 +504,7 @@ def test_jobs_on_a_read_only_database_say_so_in_one_line(
     writable_url, read_only_url, options = read_only_target
     app = create_app(read_only_url, options)
     writable = create_app(writable_url)
-    create_tables(writable_url)  # after init_app: it adds the job lock table
+    recreate_tables(db.metadata, writable_url)  # after init_app: it adds the job lock table
     try:
         scheduler = JobScheduler(app)
         with caplog.at_level(logging.WARNING, logger="flask_idempotency"):
