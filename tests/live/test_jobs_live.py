@@ -7,11 +7,7 @@ separate ``flask`` processes, stopped with real signals.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import typing as t
@@ -22,7 +18,8 @@ import sqlalchemy as sa
 
 from tests.conftest import reset_tables, run_sql
 from tests.support import cli_app, testapp
-from tests.support.live import ROOT, LiveServer, Reply
+from tests.support.commands import flask_cmd, wait_running
+from tests.support.live import LiveServer, Reply
 
 pytestmark = pytest.mark.slow
 
@@ -53,25 +50,6 @@ def db(pg_url: str) -> str:
     testapp.create_app(pg_url)
     reset_tables(pg_url)
     return pg_url
-
-
-def flask_cmd(
-    url: str, *args: str, config: dict[str, t.Any] | None = None, **env: str
-) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flask", "--app", "tests.support.cli_app", "idempotency", *args],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "IDEMPOTENCY_TEST_APP_DB": url,
-            "IDEMPOTENCY_TEST_APP_CONFIG": json.dumps(config or {}),
-            **env,
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def test_100k_expired_purged_while_requests_keep_succeeding(db: str) -> None:
@@ -171,18 +149,6 @@ def test_two_scheduler_processes_run_each_job_one_at_a_time(db: str) -> None:
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"two {job} runs overlapped"
     run_sql(db, "DROP TABLE job_runs")
-
-
-def wait_running(process: subprocess.Popen[str], timeout: float = 60) -> None:
-    """Until ``flask idempotency scheduler`` says it runs (its jobs are scheduled)."""
-    assert process.stdout is not None
-    timer = threading.Timer(timeout, process.kill)
-    timer.start()
-    try:
-        line = process.stdout.readline()
-    finally:
-        timer.cancel()
-    assert "scheduler running" in line, (line, process.communicate(timeout=10))
 
 
 def test_scheduler_processes_run_each_job_about_once_per_interval(db: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 from flask import Flask
 
 from tests.conftest import Clock, ledger_count, record_rows
-from tests.unit.test_scope import basic_scope
+from tests.support.scopes import basic_scope
 
 ENDPOINT = "t.scope_charge"
 

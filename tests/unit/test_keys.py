@@ -28,7 +28,7 @@ from flask_idempotency.keys import (
 )
 from flask_idempotency.scope import default_scope
 from tests.conftest import ledger_count, record_rows
-from tests.unit.test_scope import basic_scope
+from tests.support.scopes import basic_scope
 
 HEADER = "Idempotency-Key"
 

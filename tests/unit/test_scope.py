@@ -9,7 +9,6 @@ response, and nobody gets another's scope by writing their name in a header.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import re
@@ -26,9 +25,9 @@ from flask_login import LoginManager, UserMixin
 
 from tests.conftest import ledger_count, record_rows
 from tests.support import testapp
+from tests.support.scopes import ENDPOINT, basic_proof, basic_scope
 
 ROUTE = "scope/charge"
-ENDPOINT = "t.scope_charge"
 BODY = {"amount": 500}
 
 
@@ -49,18 +48,6 @@ def md5(text: str) -> str:
 
 def scopes(app: Flask) -> list[str]:
     return sorted(r["scope"] for r in record_rows(app))
-
-
-def basic_proof(app: Flask, user: str, password: str) -> str:
-    """The documented Basic proof: the first 32 hex of HMAC-SHA256, keyed with SECRET_KEY."""
-    secret = app.secret_key or b""
-    key = secret.encode() if isinstance(secret, str) else secret
-    message = b"flask-idempotency basic scope\x00" + f"{user}:{password}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
-
-
-def basic_scope(app: Flask, user: str, password: str, endpoint: str = ENDPOINT) -> str:
-    return f"{endpoint}|basic:{user}:{basic_proof(app, user, password)}"
 
 
 def scope_warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

@@ -15,34 +15,10 @@ from flask import Flask
 from flask_idempotency import signals
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._maintenance.scheduler import JobScheduler
-from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
-from tests.unit.request.test_flow import _abandon, post
-
-
-def make_records(app: Flask, clock: Clock, n: int, *, expired: bool, prefix: str = "k") -> None:
-    """Insert ``n`` completed records, expired (or not) by the test clock."""
-    expires = clock.now + (dt.timedelta(seconds=-1) if expired else dt.timedelta(hours=1))
-    rows = [
-        {
-            "scope": "bulk",
-            "key": f"{prefix}{i}",
-            "request_hash": "h",
-            "status": "completed",
-            "fencing_token": 1,
-            "response_code": 201,
-            "body_omitted": False,
-            "created_at": clock.now - dt.timedelta(days=1),
-            "expires_at": expires,
-        }
-        for i in range(n)
-    ]
-    with app.app_context(), testapp.db.engine.begin() as conn:
-        insert_records(conn, rows)
-
-
-def keys(app: Flask) -> set[str]:
-    return {r["key"] for r in record_rows(app)}
+from tests.support.flow import abandon, post
+from tests.support.records import cli, keys, make_records
 
 
 def test_expired_record_is_absent_and_cleanup_removes_only_expired(
@@ -65,7 +41,7 @@ def test_expired_record_is_absent_and_cleanup_removes_only_expired(
 def test_purge_works_in_batches_and_keeps_live_records(app: Flask, clock: Clock) -> None:
     make_records(app, clock, 25, expired=True, prefix="e")
     make_records(app, clock, 5, expired=False, prefix="l")
-    _abandon(app, clock, key="stuck")
+    abandon(app, clock, key="stuck")
     clock.advance(hours=25)  # the abandoned in-progress record has expired too
     make_records(app, clock, 3, expired=False, prefix="new")
     report = purge_expired(app, batch_size=10)
@@ -81,10 +57,6 @@ def test_purge_dry_run_counts_and_deletes_nothing(app: Flask, clock: Clock) -> N
 
 
 # -- CLI ----------------------------------------------------------------------------------
-
-
-def cli(app: Flask, *args: str, input: str | None = None) -> t.Any:
-    return app.test_cli_runner().invoke(args=["idempotency", *args], input=input)
 
 
 def test_cli_purge(app: Flask, clock: Clock) -> None:
@@ -121,7 +93,7 @@ def test_cli_bad_arguments_change_nothing(app: Flask, clock: Clock, args: list[s
 
 def test_cli_stats(app: Flask, client: t.Any, clock: Clock) -> None:
     post(client, "/charges", {"amount": 1, "currency": "EUR"})
-    _abandon(app, clock, key="running")
+    abandon(app, clock, key="running")
     make_records(app, clock, 4, expired=True)
     result = cli(app, "stats")
     assert result.exit_code == 0, result.output
@@ -151,7 +123,7 @@ def test_cli_show(app: Flask, client: t.Any) -> None:
 
 
 def test_cli_release_asks_and_unsticks(app: Flask, client: t.Any, clock: Clock) -> None:
-    _abandon(app, clock, key="stuck")
+    abandon(app, clock, key="stuck")
     declined = cli(app, "release", "t.status", "stuck", input="n\n")
     assert declined.exit_code == 1
     assert len(record_rows(app)) == 1
@@ -224,7 +196,7 @@ def test_in_process_scheduler_starts_on_first_request_and_runs_jobs(
     slot = app.extensions["idempotency"].in_process
     assert slot.scheduler is None  # not at app creation
     make_records(app, clock, 30, expired=True)
-    _abandon(app, clock, key="stuck")
+    abandon(app, clock, key="stuck")
     clock.advance(seconds=61)  # the lease ended: recovery releases it
     runs: list[str] = []
     on_finish = lambda sender, **kw: runs.append(kw["name"])  # noqa: E731

@@ -21,7 +21,7 @@ from flask_idempotency._storage.schema import as_utc
 from flask_idempotency._storage.store import database_now
 from tests.conftest import Clock, reset_tables
 from tests.support import testapp
-from tests.unit.maintenance.test_cleanup import cli, keys, make_records
+from tests.support.records import cli, keys, make_records
 
 EVERY = dt.timedelta(seconds=10)
 SLACK = interval_slack(EVERY)

@@ -26,8 +26,6 @@ from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency._messaging.relay import backoff, relay_once, retry_parked
 from flask_idempotency._storage.schema import (
     as_utc,
-    inbox_table,
-    job_lock_table,
     outbox_table,
     record_table,
 )
@@ -35,16 +33,9 @@ from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock, run_sql
 from tests.support import outbox_app
-from tests.support.tables import recreate_tables
+from tests.support.outbox import post, relay_command, reset, rows
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def reset(url: str) -> None:
-    """Drop and create the outbox app's tables, the extension's among them (they
-    join the metadata at init_app, which a test may not have run yet)."""
-    tables = (record_table, outbox_table, inbox_table, job_lock_table)
-    recreate_tables(outbox_app.db.metadata, url, tables)
 
 
 @pytest.fixture
@@ -56,21 +47,9 @@ def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
         outbox_app.db.engine.dispose()
 
 
-def rows(app: Flask) -> list[dict[str, t.Any]]:
-    with app.app_context():
-        table = outbox_table(outbox_app.db.metadata)
-        with outbox_app.db.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(sa.select(table).order_by(table.c.id))]
-
-
 def orders(app: Flask) -> int:
     with app.app_context():
         return int(outbox_app.db.session.query(outbox_app.Order).count())
-
-
-def post(app: Flask, path: str = "/orders", key: str | None = None, **body: t.Any) -> t.Any:
-    headers = {"Idempotency-Key": key} if key else {}
-    return app.test_client().post(path, json={"amount": 5, **body}, headers=headers)
 
 
 class FlakyPublisher:
@@ -513,19 +492,6 @@ def test_concurrent_relays_publish_every_event_exactly_once(database_url: str) -
             ).scalar_one()
         outbox_app.db.engine.dispose()
     assert pending == 0
-
-
-def relay_command(url: str, out: Path, *options: str) -> tuple[dict[str, str], list[str]]:
-    """The environment and command of ``flask idempotency relay`` on the test
-    outbox app, publishing to the file ``out`` (one JSON line per publish)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OUTBOX_TEST_DB": url,
-        "OUTBOX_TEST_FILE": str(out),
-    }
-    app = "tests.support.outbox_app:from_env"
-    return env, [sys.executable, "-m", "flask", "--app", app, "idempotency", "relay", *options]
 
 
 def test_a_relay_killed_after_publishing_publishes_again(

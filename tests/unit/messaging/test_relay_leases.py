@@ -37,18 +37,10 @@ from flask_idempotency._storage.schema import as_utc, outbox_table
 from flask_idempotency.errors import BrokerUnavailable
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
 from tests.conftest import Clock, mysql_url, postgres_url
-from tests.live.test_relay_faults import (
-    RABBITMQ,
-    Broker,
-    collect,
-    delete_queue,
-    drain,
-    text,
-    waiting,
-)
 from tests.support import outbox_app
+from tests.support.broker import RABBITMQ, Broker, collect, delete_queue, drain, text, waiting
+from tests.support.outbox import reset
 from tests.support.tcp_proxy import TcpProxy, upstream_of
-from tests.unit.messaging.test_outbox import reset
 
 
 def rabbitmq() -> Broker:

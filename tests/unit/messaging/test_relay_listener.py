@@ -35,8 +35,9 @@ from flask_idempotency._messaging.relay import Listener
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import run_sql
 from tests.support import outbox_app
+from tests.support.live import ROOT
+from tests.support.outbox import relay_command, reset
 from tests.support.tcp_proxy import TcpProxy, upstream_of
-from tests.unit.messaging.test_outbox import ROOT, relay_command, reset
 
 SOON = 10.0  # generous: a bound for the test, not a timing assertion
 

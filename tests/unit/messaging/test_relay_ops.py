@@ -19,7 +19,7 @@ from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
-from tests.unit.messaging.test_outbox import reset
+from tests.support.outbox import reset
 
 HOUR = dt.timedelta(hours=1)
 

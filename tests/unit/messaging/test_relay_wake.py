@@ -32,7 +32,8 @@ from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import run_sql
 from tests.support import outbox_app
-from tests.unit.messaging.test_outbox import ROOT, post, relay_command, reset, rows
+from tests.support.live import ROOT
+from tests.support.outbox import post, relay_command, reset, rows
 
 POLL = 60.0
 SOON = 10.0

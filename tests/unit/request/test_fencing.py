@@ -23,8 +23,8 @@ from flask_idempotency import Idempotency
 from flask_idempotency._maintenance.jobs import purge_expired, recover_abandoned
 from tests.conftest import Clock, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.flow import assert_problem
 from tests.support.gates import Gates, send
-from tests.unit.request.test_flow import assert_problem
 
 LEASE = 30
 TTL = 120

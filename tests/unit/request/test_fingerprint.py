@@ -37,6 +37,7 @@ from flask_idempotency.errors import (
 )
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.forms import URLENCODED, multipart
 
 JSON = "application/json"
 
@@ -542,33 +543,6 @@ def test_same_instant_with_different_offsets_agrees() -> None:
 # -- forms: parsed fields and files, not the bytes ------------------------------
 
 
-def multipart(
-    boundary: str,
-    fields_: t.Sequence[tuple[str, str]] = (),
-    files: t.Sequence[tuple[str, str, bytes]] = (),
-) -> tuple[bytes, str]:
-    """A multipart/form-data body with the given boundary, and its content type."""
-    parts = []
-    for name, value in fields_:
-        parts.append(
-            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
-            + value.encode()
-            + b"\r\n"
-        )
-    for name, filename, content in files:
-        parts.append(
-            (
-                f"--{boundary}\r\nContent-Disposition: form-data; "
-                f'name="{name}"; filename="{filename}"\r\n'
-                "Content-Type: application/octet-stream\r\n\r\n"
-            ).encode()
-            + content
-            + b"\r\n"
-        )
-    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
-    return body, f"multipart/form-data; boundary={boundary}"
-
-
 def multipart_hash(app: Flask, boundary: str, **kw: t.Any) -> str:
     exclude = kw.pop("exclude", ())
     body, content_type = multipart(boundary, **kw)
@@ -648,9 +622,6 @@ def test_multipart_over_max_form_parts_is_413(plain_app: Flask) -> None:
     body, content_type = multipart("b", fields_=[(f"f{i}", "v") for i in range(10)])
     with pytest.raises(PayloadTooLargeError):
         fingerprint(plain_app, body, content_type=content_type)
-
-
-URLENCODED = "application/x-www-form-urlencoded"
 
 
 @pytest.mark.parametrize(

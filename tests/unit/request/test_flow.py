@@ -15,32 +15,11 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import COMPLETED, IN_PROGRESS, Idempotency, signals
-from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.flow import abandon, assert_problem, post
 
-PROBLEM = "application/problem+json"
 CHARGE = {"amount": 500, "currency": "EUR", "meta": {"note": "n", "trace_id": "t1"}}
-
-
-def post(
-    client: t.Any, path: str, body: t.Any = None, key: str | None = "k1", **kw: t.Any
-) -> t.Any:
-    headers = dict(kw.pop("headers", {}))
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    if body is not None and "data" not in kw:
-        kw["data"] = json.dumps(body)
-        kw.setdefault("content_type", "application/json")
-    return client.post(path, headers=headers, **kw)
-
-
-def assert_problem(response: t.Any, status: int) -> dict[str, t.Any]:
-    assert response.status_code == status, response.get_data(as_text=True)
-    assert response.mimetype == PROBLEM
-    doc = response.get_json(force=True)
-    assert doc["status"] == status
-    assert {"type", "title", "detail"} <= set(doc)
-    return t.cast(dict[str, t.Any], doc)
 
 
 @contextlib.contextmanager
@@ -408,35 +387,10 @@ def test_default_ttl_is_24_hours(app: Flask, client: t.Any, clock: Clock) -> Non
     assert expires == clock.now + dt.timedelta(hours=24)
 
 
-def _abandon(app: Flask, clock: Clock, *, path: str = "/status/201", key: str = "k1") -> None:
-    """Leave an in-progress record as a worker that committed and died would."""
-    with app.app_context(), app.test_request_context(path, method="POST", json={}):
-        from flask_idempotency._request.fingerprint import request_fingerprint
-
-        _, fingerprint = request_fingerprint(None, ())
-        with testapp.db.engine.begin() as conn:
-            insert_records(
-                conn,
-                [
-                    {
-                        "scope": "t.status",
-                        "key": key,
-                        "request_hash": fingerprint,
-                        "status": IN_PROGRESS,
-                        "fencing_token": 1,
-                        "body_omitted": False,
-                        "locked_until": clock.now + dt.timedelta(seconds=60),
-                        "created_at": clock.now,
-                        "expires_at": clock.now + dt.timedelta(hours=24),
-                    }
-                ],
-            )
-
-
 def test_in_progress_under_live_lease_is_409_then_reclaimed(
     app: Flask, client: t.Any, clock: Clock
 ) -> None:
-    _abandon(app, clock)
+    abandon(app, clock)
     with recorded(signals.request_conflict) as conflicts:
         response = post(client, "/status/201", {})
     assert_problem(response, 409)
@@ -458,7 +412,7 @@ def test_in_progress_under_live_lease_is_409_then_reclaimed(
 def test_in_progress_with_other_payload_is_422_not_409(
     app: Flask, client: t.Any, clock: Clock
 ) -> None:
-    _abandon(app, clock)
+    abandon(app, clock)
     assert_problem(post(client, "/status/201", {"different": 1}), 422)
 
 

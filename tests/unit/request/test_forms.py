@@ -22,7 +22,7 @@ from werkzeug.datastructures import FileStorage, MultiDict
 from flask_idempotency._request.fingerprint import request_fingerprint
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
-from tests.unit.request.test_fingerprint import URLENCODED, multipart
+from tests.support.forms import URLENCODED, multipart
 
 Form = tuple[bytes, str]
 

@@ -28,9 +28,9 @@ import sqlalchemy as sa
 
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.flow import assert_problem
 from tests.support.live import ROOT, Reply
 from tests.support.tcp_proxy import TcpProxy, upstream_of
-from tests.unit.request.test_flow import assert_problem
 
 
 class GreenletExit(BaseException):

@@ -16,7 +16,7 @@ from flask_sqlalchemy import SQLAlchemy
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
-from tests.unit.request.test_flow import assert_problem
+from tests.support.flow import assert_problem
 
 idem = testapp.idem
 

@@ -14,7 +14,7 @@ from flask_idempotency._maintenance.jobs import recover_abandoned
 from flask_idempotency.keys import derive_scoped_key as derive_key
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
-from tests.unit.request.test_flow import _abandon, assert_problem, post
+from tests.support.flow import abandon, assert_problem, post
 
 
 def test_derived_keys_are_stable_and_distinct_per_step_and_scope() -> None:
@@ -96,7 +96,7 @@ def test_step_results_round_trip_and_must_be_json(database_url: str, clock: Cloc
 def test_recovery_job_releases_abandoned_records_of_other_routes(
     app: Flask, client: t.Any, clock: Clock
 ) -> None:
-    _abandon(app, clock)  # /status/201 has no recover=True: it cannot be re-run
+    abandon(app, clock)  # /status/201 has no recover=True: it cannot be re-run
     report = recover_abandoned(app)
     assert (report.completed, report.released) == (0, 0)  # lease still live
     assert len(record_rows(app)) == 1
@@ -113,7 +113,7 @@ def test_recovery_job_leaves_expired_and_completed_records_alone(
     app: Flask, client: t.Any, clock: Clock
 ) -> None:
     post(client, "/charges", {"amount": 1, "currency": "EUR"})
-    _abandon(app, clock, key="old")
+    abandon(app, clock, key="old")
     clock.advance(hours=25)  # past the TTL: cleanup's business, not recovery's
     report = recover_abandoned(app)
     assert (report.completed, report.released, report.skipped) == (0, 0, 0)
@@ -122,7 +122,7 @@ def test_recovery_job_leaves_expired_and_completed_records_alone(
 
 @pytest.mark.parametrize("args", [["--limit", "0"], ["--limit", "many"], ["--bogus"]])
 def test_cli_recover_rejects_bad_arguments(app: Flask, clock: Clock, args: list[str]) -> None:
-    _abandon(app, clock)
+    abandon(app, clock)
     clock.advance(seconds=61)
     result = app.test_cli_runner().invoke(args=["idempotency", "recover", *args])
     assert result.exit_code != 0
@@ -131,7 +131,7 @@ def test_cli_recover_rejects_bad_arguments(app: Flask, clock: Clock, args: list[
 
 
 def test_cli_recover_reports(app: Flask, clock: Clock) -> None:
-    _abandon(app, clock)
+    abandon(app, clock)
     clock.advance(seconds=61)
     result = app.test_cli_runner().invoke(args=["idempotency", "recover", "--limit", "5"])
     assert result.exit_code == 0

@@ -19,8 +19,8 @@ from sqlalchemy.exc import IntegrityError
 
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.flow import assert_problem
 from tests.support.gates import Gates, send
-from tests.unit.request.test_flow import assert_problem
 
 db = testapp.db
 idem = testapp.idem

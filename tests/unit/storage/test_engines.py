@@ -21,8 +21,8 @@ from flask import Flask, request
 
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
+from tests.support.flow import assert_problem
 from tests.support.gates import Gates, send
-from tests.unit.request.test_flow import assert_problem
 
 
 def make_app(database_url: str, clock: Clock | None = None, **config: t.Any) -> Flask:
