@@ -17,155 +17,33 @@ connection of its own), never a mock.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import typing as t
-import uuid
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from flask_idempotency._storage import (
     COMPLETED,
     IN_PROGRESS,
     Store,
-    as_utc,
     database_now,
-    dialects,
     drivers,
     new_fencing_token,
     open_transaction,
-    operation_values,
 )
-from flask_idempotency._storage.dialects import Dialect, MySQL, PostgreSQL, SQLite, dialect_of
-from flask_idempotency._storage.drivers.psycopg import Psycopg
-from flask_idempotency._storage.drivers.psycopg2 import Psycopg2
+from flask_idempotency._storage.dialects import Dialect, MySQL, PostgreSQL, dialect_of
 from flask_idempotency.errors import ClaimWaitExceeded
-from tests.conftest import mysql_url, postgres_url, reset_tables
-from tests.support import testapp
-
-HOUR = dt.timedelta(hours=1)
-SCOPE = "conformance"
-
-#: Implementation: (database, its dialect object's class, its fast path's class).
-IMPLEMENTATIONS: dict[str, tuple[str, type[Dialect], type[drivers.FastPath] | None]] = {
-    "psycopg2": ("psycopg2", PostgreSQL, Psycopg2),
-    "psycopg": ("psycopg", PostgreSQL, Psycopg),
-    "postgresql-one-by-one": ("psycopg2", PostgreSQL, None),
-    "sqlite": ("sqlite", SQLite, None),
-    "mysql": ("mysql", MySQL, None),
-    "generic": ("sqlite", Dialect, None),
-}
-
-
-@dataclasses.dataclass
-class Impl:
-    name: str
-    url: str
-    engine: sa.Engine
-    store: Store
-    dialect: type[Dialect]
-    fast_path: type[drivers.FastPath] | None
-
-    def engine_like(self, **kwargs: t.Any) -> sa.Engine:
-        """Another engine on the same database, set up as :attr:`engine` is."""
-        return _engine(self.name, self.url, **kwargs)
-
-    def rows(self) -> dict[str, dict[str, t.Any]]:
-        """The table's rows by key, read on a connection of their own, as
-        PostgreSQL returns them (aware UTC times, ``str`` scope and key)."""
-        found = {}
-        with self.engine.connect() as conn:
-            for row in conn.execute(sa.select(self.store.table)):
-                values = {k: _portable(v) for k, v in row._mapping.items()}
-                for name in ("scope", "key"):  # VARBINARY on MySQL
-                    if isinstance(values[name], bytes):
-                        values[name] = values[name].decode()
-                found[values["key"]] = values
-        return found
-
-
-def _portable(value: t.Any) -> t.Any:
-    if isinstance(value, dt.datetime):
-        return as_utc(value)
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    return value
-
-
-def _engine(name: str, url: str, **kwargs: t.Any) -> sa.Engine:
-    if name != "generic":
-        return sa.create_engine(url, **kwargs)
-    # SQLAlchemy's recipe for pysqlite savepoints: the driver's own transaction
-    # handling off, BEGIN sent when SQLAlchemy begins.
-    engine = sa.create_engine(url, connect_args={"isolation_level": None}, **kwargs)
-    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
-    return engine
-
-
-@pytest.fixture(params=list(IMPLEMENTATIONS))
-def impl(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> t.Iterator[Impl]:
-    database, dialect, fast_path = IMPLEMENTATIONS[request.param]
-    if database == "sqlite":
-        url = f"sqlite:///{tmp_path / 'conformance.sqlite3'}"
-    elif database == "mysql":
-        found = mysql_url()
-        if found is None:
-            pytest.skip("no MariaDB/MySQL reachable (see the report header)")
-        url = found
-    else:
-        url = postgres_url(database)
-    if request.param == "postgresql-one-by-one":
-        monkeypatch.setattr(drivers, "_PATHS", {})
-    if request.param == "generic":
-        monkeypatch.delitem(dialects.DIALECTS, "sqlite")
-    reset_tables(url)
-    engine = _engine(request.param, url)
-    store = Store(testapp.db.metadata.tables["idempotency_keys"])
-    try:
-        yield Impl(request.param, url, engine, store, dialect, fast_path)
-    finally:
-        engine.dispose()
-
-
-def _now() -> dt.datetime:
-    # Milliseconds: the finest time SQLite's own clock gives.
-    now = dt.datetime.now(dt.UTC)
-    return now.replace(microsecond=now.microsecond // 1000 * 1000)
-
-
-def _values(
-    key: str, now: dt.datetime, *, lease: dt.timedelta = HOUR, **columns: t.Any
-) -> dict[str, t.Any]:
-    return {
-        "scope": SCOPE,
-        "key": key,
-        "fencing_token": new_fencing_token(),
-        **operation_values(
-            request_hash="h",
-            status=IN_PROGRESS,
-            locked_until=now + lease,
-            created_at=now,
-            expires_at=now + 24 * HOUR,
-            **columns,
-        ),
-    }
-
-
-def _claimed(impl: Impl, values: dict[str, t.Any]) -> None:
-    """Claim ``values`` and commit."""
-    with Session(impl.engine) as session:
-        assert impl.store.claim(session, values, dt.timedelta(seconds=5)) == (True, None)
-        session.commit()
-
-
-def _key() -> str:
-    return f"k-{uuid.uuid4()}"
+from tests.support.storage import (
+    HOUR,
+    SCOPE,
+    Impl,
+    claimed,
+    new_key,
+    now_ms,
+    record_values,
+)
 
 
 def test_the_registries_pick_the_engines_implementation(impl: Impl) -> None:
@@ -179,14 +57,14 @@ def test_the_registries_pick_the_engines_implementation(impl: Impl) -> None:
 
 
 def test_a_new_key_is_claimed_in_the_callers_transaction(impl: Impl) -> None:
-    now, key = _now(), _key()
-    values = _values(key, now, request_method="POST", request_body=b"{}")
+    now, key = now_ms(), new_key()
+    values = record_values(key, now, request_method="POST", request_body=b"{}")
     with Session(impl.engine) as session:
         assert impl.store.claim(session, values, dt.timedelta(seconds=5)) == (True, None)
         assert key not in impl.rows()  # not committed yet
         session.rollback()
     assert key not in impl.rows()  # rolled back with the caller's transaction
-    _claimed(impl, values)
+    claimed(impl, values)
     row = impl.rows()[key]
     assert (row["scope"], row["status"], row["fencing_token"]) == (
         SCOPE,
@@ -204,31 +82,31 @@ def test_a_new_key_is_claimed_in_the_callers_transaction(impl: Impl) -> None:
 
 
 def test_a_held_key_is_not_claimed_again_and_its_holder_is_told(impl: Impl) -> None:
-    now, key = _now(), _key()
-    first = _values(key, now)
-    _claimed(impl, first)
+    now, key = now_ms(), new_key()
+    first = record_values(key, now)
+    claimed(impl, first)
     with Session(impl.engine) as session:
-        won, held = impl.store.claim(session, _values(key, now), None)
+        won, held = impl.store.claim(session, record_values(key, now), None)
         assert (won, held is not None) == (False, True)
         assert held is not None
         assert held.fencing_token == first["fencing_token"]
         assert held.request_body is None  # a request needs no stored request
-        assert impl.store.try_insert(session, _values(key, now)) is False
+        assert impl.store.try_insert(session, record_values(key, now)) is False
         session.commit()
     assert [row["fencing_token"] for row in impl.rows().values()] == [first["fencing_token"]]
 
 
 def test_an_expired_record_is_replaced_by_a_new_operation(impl: Impl) -> None:
-    now, key = _now(), _key()
-    old = _values(key, now - 48 * HOUR, lease=-HOUR, recovery_points='{"a":1}')
-    _claimed(impl, old)
+    now, key = now_ms(), new_key()
+    old = record_values(key, now - 48 * HOUR, lease=-HOUR, recovery_points='{"a":1}')
+    claimed(impl, old)
     with Session(impl.engine) as session:
-        won, record = impl.store.claim(session, _values(key, now), None)
+        won, record = impl.store.claim(session, record_values(key, now), None)
         assert not won
         assert record is not None
         assert record.is_expired(now)
         token = new_fencing_token(record.fencing_token)
-        columns = {k: v for k, v in _values(key, now).items() if k not in ("scope", "key")}
+        columns = {k: v for k, v in record_values(key, now).items() if k not in ("scope", "key")}
         columns["request_hash"] = "h2"
         assert impl.store.take_over(session, record, columns, now, expired=True, token=token)
         session.commit()
@@ -242,9 +120,11 @@ def test_an_expired_record_is_replaced_by_a_new_operation(impl: Impl) -> None:
 
 
 def test_a_reclaim_continues_the_operation_and_one_contender_wins(impl: Impl) -> None:
-    now, key = _now(), _key()
-    first = _values(key, now - HOUR, lease=dt.timedelta(minutes=-1), recovery_points='{"a":1}')
-    _claimed(impl, first)
+    now, key = now_ms(), new_key()
+    first = record_values(
+        key, now - HOUR, lease=dt.timedelta(minutes=-1), recovery_points='{"a":1}'
+    )
+    claimed(impl, first)
     with impl.engine.connect() as conn:
         record = impl.store.load(conn, SCOPE, key)
     assert record is not None
@@ -252,7 +132,9 @@ def test_a_reclaim_continues_the_operation_and_one_contender_wins(impl: Impl) ->
     outcomes = []
     for token in tokens:
         with Session(impl.engine) as session:
-            columns = {k: v for k, v in _values(key, now).items() if k not in ("scope", "key")}
+            columns = {
+                k: v for k, v in record_values(key, now).items() if k not in ("scope", "key")
+            }
             outcomes.append(
                 impl.store.take_over(session, record, columns, now, expired=False, token=token)
             )
@@ -265,9 +147,9 @@ def test_a_reclaim_continues_the_operation_and_one_contender_wins(impl: Impl) ->
 
 
 def test_completion_is_fenced_by_the_token(impl: Impl) -> None:
-    now, key = _now(), _key()
-    values = _values(key, now)
-    _claimed(impl, values)
+    now, key = now_ms(), new_key()
+    values = record_values(key, now)
+    claimed(impl, values)
     completion: dict[str, t.Any] = {
         "response_code": 201,
         "response_headers": [("Content-Type", "application/json")],
@@ -295,10 +177,10 @@ def test_completion_is_fenced_by_the_token(impl: Impl) -> None:
 
 
 def test_release_deletes_the_record_or_keeps_its_recovery_points(impl: Impl) -> None:
-    now, gone, kept = _now(), _key(), _key()
-    values = {key: _values(key, now) for key in (gone, kept)}
+    now, gone, kept = now_ms(), new_key(), new_key()
+    values = {key: record_values(key, now) for key in (gone, kept)}
     for one in values.values():
-        _claimed(impl, one)
+        claimed(impl, one)
     with impl.engine.begin() as conn:
         tokens = {key: one["fencing_token"] for key, one in values.items()}
         assert not impl.store.release(conn, SCOPE, gone, new_fencing_token(tokens[gone]))
@@ -313,9 +195,9 @@ def test_release_deletes_the_record_or_keeps_its_recovery_points(impl: Impl) -> 
 
 
 def test_a_lease_is_renewed_and_kept_for_retry_only_by_its_holder(impl: Impl) -> None:
-    now, key = _now(), _key()
-    values = _values(key, now, request_method="POST", request_body=b"{}")
-    _claimed(impl, values)
+    now, key = now_ms(), new_key()
+    values = record_values(key, now, request_method="POST", request_body=b"{}")
+    claimed(impl, values)
     token = values["fencing_token"]
     with impl.engine.begin() as conn:
         assert not impl.store.renew_lease(conn, SCOPE, key, new_fencing_token(token), now)
@@ -343,13 +225,13 @@ def test_a_lease_is_renewed_and_kept_for_retry_only_by_its_holder(impl: Impl) ->
 
 
 def test_purge_deletes_expired_records_and_nothing_else(impl: Impl) -> None:
-    now = _now()
+    now = now_ms()
     past = now - 48 * HOUR
-    expired = [_values(_key(), past, lease=-HOUR) for _ in range(3)]
-    still_leased = _values(_key(), past, lease=49 * HOUR)  # past retention, lease live
-    live = _values(_key(), now)
+    expired = [record_values(new_key(), past, lease=-HOUR) for _ in range(3)]
+    still_leased = record_values(new_key(), past, lease=49 * HOUR)  # past retention, lease live
+    live = record_values(new_key(), now)
     for values in (*expired, still_leased, live):
-        _claimed(impl, values)
+        claimed(impl, values)
     with impl.engine.begin() as conn:
         assert impl.store.count_expired(conn, now) == 3
         assert impl.store.purge_batch(conn, now, limit=2) == 2
@@ -359,14 +241,14 @@ def test_purge_deletes_expired_records_and_nothing_else(impl: Impl) -> None:
 
 
 def test_abandoned_records_are_found_and_released(impl: Impl) -> None:
-    now = _now()
-    abandoned = _values(_key(), now - HOUR, lease=dt.timedelta(minutes=-1))
-    resumable = _values(
-        _key(), now - HOUR, lease=dt.timedelta(minutes=-2), recovery_points='{"a":1}'
+    now = now_ms()
+    abandoned = record_values(new_key(), now - HOUR, lease=dt.timedelta(minutes=-1))
+    resumable = record_values(
+        new_key(), now - HOUR, lease=dt.timedelta(minutes=-2), recovery_points='{"a":1}'
     )
-    held = _values(_key(), now)
+    held = record_values(new_key(), now)
     for values in (abandoned, resumable, held):
-        _claimed(impl, values)
+        claimed(impl, values)
     with impl.engine.begin() as conn:
         found = impl.store.find_abandoned(conn, now, limit=10)
         assert [record.key for record in found] == [abandoned["key"]]
@@ -376,13 +258,13 @@ def test_abandoned_records_are_found_and_released(impl: Impl) -> None:
 
 
 def test_the_operators_queries_compare_scope_and_key_exactly(impl: Impl) -> None:
-    now = _now()
-    ours = _values("Kéy", now)
+    now = now_ms()
+    ours = record_values("Kéy", now)
     ours["scope"] = "tenant-é:1"
-    other = _values("kéy", now)
+    other = record_values("kéy", now)
     other["scope"] = "tenant-E:1"
     for values in (ours, other):
-        _claimed(impl, values)
+        claimed(impl, values)
     with impl.engine.begin() as conn:
         found = impl.store.find(conn, scope_prefix="tenant-é")
         assert [(r.scope, r.key) for r in found] == [("tenant-é:1", "Kéy")]
@@ -417,18 +299,18 @@ def _wait_setting(impl: Impl, conn: sa.Connection) -> t.Any:
 def test_a_duplicate_waits_no_longer_than_the_bound_which_is_then_put_back(impl: Impl) -> None:
     if impl.dialect is Dialect:
         pytest.skip("an engine without a module has no bound of ours")
-    now, key = _now(), _key()
+    now, key = now_ms(), new_key()
     other = impl.engine_like(pool_size=1, max_overflow=0)  # one connection: its settings
     try:
         with Session(impl.engine) as first, Session(other) as second:
-            assert impl.store.claim(first, _values(key, now), None) == (True, None)
+            assert impl.store.claim(first, record_values(key, now), None) == (True, None)
             before = _wait_setting(impl, second.connection())
             with pytest.raises(ClaimWaitExceeded):
-                impl.store.claim(second, _values(key, now), dt.timedelta(milliseconds=200))
+                impl.store.claim(second, record_values(key, now), dt.timedelta(milliseconds=200))
             second.rollback()
             assert _wait_setting(impl, second.connection()) == before
             first.commit()
-            won, held = impl.store.claim(second, _values(key, now), dt.timedelta(seconds=5))
+            won, held = impl.store.claim(second, record_values(key, now), dt.timedelta(seconds=5))
             assert (won, held is not None) == (False, True)
             assert _wait_setting(impl, second.connection()) == before
             second.rollback()
@@ -446,7 +328,7 @@ def test_a_claim_bounds_how_long_its_transaction_may_sit_idle(impl: Impl) -> Non
             server_setting = session.execute(show).scalar_one()
             assert server_setting == "0"  # the suite's servers: off
             session.rollback()
-        values = _values(_key(), _now())
+        values = record_values(new_key(), now_ms())
         assert store.claim(session, values, dt.timedelta(seconds=5)) == (True, None)
         if impl.dialect is PostgreSQL:
             assert session.execute(show).scalar_one() == "30s"
@@ -460,7 +342,7 @@ def test_an_autocommit_connection_is_refused_before_anything_is_written(impl: Im
     engine = impl.engine_like(isolation_level="AUTOCOMMIT")
     try:
         with Session(engine) as session, pytest.raises(RuntimeError, match="AUTOCOMMIT"):
-            impl.store.claim(session, _values(_key(), _now()), None)
+            impl.store.claim(session, record_values(new_key(), now_ms()), None)
     finally:
         engine.dispose()
     assert impl.rows() == {}
@@ -474,6 +356,6 @@ def test_a_savepoint_first_in_the_transaction_rolls_back_with_it(impl: Impl) -> 
         conn.begin()
         open_transaction(conn)
         with conn.begin_nested():
-            assert impl.store.try_insert(conn, _values(_key(), _now()))
+            assert impl.store.try_insert(conn, record_values(new_key(), now_ms()))
         conn.rollback()
     assert impl.rows() == {}
