@@ -21,8 +21,8 @@ if t.TYPE_CHECKING:
     import sqlalchemy as sa
     from flask_sqlalchemy import SQLAlchemy
 
+    from ._request.claim_guard import ClaimGuard
     from ._request.flow import Flow
-    from ._request.session_guard import ClaimGuard
     from ._storage.schema import Record
     from ._storage.store import Store
     from .config import Settings

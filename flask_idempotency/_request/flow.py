@@ -45,11 +45,12 @@ from ..errors import (
 )
 from ..keys import key_from_request
 from ..scope import resolve_scope
+from .claim_guard import Claim, ClaimGuard, Reassert, lost_error
 from .fingerprint import load_payload, request_fingerprint, stored_request_body
 from .optimistic import run_optimistic
 from .responses import capture, replay
 from .route import RouteOptions
-from .session_guard import Claim, ClaimGuard, NoCommitGuard, Reassert, lost_error
+from .session_guard import NoCommitGuard
 from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 
 logger = logging.getLogger("flask_idempotency")
