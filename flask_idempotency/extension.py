@@ -10,7 +10,7 @@ import weakref
 
 from flask import Flask, Response, jsonify
 
-from . import config
+from . import _config, config
 from ._context import (
     AppState,
     app_state,
@@ -123,10 +123,10 @@ class Idempotency(ViewAPI):
                     "or pass db to Idempotency(app, db) / init_app(app, db)."
                 )
         merged = {**self._options, **self._check_options(options)}
-        config.check_known(app.config)
+        _config.check_known(app.config)
         for name, default in config.DEFAULTS.items():
             app.config.setdefault(config.PREFIX + name, merged.get(name.lower(), default))
-        settings = config.Settings.from_mapping(
+        settings = _config.Settings.from_mapping(
             {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
         )
         table = record_table(db.metadata)
@@ -324,7 +324,7 @@ class Idempotency(ViewAPI):
         limit = (
             state.settings.ready_timeout
             if timeout is None
-            else config.positive_duration(timeout, "timeout", maximum=config.MAX_ENGINE_TIMEOUT)
+            else _config.positive_duration(timeout, "timeout", maximum=_config.MAX_ENGINE_TIMEOUT)
         )
         probe = health.probe_for(resolve_app())
         return probe.check(state.db.engine, state.store.table, limit)

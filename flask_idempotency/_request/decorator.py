@@ -15,7 +15,7 @@ import weakref
 
 from flask import Flask, Response, current_app, request
 
-from .. import config
+from .. import _config
 from .._context import app_state
 from .._storage import dberrors
 from ..errors import ProblemError
@@ -70,30 +70,30 @@ def route_options(
     exclude_paths(excluded)  # a wrong name is an error here, not at the first request
     overrides: dict[str, t.Any] = {}
     if required is not None:
-        overrides["required"] = config.as_bool(required, "required")
+        overrides["required"] = _config.as_bool(required, "required")
     if ttl is not None:
-        overrides["ttl"] = config.as_timedelta(ttl, "ttl")
+        overrides["ttl"] = _config.as_timedelta(ttl, "ttl")
     commit_claim = lease is not None and lease is not False
     if commit_claim and lease is not True:
-        overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
+        overrides["lease"] = _config.as_timedelta(t.cast(float, lease), "lease")
     if "ttl" in overrides and "lease" in overrides:
-        config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
+        _config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
     if key_format is not None:
         overrides["key_format"] = resolve_key_format(key_format, "key_format")
     if key_max_length is not None:
         overrides["key_max_length"] = resolve_key_max_length(key_max_length, "key_max_length")
     if methods is not None:
-        overrides["methods"] = config.resolve_methods(methods, "methods")
+        overrides["methods"] = _config.resolve_methods(methods, "methods")
     if stored_statuses is not None:
-        overrides["stored_statuses"] = config.resolve_stored_statuses(
+        overrides["stored_statuses"] = _config.resolve_stored_statuses(
             stored_statuses, "stored_statuses"
         )
     if skip is not None:
-        overrides["skip"] = config.optional_callable(skip, "skip")
+        overrides["skip"] = _config.optional_callable(skip, "skip")
     if not isinstance(wait, Unset):
-        overrides["wait"] = None if wait is None else config.engine_timeout(wait, "wait")
+        overrides["wait"] = None if wait is None else _config.engine_timeout(wait, "wait")
     if replay_headers is not None:
-        overrides["replay_headers"] = config.resolve_replay_headers(
+        overrides["replay_headers"] = _config.resolve_replay_headers(
             replay_headers, "replay_headers"
         )
     if optimistic:
@@ -198,7 +198,7 @@ def unprotected_methods(app: Flask) -> list[str]:
         left = sorted(
             m
             for m in rule.methods or ()
-            if m not in config.SAFE_METHODS and not settings.protects(m)
+            if m not in _config.SAFE_METHODS and not settings.protects(m)
         )
         if left:
             found.append(f"{rule.endpoint} ({rule.rule}): {', '.join(left)}")

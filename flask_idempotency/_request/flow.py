@@ -19,11 +19,11 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, scoped_session
 
 from .. import signals
+from .._config import Settings
 from .._context import RequestState, resolve_app, set_request_state
 from .._storage import dberrors
 from .._storage.schema import Record
 from .._storage.store import Store
-from ..config import Settings
 from ..errors import (
     LeaseLostError,
     MissingKeyError,
