@@ -21,11 +21,11 @@ if t.TYPE_CHECKING:
     import sqlalchemy as sa
     from flask_sqlalchemy import SQLAlchemy
 
+    from ._config import Settings
+    from ._request.claim_guard import ClaimGuard
     from ._request.flow import Flow
-    from ._request.session_guard import ClaimGuard
     from ._storage.schema import Record
     from ._storage.store import Store
-    from .config import Settings
 
 EXTENSION_KEY = "idempotency"
 # Where the current request's state lives on ``g`` (Flask's advice for an

@@ -1,26 +1,20 @@
-"""The ``Idempotency`` extension object: registration, config, the decorator."""
+"""The ``Idempotency`` extension object: registration, config, the decorator,
+readiness; what a view calls on it comes from :class:`._view.ViewAPI`."""
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
-import logging
 import re
 import typing as t
 import weakref
 
-from flask import Flask, Response, current_app, jsonify, request
+from flask import Flask, Response, jsonify
 
-from . import config
+from . import _config, config
 from ._context import (
-    OPTIMISTIC_WHY,
     AppState,
-    RequestState,
     app_state,
     check_unregistered,
-    current_derived_key,
-    current_request_state,
-    downstream_state,
     end_request,
     find_app_state,
     register,
@@ -30,45 +24,20 @@ from ._maintenance import health
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
 from ._request import session_guard
-from ._request.fingerprint import SchemaArg, exclude_paths, resolve_schema
-from ._request.flow import Clock, Flow
-from ._request.responses import replay
+from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, route_options
+from ._request.fingerprint import SchemaArg
+from ._request.flow import Clock
 from ._request.route import RouteOptions
-from ._request.steps import run_step
-from ._storage import (
-    Record,
-    Store,
-    dberrors,
-    inbox_table,
-    job_lock_table,
-    outbox_table,
-    record_table,
-)
+from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
+from ._view import ViewAPI
 from .cli import idempotency_cli
-from .errors import ProblemError
-from .keys import quote_key, resolve_key_format, resolve_key_max_length
 
 if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
 
+__all__ = ["Idempotency"]
+
 F = t.TypeVar("F", bound=t.Callable[..., t.Any])
-T = t.TypeVar("T")
-
-LeaseArg = dt.timedelta | float | int | bool | None
-
-
-class _Unset:
-    """The default of options where ``None`` is itself a setting (``wait``)."""
-
-    def __repr__(self) -> str:
-        return "<app setting>"
-
-
-_UNSET = _Unset()
-
-logger = logging.getLogger("flask_idempotency")
-
-#: What a client is told to wait before retrying after a database failure.
 
 
 def utc_now() -> dt.datetime:
@@ -89,7 +58,7 @@ def in_utc(clock: Clock) -> Clock:
     return now
 
 
-class Idempotency:
+class Idempotency(ViewAPI):
     """Makes decorated POST routes idempotent per (scope, ``Idempotency-Key``).
 
     Guarantee: the view runs at most once per (scope, key) within the retention
@@ -153,10 +122,10 @@ class Idempotency:
                     "or pass db to Idempotency(app, db) / init_app(app, db)."
                 )
         merged = {**self._options, **self._check_options(options)}
-        config.check_known(app.config)
+        _config.check_known(app.config)
         for name, default in config.DEFAULTS.items():
             app.config.setdefault(config.PREFIX + name, merged.get(name.lower(), default))
-        settings = config.Settings.from_mapping(
+        settings = _config.Settings.from_mapping(
             {name: app.config[config.PREFIX + name] for name in config.DEFAULTS}
         )
         table = record_table(db.metadata)
@@ -177,7 +146,7 @@ class Idempotency:
         outbox.listen(db.session.session_factory)
         register(app, state)
         self._states.add(state)
-        app.before_request(_RouteCheck(app))
+        app.before_request(RouteCheck(app))
         app.teardown_request(end_request)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:
@@ -208,7 +177,7 @@ class Idempotency:
         skip: t.Callable[[], bool] | None = None,
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
-        wait: dt.timedelta | float | _Unset | None = _UNSET,
+        wait: dt.timedelta | float | Unset | None = UNSET,
         optimistic: bool = False,
     ) -> t.Callable[[F], F]: ...
 
@@ -231,7 +200,7 @@ class Idempotency:
         skip: t.Callable[[], bool] | None = None,
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
-        wait: dt.timedelta | float | _Unset | None = _UNSET,
+        wait: dt.timedelta | float | Unset | None = UNSET,
         optimistic: bool = False,
     ) -> F | t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
@@ -291,95 +260,30 @@ class Idempotency:
             or ``idem.derived_key``; ``lease``, ``recover`` and ``manual`` are
             refused with it. See :mod:`flask_idempotency.optimistic`.
         """
-        loaded_schema = resolve_schema(schema)
-        if isinstance(exclude, str):
-            raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
-        excluded = tuple(exclude)
-        exclude_paths(excluded)  # a wrong name is an error here, not at the first request
-        overrides: dict[str, t.Any] = {}
-        if required is not None:
-            overrides["required"] = config.as_bool(required, "required")
-        if ttl is not None:
-            overrides["ttl"] = config.as_timedelta(ttl, "ttl")
-        commit_claim = lease is not None and lease is not False
-        if commit_claim and lease is not True:
-            overrides["lease"] = config.as_timedelta(t.cast(float, lease), "lease")
-        if "ttl" in overrides and "lease" in overrides:
-            config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
-        if key_format is not None:
-            overrides["key_format"] = resolve_key_format(key_format, "key_format")
-        if key_max_length is not None:
-            overrides["key_max_length"] = resolve_key_max_length(key_max_length, "key_max_length")
-        if methods is not None:
-            overrides["methods"] = config.resolve_methods(methods, "methods")
-        if stored_statuses is not None:
-            overrides["stored_statuses"] = config.resolve_stored_statuses(
-                stored_statuses, "stored_statuses"
-            )
-        if skip is not None:
-            overrides["skip"] = config.optional_callable(skip, "skip")
-        if not isinstance(wait, _Unset):
-            overrides["wait"] = None if wait is None else config.engine_timeout(wait, "wait")
-        if replay_headers is not None:
-            overrides["replay_headers"] = config.resolve_replay_headers(
-                replay_headers, "replay_headers"
-            )
-        if optimistic:
-            refused = [
-                name
-                for name, value in (
-                    ("lease", commit_claim),
-                    ("recover", recover),
-                    ("manual", manual),
-                )
-                if value
-            ]
-            if refused:
-                raise ValueError(
-                    f"optimistic=True cannot be combined with {', '.join(refused)}: they need "
-                    "a record before the view runs, and an optimistic route writes it after"
-                )
-        route = RouteOptions(
-            schema=loaded_schema,
-            exclude=excluded,
+        route = route_options(
+            schema=schema,
+            exclude=exclude,
+            required=required,
+            ttl=ttl,
             scope=scope,
-            commit_claim=commit_claim,
-            recover=bool(recover),
-            manual=bool(manual),
-            optimistic=bool(optimistic),
-            overrides=overrides,
+            lease=lease,
+            recover=recover,
+            key_format=key_format,
+            key_max_length=key_max_length,
+            methods=methods,
+            stored_statuses=stored_statuses,
+            skip=skip,
+            replay_headers=replay_headers,
+            manual=manual,
+            wait=wait,
+            optimistic=optimistic,
         )
         self._routes.append(route)
         for known in list(self._states):
             known.route_settings[route] = route.settings_for(known.settings)
 
         def decorator(view: F) -> F:
-            @functools.wraps(view)
-            def wrapper(**kwargs: t.Any) -> Response:
-                state = app_state()
-                settings = state.route_settings.get(route)
-                if settings is None:  # an app this Idempotency object did not register
-                    settings = state.route_settings[route] = route.settings_for(state.settings)
-                flow = Flow(
-                    scoped=state.db.session,
-                    store=state.store,
-                    settings=settings,
-                    clock=state.clock,
-                    route=route,
-                )
-                try:
-                    return flow.run(current_app.ensure_sync(view), kwargs)
-                except Exception as exc:
-                    # Wraps the whole flow (claim, view, completion, replay, the
-                    # no-key path): a database outage or a lock conflict anywhere
-                    # answers a retryable problem, never an HTML 500.
-                    problem = _database_problem(exc, state.db.session, state.store.table.name)
-                    if problem is None:
-                        raise
-                    raise problem from exc
-
-            wrapper._idempotency_route = route  # type: ignore[attr-defined]
-            return t.cast(F, wrapper)
+            return protect(view, route)
 
         if view is not None:
             if not callable(view):
@@ -419,7 +323,7 @@ class Idempotency:
         limit = (
             state.settings.ready_timeout
             if timeout is None
-            else config.positive_duration(timeout, "timeout", maximum=config.MAX_ENGINE_TIMEOUT)
+            else _config.positive_duration(timeout, "timeout", maximum=_config.MAX_ENGINE_TIMEOUT)
         )
         probe = health.probe_for(resolve_app())
         return probe.check(state.db.engine, state.store.table, limit)
@@ -481,201 +385,3 @@ class Idempotency:
                 return self.readiness()
 
         return health.serve(app, check, host=host, port=port, path=path)
-
-    # -- what a view may read ---------------------------------------------------
-
-    @staticmethod
-    def _request_state() -> RequestState | None:
-        return current_request_state()
-
-    @property
-    def payload(self) -> t.Any:
-        """The current request's payload: the schema's loaded data, parsed JSON or bytes."""
-        state = self._request_state()
-        return state.payload if state is not None else None
-
-    @property
-    def key(self) -> str | None:
-        """The current request's idempotency key (unquoted), or ``None``."""
-        state = self._request_state()
-        return state.key if state is not None else None
-
-    @property
-    def scope(self) -> str | None:
-        """The current request's scope, or ``None`` when it carries no key."""
-        state = self._request_state()
-        return state.scope if state is not None else None
-
-    @property
-    def previous(self) -> Record | None:
-        """In manual mode, the completed record of this operation (status, body,
-        headers, times) when the request is a retry; ``None`` otherwise."""
-        state = self._request_state()
-        return state.previous if state is not None else None
-
-    def replay(self) -> Response:
-        """In manual mode, the answer the extension would have given: the stored
-        response, with ``Idempotent-Replayed: true``."""
-        previous = self.previous
-        if previous is None:
-            raise RuntimeError("idem.replay() needs a retry of a completed operation (manual mode)")
-        return replay(previous)
-
-    def step(self, name: str, fn: t.Callable[[], T]) -> T:
-        """Run ``fn`` once per operation as the recovery point ``name``.
-
-        On a leased route, the first attempt calls ``fn`` and saves its
-        (JSON-serializable) result on the record in a short transaction of its
-        own; an attempt that resumes the record after a crash or a released
-        failure gets the saved result without calling ``fn``. Raises
-        :class:`~flask_idempotency.LeaseLostError` when another request has taken
-        the record over. Keep database writes out of ``fn``. In a request without
-        a key (a route that does not require one) there is nothing to resume:
-        ``fn`` simply runs.
-        """
-        state = self._request_state()
-        if state is None:
-            raise RuntimeError("idem.step() can only be called inside an idempotent view")
-        if state.optimistic:
-            raise RuntimeError(f"idem.step() is refused: {OPTIMISTIC_WHY}")
-        return run_step(state, name, fn)
-
-    def derived_key(self, step: str) -> str:
-        """The idempotency key to send downstream for ``step`` of this operation.
-
-        SHA-256 of the scope, the key, the operation's start and ``step``: the
-        same on every retry and resume of this operation, unique per step, per
-        scope, and per operation (a new operation on a key whose record expired
-        gets new downstream keys, so a downstream that remembers keys longer
-        than we do never answers it with the old operation's result). It is
-        :func:`flask_idempotency.derive_key` of the scoped parent key
-        (:func:`flask_idempotency.keys.scoped_parent_key`) and ``step``.
-        """
-        return current_derived_key(step)
-
-    def emit(
-        self,
-        topic: str,
-        payload: t.Any,
-        headers: t.Mapping[str, str] | None = None,
-        *,
-        name: str | None = None,
-    ) -> str:
-        """Add an event to the outbox in the current transaction; its event id.
-
-        The row is inserted through the app's session, so it commits with the
-        view's writes and the record, or rolls back with them; the relay
-        publishes it after the commit, at least once. The id names the logical
-        event: ``derived_key("event:" + name)`` with a ``name``, else derived
-        from the topic and the payload (and how many identical events this
-        attempt emitted before it). So a retried or resumed operation gives each
-        event the id it had, whatever it emits first; re-emitting an event
-        already committed adds nothing, and an id already used by another topic
-        or payload raises :class:`~flask_idempotency.errors.EventIdConflictError`.
-        Allowed on optimistic routes (random ids there, as without a key). See
-        :mod:`flask_idempotency.outbox`.
-        """
-        return outbox.emit(topic, payload, headers, name=name)
-
-    def forward_headers(self, step: str | None = None) -> dict[str, str]:
-        """The headers that carry this operation's key to an outgoing call.
-
-        Without ``step``: the client's key, unchanged, for a downstream that shares
-        this service's key space (``{"Idempotency-Key": '"<key>"'}``, the header
-        named by ``IDEMPOTENCY_HEADER``). With ``step``: :meth:`derived_key` of
-        it, for one call among several. The value is always an RFC 8941 string
-        (quoted), the form the IETF draft specifies and this extension reads
-        back as the same key, whatever characters the key holds. Refused like
-        :meth:`derived_key`: outside an idempotent view, on optimistic routes,
-        and (400 ``missing-key``) in a request without a key.
-        """
-        state = downstream_state("idem.forward_headers()")
-        header = state.flow.settings.header if state.flow is not None else "Idempotency-Key"
-        assert state.key is not None
-        if step is None:
-            return {header: quote_key(state.key)}
-        return {header: quote_key(current_derived_key(step))}
-
-
-class _RouteCheck:
-    """Refuses, at the app's first request (every route is registered by then),
-    a decorated view that serves an unsafe method the app's
-    ``IDEMPOTENCY_METHODS`` leaves unprotected: it would run on every retry and
-    without a key, unseen. A route's own ``methods=`` is a choice for that view."""
-
-    def __init__(self, app: Flask) -> None:
-        self._app = weakref.ref(app)
-        self._done = False
-
-    def __call__(self) -> None:
-        if self._done:
-            return
-        app = self._app()
-        if app is None:
-            return
-        unprotected = _unprotected_methods(app)
-        if unprotected:
-            raise RuntimeError(
-                "Flask-Idempotency: decorated views serve methods that IDEMPOTENCY_METHODS "
-                f"leaves unprotected: {'; '.join(unprotected)}. Each would run on every "
-                "retry and without a key. Add the methods to IDEMPOTENCY_METHODS (or leave "
-                "it None: every method but GET, HEAD, OPTIONS and TRACE), or pass "
-                "methods=[...] to @idem.idempotent on the view to choose for it."
-            )
-        self._done = True
-
-
-def _unprotected_methods(app: Flask) -> list[str]:
-    """``endpoint (rule): METHODS`` for each decorated view serving unsafe methods
-    its settings leave out, unless the route chose its methods itself."""
-    state = app_state(app)
-    found: list[str] = []
-    for rule in app.url_map.iter_rules():
-        route = getattr(app.view_functions.get(rule.endpoint), "_idempotency_route", None)
-        if not isinstance(route, RouteOptions) or "methods" in route.overrides:
-            continue
-        settings = state.route_settings.get(route) or route.settings_for(state.settings)
-        left = sorted(
-            m
-            for m in rule.methods or ()
-            if m not in config.SAFE_METHODS and not settings.protects(m)
-        )
-        if left:
-            found.append(f"{rule.endpoint} ({rule.rule}): {', '.join(left)}")
-    return found
-
-
-def _names_table(exc: Exception, table: str) -> bool:
-    """Whether the statement that failed (SQLAlchemy keeps it) names ``table``."""
-    statement = getattr(exc, "statement", None) or ""
-    return isinstance(statement, str) and table in statement
-
-
-def _database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
-    """The problem to answer for a database failure, or ``None`` for any other error.
-
-    A privilege refused on the record's table (``records``: a GRANT missing for
-    the claim, the lease renewal, the completion) is this host's outage, as
-    readiness says ("forbidden"); refused on a table of the app's, the app's
-    own error. Rolls ``session`` back first (a failure of that rollback is
-    expected when the connection is gone, and ignored) and logs ``exc`` once.
-    """
-    failure = dberrors.classify(exc)
-    if failure is None and dberrors.privilege_refused(exc) and _names_table(exc, records):
-        failure = dberrors.UNAVAILABLE
-    if failure is None:
-        return None
-    problem = dberrors.problem_for(failure, exc)
-    try:
-        session.rollback()
-    except Exception:  # the connection is already broken; the original error matters
-        logger.debug("rollback after a database failure failed too", exc_info=True)
-    logger.warning(
-        "%s %s answered %d: database %s: %s",
-        request.method,
-        request.path,
-        problem.code,
-        "read-only" if dberrors.read_only(exc) else failure.value,
-        dberrors.summary(exc),
-    )
-    return problem

@@ -7,7 +7,7 @@ import typing as t
 
 from marshmallow import Schema
 
-from ..config import Settings
+from .._config import Settings
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -22,7 +22,7 @@ import logging
 import typing as t
 
 from ..errors import LeaseLostError
-from .session_guard import Claim
+from .claim_guard import Claim
 
 if t.TYPE_CHECKING:
     from .._context import RequestState

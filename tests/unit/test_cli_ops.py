@@ -32,18 +32,18 @@ from click.testing import Result
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
-from flask_idempotency._messaging.outbox import add_event
-from flask_idempotency._storage.schema import outbox_table
-from flask_idempotency._storage.store import text_param
-from flask_idempotency.cli import (
+from flask_idempotency._cli import (
     EXIT_BROKER,
     EXIT_CONFIG,
     EXIT_DATABASE,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    idempotency_cli,
 )
+from flask_idempotency._messaging.outbox import add_event
+from flask_idempotency._storage.schema import outbox_table
+from flask_idempotency._storage.store import text_param
+from flask_idempotency.cli import idempotency_cli
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
 from tests.support import outbox_app
 from tests.support.live import ROOT

@@ -102,6 +102,16 @@ PUBLIC: dict[str, set[str]] = {
         "recover_abandoned",
     },
     "flask_idempotency.scheduler": {"InProcessScheduler", "JobScheduler"},
+    "flask_idempotency.extension": {"Idempotency"},
+    "flask_idempotency.cli": {"idempotency_cli"},
+    "flask_idempotency.client": {
+        "IdempotentRetry",
+        "IdempotentSession",
+        "KEYED_METHODS",
+        "RETRY_METHODS",
+        "RETRY_STATUSES",
+        "RedirectBudgetExceeded",
+    },
     "flask_idempotency.keys": {
         "KEY_FORMATS",
         "KeyFormat",

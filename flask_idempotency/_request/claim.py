@@ -1,0 +1,223 @@
+"""The claim: take (scope, key) for this request, or answer for the record
+that holds it (replay it, 422 for another payload, 409 while it runs), or
+take over a record whose lease ended (the same operation, resuming) or that
+expired (a new one).
+
+The claim is an insert in the view's session, fenced by a new fencing token;
+a duplicate waits on it at most ``IDEMPOTENCY_WAIT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import logging
+import typing as t
+import urllib.parse
+
+from flask import Response, request
+
+from .. import signals
+from .._context import resolve_app
+from .._storage import COMPLETED, IN_PROGRESS, Record, new_fencing_token, operation_values
+from ..errors import (
+    ClaimWaitExceeded,
+    ConflictError,
+    KeyReusedError,
+    PayloadTooLargeError,
+    RecordGone,
+    TooLargeToStore,
+)
+from .claim_guard import Reassert
+from .fingerprint import stored_request_body
+from .responses import replay
+
+if t.TYPE_CHECKING:
+    from .flow import Flow
+
+logger = logging.getLogger("flask_idempotency")
+
+# A claim attempt only repeats when another request changed the row between
+# our insert and our read (deleted, replaced, reclaimed); a few rounds suffice.
+_CLAIM_ROUNDS = 5
+# A claim that waited longer than this on another request re-stamps its times.
+_RESTAMP_AFTER = dt.timedelta(seconds=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """A claim won: the key is this request's, under ``token``."""
+
+    token: int
+    recovery_points: dict[str, t.Any]
+    #: Repeats the claim in a later transaction, if the view rolls this one back.
+    reassert: Reassert
+    #: The operation's creation time (kept by a reclaim, new for a new operation).
+    created_at: dt.datetime
+    #: The time the claim's lease (and, for a new operation, its retention) counts from.
+    stamped_at: dt.datetime
+    new_operation: bool
+
+
+def request_target() -> str:
+    """The path and query as the client sent them, still percent-encoded, so the
+    recovery job's re-run reaches the same route with the same arguments
+    (``%2F``, ``%3F`` and ``%23`` decoded would change both)."""
+    path = urllib.parse.quote(request.path, safe="/:@!$&'()*+,;=-._~")
+    query = request.query_string.decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
+def claim_values(flow: Flow, fingerprint: str, now: dt.datetime) -> dict[str, t.Any]:
+    """The claimed record's columns (in progress, leased from ``now``), with the
+    request itself on a route the recovery job may finish."""
+    settings = flow.settings
+    values = operation_values(
+        request_hash=fingerprint,
+        status=IN_PROGRESS,
+        locked_until=now + settings.lease,
+        created_at=now,
+        expires_at=now + settings.ttl,
+    )
+    if flow.route.recover:
+        # The body as sent, or, if a hook parsed the form first, a faithful
+        # re-encoding of it (with the content type that goes with it).
+        body, content_type = stored_request_body()
+        values.update(
+            request_method=request.method,
+            request_path=request_target(),
+            request_content_type=content_type,
+            request_body=body,
+        )
+    return values
+
+
+def claim_key(
+    flow: Flow, scope: str, key: str, fingerprint: str, *, allow_new: bool
+) -> Claimed | Response | Record:
+    """Claim (scope, key), or answer for the record that already holds it
+    (a completed record itself, on a route in manual mode).
+
+    ``allow_new=False`` (a recovery run) only resumes an abandoned record:
+    it never starts an operation no client asked for.
+    """
+    store, session, wait = flow.store, flow.session, flow.settings.wait
+    try:
+        for _ in range(_CLAIM_ROUNDS):
+            now = flow.now()
+            values = claim_values(flow, fingerprint, now)
+            if allow_new:
+                token = new_fencing_token()
+                fresh = {"scope": scope, "key": key, "fencing_token": token, **values}
+                inserted, record = store.claim(session, fresh, wait)
+                if inserted:
+                    insert = functools.partial(store.try_insert, values=fresh)
+                    return Claimed(token, {}, insert, now, now, True)
+            else:
+                with store.bounded_wait(session, wait):
+                    record = store.load(session, scope, key, stored_request=False)
+            expired = record is not None and record.is_expired(now)
+            if not allow_new and (record is None or expired):
+                raise RecordGone(f"{scope!r} {key!r}")
+            if record is None:
+                continue  # deleted since our insert; insert again
+            if not expired:
+                answer = answer_existing(flow, record, fingerprint, now)
+                if answer is not None:
+                    if not allow_new:
+                        raise RecordGone(f"{scope!r} {key!r}")
+                    return answer
+            # Replace the expired record (a new operation, starting
+            # clean), or reclaim one whose lease ended (the same
+            # operation, resuming from its recovery points).
+            token = new_fencing_token(record.fencing_token)
+            take: Reassert = functools.partial(
+                store.take_over,
+                record=record,
+                values=values,
+                now=now,
+                expired=expired,
+                token=token,
+            )
+            with store.bounded_wait(session, wait):
+                taken = take(session)
+            if taken:
+                if not expired:
+                    logger.info("reclaimed %r in scope %r after its lease ended", key, scope)
+                if expired:  # a new operation
+                    return Claimed(token, {}, take, now, now, True)
+                points = record.recovery_points
+                return Claimed(token, points, take, record.created_at, now, False)
+    except TooLargeToStore as exc:
+        session.rollback()
+        raise PayloadTooLargeError(
+            "The request is larger than the database accepts to keep for the recovery "
+            f"job ({exc}); nothing was stored. Send a smaller body."
+        ) from None
+    except ClaimWaitExceeded:
+        session.rollback()
+        signal_conflict(scope, key, None)
+        raise ConflictError(
+            "Another request with this idempotency key is still running; retry after it finishes.",
+            retry_after=dt.timedelta(seconds=1),
+        ) from None
+    signal_conflict(scope, key, None)
+    raise ConflictError(
+        "The record for this idempotency key kept changing; retry.",
+        retry_after=dt.timedelta(seconds=1),
+    )
+
+
+def restamp_if_waited(flow: Flow, scope: str, key: str, claimed: Claimed) -> Claimed:
+    """The claim's times were taken before it waited on another request's
+    transaction (the unique index, a row lock). When that wait was long, count the
+    lease (and a new operation's retention) from now, or a duplicate that waited
+    past a lease would hold a lease already over."""
+    now = flow.now()
+    if now - claimed.stamped_at <= _RESTAMP_AFTER:
+        return claimed
+    settings = flow.settings
+    created_at = now if claimed.new_operation else claimed.created_at
+    flow.store.restamp(
+        flow.session,
+        scope,
+        key,
+        claimed.token,
+        locked_until=now + settings.lease,
+        created_at=now if claimed.new_operation else None,
+        expires_at=now + settings.ttl if claimed.new_operation else None,
+    )
+    return dataclasses.replace(claimed, created_at=created_at, stamped_at=now)
+
+
+def signal_conflict(scope: str, key: str, record: Record | None) -> None:
+    """Send ``request_conflict``: a duplicate is answered 409."""
+    app = resolve_app()
+    signals.request_conflict.send(app, scope=scope, key=key, record=record)
+
+
+def answer_existing(
+    flow: Flow, record: Record, fingerprint: str, now: dt.datetime
+) -> Response | Record | None:
+    """Replay (or, in manual mode, the record for the view), 422 or 409 for an
+    unexpired record; ``None`` means "reclaim it"."""
+    app = resolve_app()
+    if record.request_hash != fingerprint:
+        signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
+        raise KeyReusedError(
+            "This idempotency key was already used with a different request payload. "
+            "Use a new key for a new operation."
+        )
+    if record.status == COMPLETED:
+        logger.debug("replaying %r in scope %r", record.key, record.scope)
+        signals.response_replayed.send(app, scope=record.scope, key=record.key, record=record)
+        return record if flow.route.manual else replay(record)
+    if record.lease_live(now):
+        assert record.locked_until is not None
+        signal_conflict(record.scope, record.key, record)
+        raise ConflictError(
+            "A request with this idempotency key is in progress; retry later.",
+            retry_after=record.locked_until - now,
+        )
+    return None

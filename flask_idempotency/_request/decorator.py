@@ -1,0 +1,241 @@
+"""What ``@idem.idempotent`` builds: the route's options, each checked when the
+view is decorated; the wrapper that runs the request's flow; the check, at the
+app's first request, of the methods the decorated views serve; and the
+problem a database failure answers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+import re
+import typing as t
+import weakref
+
+from flask import Flask, Response, current_app, request
+
+from .. import _config
+from .._context import app_state
+from .._storage import dberrors
+from ..errors import ProblemError
+from ..keys import resolve_key_format, resolve_key_max_length
+from .fingerprint import SchemaArg, exclude_paths, resolve_schema
+from .flow import Flow
+from .route import RouteOptions
+
+F = t.TypeVar("F", bound=t.Callable[..., t.Any])
+
+LeaseArg = dt.timedelta | float | int | bool | None
+
+
+class Unset:
+    """The default of options where ``None`` is itself a setting (``wait``)."""
+
+    def __repr__(self) -> str:
+        return "<app setting>"
+
+
+UNSET = Unset()
+
+logger = logging.getLogger("flask_idempotency")
+
+
+def route_options(
+    *,
+    schema: SchemaArg,
+    exclude: t.Sequence[str],
+    required: bool | None,
+    ttl: dt.timedelta | float | None,
+    scope: t.Callable[[], str] | None,
+    lease: LeaseArg,
+    recover: bool,
+    key_format: str | re.Pattern[str] | None,
+    key_max_length: int | None,
+    methods: t.Iterable[str] | None,
+    stored_statuses: t.Iterable[int] | None,
+    skip: t.Callable[[], bool] | None,
+    replay_headers: t.Iterable[str] | t.Literal["*"] | None,
+    manual: bool,
+    wait: dt.timedelta | float | Unset | None,
+    optimistic: bool,
+) -> RouteOptions:
+    """The options of one decorated route, as ``@idem.idempotent`` documents
+    them (its defaults too); a wrong one raises here, when the view is decorated, not at its
+    first request."""
+    loaded_schema = resolve_schema(schema)
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
+    excluded = tuple(exclude)
+    exclude_paths(excluded)  # a wrong name is an error here, not at the first request
+    overrides: dict[str, t.Any] = {}
+    if required is not None:
+        overrides["required"] = _config.as_bool(required, "required")
+    if ttl is not None:
+        overrides["ttl"] = _config.as_timedelta(ttl, "ttl")
+    commit_claim = lease is not None and lease is not False
+    if commit_claim and lease is not True:
+        overrides["lease"] = _config.as_timedelta(t.cast(float, lease), "lease")
+    if "ttl" in overrides and "lease" in overrides:
+        _config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
+    if key_format is not None:
+        overrides["key_format"] = resolve_key_format(key_format, "key_format")
+    if key_max_length is not None:
+        overrides["key_max_length"] = resolve_key_max_length(key_max_length, "key_max_length")
+    if methods is not None:
+        overrides["methods"] = _config.resolve_methods(methods, "methods")
+    if stored_statuses is not None:
+        overrides["stored_statuses"] = _config.resolve_stored_statuses(
+            stored_statuses, "stored_statuses"
+        )
+    if skip is not None:
+        overrides["skip"] = _config.optional_callable(skip, "skip")
+    if not isinstance(wait, Unset):
+        overrides["wait"] = None if wait is None else _config.engine_timeout(wait, "wait")
+    if replay_headers is not None:
+        overrides["replay_headers"] = _config.resolve_replay_headers(
+            replay_headers, "replay_headers"
+        )
+    if optimistic:
+        refused = [
+            name
+            for name, value in (
+                ("lease", commit_claim),
+                ("recover", recover),
+                ("manual", manual),
+            )
+            if value
+        ]
+        if refused:
+            raise ValueError(
+                f"optimistic=True cannot be combined with {', '.join(refused)}: they need "
+                "a record before the view runs, and an optimistic route writes it after"
+            )
+    route = RouteOptions(
+        schema=loaded_schema,
+        exclude=excluded,
+        scope=scope,
+        commit_claim=commit_claim,
+        recover=bool(recover),
+        manual=bool(manual),
+        optimistic=bool(optimistic),
+        overrides=overrides,
+    )
+    return route
+
+
+def protect(view: F, route: RouteOptions) -> F:
+    """``view``, wrapped: each call runs the request's flow with the route's
+    settings for the current app; a database failure anywhere in it answers a
+    retryable problem."""
+
+    @functools.wraps(view)
+    def wrapper(**kwargs: t.Any) -> Response:
+        state = app_state()
+        settings = state.route_settings.get(route)
+        if settings is None:  # an app this Idempotency object did not register
+            settings = state.route_settings[route] = route.settings_for(state.settings)
+        flow = Flow(
+            scoped=state.db.session,
+            store=state.store,
+            settings=settings,
+            clock=state.clock,
+            route=route,
+        )
+        try:
+            return flow.run(current_app.ensure_sync(view), kwargs)
+        except Exception as exc:
+            # Wraps the whole flow (claim, view, completion, replay, the
+            # no-key path): a database outage or a lock conflict anywhere
+            # answers a retryable problem, never an HTML 500.
+            problem = database_problem(exc, state.db.session, state.store.table.name)
+            if problem is None:
+                raise
+            raise problem from exc
+
+    wrapper._idempotency_route = route  # type: ignore[attr-defined]
+    return t.cast(F, wrapper)
+
+
+class RouteCheck:
+    """Refuses, at the app's first request (every route is registered by then),
+    a decorated view that serves an unsafe method the app's
+    ``IDEMPOTENCY_METHODS`` leaves unprotected: it would run on every retry and
+    without a key, unseen. A route's own ``methods=`` is a choice for that view."""
+
+    def __init__(self, app: Flask) -> None:
+        self._app = weakref.ref(app)
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        app = self._app()
+        if app is None:
+            return
+        unprotected = unprotected_methods(app)
+        if unprotected:
+            raise RuntimeError(
+                "Flask-Idempotency: decorated views serve methods that IDEMPOTENCY_METHODS "
+                f"leaves unprotected: {'; '.join(unprotected)}. Each would run on every "
+                "retry and without a key. Add the methods to IDEMPOTENCY_METHODS (or leave "
+                "it None: every method but GET, HEAD, OPTIONS and TRACE), or pass "
+                "methods=[...] to @idem.idempotent on the view to choose for it."
+            )
+        self._done = True
+
+
+def unprotected_methods(app: Flask) -> list[str]:
+    """``endpoint (rule): METHODS`` for each decorated view serving unsafe methods
+    its settings leave out, unless the route chose its methods itself."""
+    state = app_state(app)
+    found: list[str] = []
+    for rule in app.url_map.iter_rules():
+        route = getattr(app.view_functions.get(rule.endpoint), "_idempotency_route", None)
+        if not isinstance(route, RouteOptions) or "methods" in route.overrides:
+            continue
+        settings = state.route_settings.get(route) or route.settings_for(state.settings)
+        left = sorted(
+            m
+            for m in rule.methods or ()
+            if m not in _config.SAFE_METHODS and not settings.protects(m)
+        )
+        if left:
+            found.append(f"{rule.endpoint} ({rule.rule}): {', '.join(left)}")
+    return found
+
+
+def names_table(exc: Exception, table: str) -> bool:
+    """Whether the statement that failed (SQLAlchemy keeps it) names ``table``."""
+    statement = getattr(exc, "statement", None) or ""
+    return isinstance(statement, str) and table in statement
+
+
+def database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
+    """The problem to answer for a database failure, or ``None`` for any other error.
+
+    A privilege refused on the record's table (``records``: a GRANT missing for
+    the claim, the lease renewal, the completion) is this host's outage, as
+    readiness says ("forbidden"); refused on a table of the app's, the app's
+    own error. Rolls ``session`` back first (a failure of that rollback is
+    expected when the connection is gone, and ignored) and logs ``exc`` once.
+    """
+    failure = dberrors.classify(exc)
+    if failure is None and dberrors.privilege_refused(exc) and names_table(exc, records):
+        failure = dberrors.UNAVAILABLE
+    if failure is None:
+        return None
+    problem = dberrors.problem_for(failure, exc)
+    try:
+        session.rollback()
+    except Exception:  # the connection is already broken; the original error matters
+        logger.debug("rollback after a database failure failed too", exc_info=True)
+    logger.warning(
+        "%s %s answered %d: database %s: %s",
+        request.method,
+        request.path,
+        problem.code,
+        "read-only" if dberrors.read_only(exc) else failure.value,
+        dberrors.summary(exc),
+    )
+    return problem
