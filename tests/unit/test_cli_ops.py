@@ -41,8 +41,8 @@ from flask_idempotency._cli import (
     EXIT_USAGE,
 )
 from flask_idempotency._messaging.outbox import add_event
+from flask_idempotency._storage import text_param
 from flask_idempotency._storage.schema import outbox_table
-from flask_idempotency._storage.store import text_param
 from flask_idempotency.cli import idempotency_cli
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
 from tests.support import outbox_app
