@@ -431,8 +431,8 @@ def stats() -> None:
     """Records by status, oldest in progress, expired awaiting cleanup, table size;
     the outbox (pending, retrying, oldest pending age, parked, published) and the
     inbox (processed ids, per consumer), each when its table exists."""
-    from ._messaging import inbox
-    from ._messaging.relay import outbox_stats
+    from ._messaging.admin import outbox_stats
+    from ._storage import inbox
     from ._storage.schema import OUTBOX_TABLE_NAME
 
     state = _state()
@@ -798,7 +798,8 @@ def relay(once: bool, batch: int, poll: float) -> None:
     the database when it starts and ends, and rides it out.
     """
     from ._maintenance.scheduler import JobScheduler
-    from ._messaging.relay import Listener, RelistenBackoff, relay_batch
+    from ._messaging.listener import Listener, RelistenBackoff
+    from ._messaging.relay import relay_batch
 
     wake = _state().settings.relay_wake
     app = resolve_app()
@@ -900,7 +901,7 @@ def relay(once: bool, batch: int, poll: float) -> None:
 @_command("outbox-retry")
 def outbox_retry() -> None:
     """Un-park the events the relay gave up on (attempts reset, due now)."""
-    from ._messaging.relay import retry_parked
+    from ._messaging.admin import retry_parked
 
     _require_tables(_outbox())
     _report(f"un-parked {retry_parked(resolve_app())} event(s)")
@@ -916,7 +917,7 @@ def outbox_retry() -> None:
 def outbox_purge(older_than: float | None) -> None:
     """Delete outbox events published more than --older-than hours ago (the
     cleanup job does it too, after IDEMPOTENCY_OUTBOX_RETENTION)."""
-    from ._messaging.relay import purge_published
+    from ._messaging.admin import purge_published
 
     _require_tables(_outbox())
     age = None if older_than is None else dt.timedelta(hours=older_than)

@@ -639,12 +639,6 @@ def _unprotected_methods(app: Flask) -> list[str]:
     return found
 
 
-def _names_table(exc: Exception, table: str) -> bool:
-    """Whether the statement that failed (SQLAlchemy keeps it) names ``table``."""
-    statement = getattr(exc, "statement", None) or ""
-    return isinstance(statement, str) and table in statement
-
-
 def _database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
     """The problem to answer for a database failure, or ``None`` for any other error.
 
@@ -655,7 +649,7 @@ def _database_problem(exc: Exception, session: t.Any, records: str) -> ProblemEr
     expected when the connection is gone, and ignored) and logs ``exc`` once.
     """
     failure = dberrors.classify(exc)
-    if failure is None and dberrors.privilege_refused(exc) and _names_table(exc, records):
+    if failure is None and dberrors.privilege_refused(exc) and dberrors.names_table(exc, records):
         failure = dberrors.UNAVAILABLE
     if failure is None:
         return None

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 
 from flask_idempotency._maintenance import scheduler as scheduler_module
 from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
-from flask_idempotency._messaging.relay import Listener
+from flask_idempotency._messaging.listener import Listener
 from flask_idempotency.publishers import ListPublisher
 
 from . import outbox_app
