@@ -20,6 +20,13 @@ setup(
     ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    url="https://github.com/flask-idempotency/flask-idempotency",
+    project_urls={
+        "Documentation": "https://flask-idempotency.readthedocs.io/",
+        "Changelog": "https://flask-idempotency.readthedocs.io/en/latest/changelog.html",
+        "Source": "https://github.com/flask-idempotency/flask-idempotency",
+        "Issue tracker": "https://github.com/flask-idempotency/flask-idempotency/issues",
+    },
     license="MIT",
     license_files=["LICENSE"],
     python_requires=">=3.10",

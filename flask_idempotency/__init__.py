@@ -23,6 +23,7 @@ from . import scope as scope
 from . import signals
 from ._storage.schema import COMPLETED, IN_PROGRESS, Record
 from .errors import (
+    BrokerUnavailable,
     ConflictError,
     DatabaseUnavailableError,
     EventIdConflictError,
@@ -49,6 +50,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "COMPLETED",
     "IN_PROGRESS",
+    "BrokerUnavailable",
     "ConflictError",
     "DatabaseUnavailableError",
     "EventIdConflictError",

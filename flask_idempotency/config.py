@@ -1,123 +1,13 @@
 """Every ``IDEMPOTENCY_*`` configuration key, with its default and meaning.
 
-This module is the one place the keys are documented. Each key can be set in
-``app.config`` or passed to :class:`~flask_idempotency.Idempotency` (lower-case,
-without the prefix: ``Idempotency(app, db, ttl=timedelta(hours=48))``); the
-constructor value becomes the app's default, and ``app.config`` wins over it.
+Each key is declared once, in :data:`SETTINGS`; :data:`DEFAULTS` is derived from
+it, and so is the documentation's configuration reference, so neither can drift.
+A key can be set in ``app.config`` or passed to :class:`~flask_idempotency.Idempotency`
+(lower-case, without the prefix: ``Idempotency(app, db, ttl=timedelta(hours=48))``);
+the constructor value becomes the app's default, and ``app.config`` wins over it.
 Route options of :meth:`~flask_idempotency.Idempotency.idempotent` win over both.
-
-``IDEMPOTENCY_HEADER`` (default: ``"Idempotency-Key"``)
-    request header that carries the key
-``IDEMPOTENCY_METHODS`` (default: ``None``)
-    the methods a decorated view protects; ``None``: every method it serves but the safe
-    ones (GET, HEAD, OPTIONS, TRACE), so POST, PUT, PATCH, DELETE and any other; a
-    collection: only those (the safe ones may not be listed). A safe method always runs
-    as a request without a key. A decorated view that serves an unsafe method this
-    setting leaves out is refused at the app's first request, with the fix in the
-    message; a route's own ``methods=`` is a choice made for that view, and is followed
-``IDEMPOTENCY_REQUIRED`` (default: ``False``)
-    a protected route without a key answers 400 (otherwise the request runs unprotected)
-``IDEMPOTENCY_SKIP`` (default: ``None``)
-    callable returning ``True`` for a request that runs unprotected, as without a key
-``IDEMPOTENCY_KEY_FORMAT`` (default: ``None``)
-    what a key must look like, else 400 ``invalid-key``: ``None`` any printable ASCII;
-    ``"uuid"`` a canonical UUID of any version (either case, with hyphens); ``"uuid4"``
-    or ``"uuid7"`` one of that version (RFC 9562 variant); or a regular expression the
-    whole key must match: a compiled ``re.Pattern``, or a string with at least one
-    character that is not a letter, digit, ``-`` or ``_`` (a string of those alone is
-    taken for a format name, and refused at start-up when it names none)
-``IDEMPOTENCY_KEY_MAX_LENGTH`` (default: 255)
-    longest key accepted, 1 to 255 (the key column's size), checked before the format
-``IDEMPOTENCY_TTL`` (default: 24 hours)
-    how long a record is kept (retention window); a retry after that runs again
-``IDEMPOTENCY_LEASE`` (default: 60 seconds)
-    how long an in-progress record that has been committed blocks duplicates (409)
-    before a retry may reclaim it after a crash
-``IDEMPOTENCY_WAIT`` (default: 10 seconds)
-    how long a duplicate waits for the first request's transaction before answering 409
-    (PostgreSQL ``lock_timeout``, MySQL ``innodb_lock_wait_timeout``, SQLite's busy
-    timeout, set around the claim only); ``None``: no bound of ours (the engine's own
-    applies, and its timeout is still a 409); with psycopg2 the bound rides in the
-    claim's own round trip, elsewhere it costs two statements
-``IDEMPOTENCY_MAX_BODY`` (default: 1 MiB (1048576))
-    largest response body stored for replay; larger or streamed bodies are not kept
-``IDEMPOTENCY_REPLAY_HEADERS`` (default: ``()``)
-    response headers replayed in addition to ``Content-Type`` and ``Location``; ``"*"``:
-    every header but the never-replayed ones
-``IDEMPOTENCY_STORED_STATUSES`` (default: ``None``)
-    the statuses stored and replayed; ``None``: 2xx, 3xx and deterministic 4xx (not 408,
-    409, 423, 425, 429); a collection of codes (200-499) to store only those. An answer
-    not stored leaves no record, so a retry with the same key runs the view again; what
-    the view wrote is committed with a success or redirect (2xx, 3xx: a success is never
-    answered for work that was rolled back), and rolled back with any other answer. A
-    view that committed work of its own has any answer recorded, since the operation
-    happened
-``IDEMPOTENCY_SCOPE`` (default: ``None``)
-    callable returning the scope string; ``None`` means the endpoint plus the caller's
-    identity (Flask-Login user, Basic user, bearer token digest, session cookie digest):
-    see :func:`.scope.default_scope`
-``IDEMPOTENCY_PURGE_BATCH`` (default: 1000)
-    expired records deleted per transaction
-``IDEMPOTENCY_SCHEDULER`` (default: ``False``)
-    run the jobs in each serving process (started on its first request)
-``IDEMPOTENCY_PURGE_EVERY`` (default: 5 minutes)
-    interval of the cleanup job
-``IDEMPOTENCY_RECOVER_EVERY`` (default: 30 seconds)
-    interval of the lease recovery job
-``IDEMPOTENCY_JOB_LOCK`` (default: 2 minutes)
-    how long a job run holds its lock before renewing; a dead runner's lock frees after
-``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT`` (default: ``None``)
-    PostgreSQL: how long a transaction that holds a claim may sit idle (the app sending
-    nothing) before the server ends it, with its session (``idle_in_transaction_session_timeout``
-    set with the claim, for the rest of its transaction, never loosening a stricter one),
-    so that a host cut off mid-request does not keep the key from its retries elsewhere.
-    Set it above the longest pause a view makes between two statements of its
-    transaction: a view paused longer answers 503 and stores nothing. A leased route's
-    claim commits at once, so its view is not bounded. ``None``: no bound of ours; must
-    be positive
-``IDEMPOTENCY_READY_TIMEOUT`` (default: 2 seconds)
-    how long ``idem.readiness()`` (and ``idem.readiness_view``) waits for its probe of
-    the record's table before answering "not ready"; must be positive
-``IDEMPOTENCY_PUBLISHER`` (default: ``None``)
-    the outbox relay's publisher (:mod:`flask_idempotency.publishers`): an object with
-    ``publish(event)``, or an import string ``"module:attribute"`` naming one (or a
-    callable returning one); the relay job and ``flask idempotency relay`` use it
-``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS`` (default: 10)
-    failed publishes of one event before the relay parks it (``failed_at``); an
-    unreachable broker is not the event's failure and never counts
-``IDEMPOTENCY_OUTBOX_LEASE`` (default: 1 minute)
-    how long the relay holds the events it took while it publishes them outside any
-    transaction: no other relay takes them meanwhile, and a relay that died leaves them
-    to the next after this; a batch publishes for at most half of it, then gives the
-    rest back. Keep it above twice the publisher's longest publish (``KombuPublisher``:
-    its ``timeout``); must be positive
-``IDEMPOTENCY_RELAY_EVERY`` (default: 1 second)
-    interval of the outbox relay job (scheduled only when a publisher is configured):
-    the poll, the fallback when no wake-up comes
-``IDEMPOTENCY_RELAY_WAKE`` (default: ``True``)
-    wake the relay (the scheduler's job and ``flask idempotency relay``) right after a
-    commit that carried events: in-process, and on PostgreSQL through
-    ``LISTEN idempotency_outbox`` on a connection of its own; ``False``: polling alone
-``IDEMPOTENCY_OUTBOX_RETENTION`` (default: 7 days)
-    how long a published outbox event is kept before cleanup
-    (:func:`flask_idempotency.jobs.purge_expired`) deletes it; pending and parked events
-    are never deleted; must be positive
-``IDEMPOTENCY_INBOX_TTL`` (default: 7 days)
-    how long the inbox keeps a processed event id (:mod:`flask_idempotency.inbox`); a
-    redelivery after that is processed again; must be positive
-
-Durations accept a :class:`~datetime.timedelta` or a number of seconds (an int or
-a float; not a string such as ``"10s"``, nor NaN or infinity), at most 100 years;
-``IDEMPOTENCY_WAIT``, ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT`` and
-``IDEMPOTENCY_READY_TIMEOUT`` at most 24 days, since PostgreSQL refuses a
-``lock_timeout`` or ``idle_in_transaction_session_timeout`` above 2**31 - 1
-milliseconds (24.8 days), and every claim (or probe) would fail. Counts are ints
-from 1 to 2**31 - 1. ``IDEMPOTENCY_REQUIRED``, ``IDEMPOTENCY_SCHEDULER`` and
-``IDEMPOTENCY_RELAY_WAKE`` take ``True``/``False``, 1/0, or ``"true"``/``"false"``,
-``"on"``/``"off"``, ``"yes"``/``"no"`` (text from an environment variable:
-``"false"`` is false). A value outside these is refused by ``init_app`` with an
-error naming the setting, never clamped: the app does not start with a setting
-that means something other than what was written.
+``init_app`` checks every value: an unknown ``IDEMPOTENCY_*`` key or a bad value
+stops the app with an error naming the setting; nothing is clamped.
 """
 
 from __future__ import annotations
@@ -132,37 +22,177 @@ from datetime import timedelta
 from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
 
+__all__ = [
+    "DEFAULTS",
+    "PREFIX",
+    "SETTINGS",
+    "Setting",
+]
+
 PREFIX = "IDEMPOTENCY_"
 
-DEFAULTS: dict[str, t.Any] = {
-    "HEADER": "Idempotency-Key",
-    "METHODS": None,
-    "REQUIRED": False,
-    "SKIP": None,
-    "KEY_FORMAT": None,
-    "KEY_MAX_LENGTH": MAX_KEY_LENGTH,
-    "TTL": timedelta(hours=24),
-    "LEASE": timedelta(seconds=60),
-    "WAIT": timedelta(seconds=10),
-    "MAX_BODY": 1024 * 1024,
-    "REPLAY_HEADERS": (),
-    "STORED_STATUSES": None,
-    "SCOPE": None,
-    "PURGE_BATCH": 1000,
-    "SCHEDULER": False,
-    "PURGE_EVERY": timedelta(minutes=5),
-    "RECOVER_EVERY": timedelta(seconds=30),
-    "JOB_LOCK": timedelta(minutes=2),
-    "CLAIM_IDLE_TIMEOUT": None,
-    "READY_TIMEOUT": timedelta(seconds=2),
-    "PUBLISHER": None,
-    "OUTBOX_MAX_ATTEMPTS": 10,
-    "OUTBOX_LEASE": timedelta(minutes=1),
-    "RELAY_EVERY": timedelta(seconds=1),
-    "OUTBOX_RETENTION": timedelta(days=7),
-    "RELAY_WAKE": True,
-    "INBOX_TTL": timedelta(days=7),
-}
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One key: its name without :data:`PREFIX`, its default, its meaning (Markdown)."""
+
+    name: str
+    default: t.Any
+    doc: str
+
+    @property
+    def key(self) -> str:
+        """The ``app.config`` key, such as ``IDEMPOTENCY_TTL``."""
+        return PREFIX + self.name
+
+
+_ENGINE_MAX = " At most 24 days (PostgreSQL's limit for the timeout it sets)."
+
+#: Every setting, in the order the documentation lists them: add a key here, and nowhere else.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("HEADER", "Idempotency-Key", "The request header that carries the key."),
+    Setting(
+        "METHODS",
+        None,
+        "The methods a decorated view protects. `None`: every method it serves but GET, HEAD,"
+        " OPTIONS and TRACE; a collection: only those (the safe four cannot be listed). A view"
+        " serving an unsafe method left out is refused at the app's first request; a route's own"
+        " `methods=` is followed.",
+    ),
+    Setting(
+        "REQUIRED",
+        False,
+        "A protected route answers 400 `missing-key` without a key (else it runs unprotected).",
+    ),
+    Setting("SKIP", None, "A callable; true runs the request unprotected, as without a key."),
+    Setting(
+        "KEY_FORMAT",
+        None,
+        'What a key must look like, else 400 `invalid-key`: `None` any printable ASCII; `"uuid"`'
+        ' a canonical UUID of any version; `"uuid4"` or `"uuid7"` one of that version; or a'
+        " regular expression the *whole* key must match (a compiled `re.Pattern`, or a string"
+        " with a character other than letters, digits, `-` and `_`). A pattern that does not"
+        ' compile, or an unknown name (`"ulid"`), stops `init_app`.',
+    ),
+    Setting(
+        "KEY_MAX_LENGTH",
+        MAX_KEY_LENGTH,
+        "The longest key accepted, 1 to 255 (the key column's size); checked before the format.",
+    ),
+    Setting(
+        "TTL",
+        timedelta(hours=24),
+        "The retention window: a retry later than this runs again. Must exceed the lease.",
+    ),
+    Setting(
+        "LEASE",
+        timedelta(seconds=60),
+        "How long a committed in-progress record blocks duplicates (409) before a retry may"
+        " reclaim it after a crash.",
+    ),
+    Setting(
+        "WAIT",
+        timedelta(seconds=10),
+        "How long a duplicate waits for the first request's transaction before 409: PostgreSQL"
+        " `lock_timeout`, MySQL/MariaDB `innodb_lock_wait_timeout` (whole seconds), SQLite's busy"
+        " timeout, set around the claim only. `None`: the engine's own timeout (still a 409)."
+        + _ENGINE_MAX,
+    ),
+    Setting(
+        "MAX_BODY",
+        1024 * 1024,
+        "The largest response body (bytes) stored for replay; a larger or streamed one is not"
+        " kept, and a retry gets `response-not-stored`. On MySQL/MariaDB keep it under"
+        " `max_allowed_packet`.",
+    ),
+    Setting(
+        "REPLAY_HEADERS",
+        (),
+        'Headers replayed besides `Content-Type` and `Location`; `"*"`: every header but the'
+        " never-replayed ones.",
+    ),
+    Setting(
+        "STORED_STATUSES",
+        None,
+        "The statuses stored and replayed. `None`: 2xx, 3xx and deterministic 4xx (not 408, 409,"
+        " 423, 425, 429); a collection of codes from 200 to 499 stores only those. An answer not"
+        " stored keeps no record (a retry runs again); its work commits with a 2xx or 3xx and"
+        " rolls back otherwise.",
+    ),
+    Setting(
+        "SCOPE",
+        None,
+        "A callable returning the scope string. `None`: the endpoint plus the caller's identity;"
+        " see [Scope](scope.md).",
+    ),
+    Setting("PURGE_BATCH", 1000, "Expired rows deleted per transaction by cleanup."),
+    Setting("SCHEDULER", False, "Run the jobs in each serving process, from its first request."),
+    Setting("PURGE_EVERY", timedelta(minutes=5), "The interval of the cleanup job."),
+    Setting("RECOVER_EVERY", timedelta(seconds=30), "The interval of the lease recovery job."),
+    Setting(
+        "JOB_LOCK",
+        timedelta(minutes=2),
+        "How long a job run holds its lock between renewals (a runner that dies blocks the job"
+        " this long).",
+    ),
+    Setting(
+        "CLAIM_IDLE_TIMEOUT",
+        None,
+        "PostgreSQL: how long a transaction holding a claim may sit idle before the server ends"
+        " it (`SET LOCAL idle_in_transaction_session_timeout` with the claim), so a host cut off"
+        " mid-request does not keep the key from its retries. Above the longest pause a view"
+        " makes between two statements; `None`: no bound of ours." + _ENGINE_MAX,
+    ),
+    Setting(
+        "READY_TIMEOUT",
+        timedelta(seconds=2),
+        'How long `idem.readiness()` waits for its probe before answering "not ready".'
+        + _ENGINE_MAX,
+    ),
+    Setting(
+        "PUBLISHER",
+        None,
+        "The outbox relay's publisher: an object with `publish(event)`, an import string"
+        ' (`"myapp.events:publisher"`), or a class or factory called once without arguments.',
+    ),
+    Setting(
+        "OUTBOX_MAX_ATTEMPTS",
+        10,
+        "Failed publishes of an event before the relay parks it; an unreachable broker never"
+        " counts.",
+    ),
+    Setting(
+        "OUTBOX_LEASE",
+        timedelta(minutes=1),
+        "How long the relay holds the events it took while it publishes them; a batch publishes"
+        " for at most half of it. Above twice the publisher's longest publish.",
+    ),
+    Setting(
+        "RELAY_EVERY",
+        timedelta(seconds=1),
+        "The interval of the relay job (scheduled when a publisher is set): the fallback poll.",
+    ),
+    Setting(
+        "OUTBOX_RETENTION",
+        timedelta(days=7),
+        "How long a published event is kept before cleanup deletes it (pending and parked ones"
+        " stay).",
+    ),
+    Setting(
+        "RELAY_WAKE",
+        True,
+        "Wake the relay right after a commit that carried events (in-process; on PostgreSQL also"
+        " LISTEN/NOTIFY across processes). `False`: polling alone.",
+    ),
+    Setting(
+        "INBOX_TTL",
+        timedelta(days=7),
+        "How long the inbox keeps a processed event id; a redelivery after that runs again.",
+    ),
+)
+
+#: Each setting's default, by its name without the prefix (``"TTL"``, ...).
+DEFAULTS: dict[str, t.Any] = {setting.name: setting.default for setting in SETTINGS}
 
 
 ScopeFunc = t.Callable[[], str]

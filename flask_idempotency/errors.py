@@ -32,6 +32,30 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.sansio.response import Response as SansIOResponse
 from werkzeug.wrappers import Response
 
+__all__ = [
+    "PROBLEM_JSON",
+    "PROBLEM_TYPE_BASE",
+    "BrokerUnavailable",
+    "ConflictError",
+    "DatabaseUnavailableError",
+    "EventIdConflictError",
+    "FailedAfterCommitError",
+    "IdempotencyError",
+    "InvalidKeyError",
+    "KeyReusedError",
+    "LeaseLostError",
+    "LengthRequiredError",
+    "MalformedBodyError",
+    "MissingKeyError",
+    "NothingToRecoverError",
+    "PayloadTooLargeError",
+    "ProblemError",
+    "StalledMessage",
+    "TransactionConflictError",
+    "UnsupportedMediaTypeError",
+    "ValidationProblem",
+]
+
 PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
 PROBLEM_JSON = "application/problem+json"
 

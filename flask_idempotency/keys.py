@@ -22,6 +22,17 @@ from flask import request
 
 from .errors import InvalidKeyError
 
+__all__ = [
+    "KEY_FORMATS",
+    "MAX_KEY_LENGTH",
+    "KeyFormat",
+    "derive_key",
+    "derive_scoped_key",
+    "parse_key",
+    "quote_key",
+    "scoped_parent_key",
+]
+
 #: The most characters a key may have: the size of the record's key column.
 MAX_KEY_LENGTH = 255
 logger = logging.getLogger("flask_idempotency")

@@ -21,6 +21,12 @@ from .errors import BrokerUnavailable, StalledMessage
 if t.TYPE_CHECKING:
     from ._messaging.outbox import OutboxEvent
 
+
+__all__ = [
+    "CallablePublisher",
+    "KombuPublisher",
+    "ListPublisher",
+]
 logger = logging.getLogger("flask_idempotency")
 
 #: AMQP reply codes with which a broker answers the message being published

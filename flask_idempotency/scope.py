@@ -19,6 +19,11 @@ from flask import Flask, current_app, g, request
 from ._context import resolve_app
 from .keys import printable, sha256_hex
 
+__all__ = [
+    "MAX_SCOPE_LENGTH",
+    "default_scope",
+]
+
 #: The most characters a scope may have: the size of the record's scope column.
 MAX_SCOPE_LENGTH = 512
 # An identity (user id, Basic user name) longer than this, or not printable

@@ -11,6 +11,19 @@ from __future__ import annotations
 
 from blinker import Namespace
 
+__all__ = [
+    "event_parked",
+    "event_published",
+    "event_skipped_duplicate",
+    "job_finished",
+    "job_started",
+    "key_claimed",
+    "payload_mismatch",
+    "record_completed",
+    "request_conflict",
+    "response_replayed",
+]
+
 _signals = Namespace()
 
 #: A request claimed its key and is about to run the view.

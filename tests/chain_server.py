@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 from werkzeug.serving import make_server
 
-from flask_idempotency import extension, signals
+from flask_idempotency import client, signals
 
 OPTIONS = ("crash_at", "crash_file", "broken_keys")
 
@@ -74,13 +74,13 @@ def _orders(config: dict[str, t.Any], options: dict[str, t.Any]) -> t.Any:
     orders.charge = charge_between_crashes  # the view looks both up at each call
     orders.idem.emit = emit_after_a_crash  # type: ignore[method-assign]
     if options.get("broken_keys"):
-        derived = extension.current_derived_key
+        derived = client.current_derived_key
 
         def random_key(step: str, **kwargs: t.Any) -> str:
             return uuid.uuid4().hex if step == "charge" else derived(step, **kwargs)
 
-        # The client's step= asks this module for the key at each call.
-        extension.current_derived_key = random_key  # type: ignore[assignment]
+        # The client's step= asks its module for the key at each call.
+        client.current_derived_key = random_key  # type: ignore[assignment]
     return app
 
 

@@ -294,9 +294,9 @@ def test_an_app_that_never_called_init_app_has_no_such_command(tmp_path: Path) -
     assert done.returncode == EXIT_USAGE, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == "Error: No such command 'idempotency'."
-    readme = (ROOT / "README.md").read_text()
+    documented = (ROOT / "docs" / "operations.md").read_text()
     assert "| 2 | usage error: a bad option or argument; also `No such command 'idempotency'`" in (
-        readme
+        documented
     )
 
 

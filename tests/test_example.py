@@ -301,9 +301,10 @@ DRIVERLESS = re.compile(r"\b(?:postgres|postgresql|mysql|mariadb)://")
 
 def test_every_database_url_of_the_example_and_its_docs_names_its_driver() -> None:
     texts = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "example_app").glob("*.py")}
-    readme = (ROOT / "README.md").read_text()
-    for number, block in enumerate(re.findall(r"^```\w*\n(.*?)^```", readme, re.S | re.M)):
-        texts[f"README.md block {number}"] = block
+    for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        text = doc.read_text()
+        for number, block in enumerate(re.findall(r"^```\S*\n(.*?)^```", text, re.S | re.M)):
+            texts[f"{doc.relative_to(ROOT)} block {number}"] = block
     found = {name: DRIVERLESS.findall(text) for name, text in texts.items()}
     assert {name: urls for name, urls in found.items() if urls} == {}
 

@@ -15,7 +15,7 @@ from flask import Flask
 
 from flask_idempotency import inbox, signals
 from flask_idempotency._maintenance.jobs import purge_expired
-from flask_idempotency._messaging.inbox import _DEFAULT_TTL_TOLD
+from flask_idempotency._messaging import inbox as inbox_impl
 from flask_idempotency._storage.schema import as_utc
 from tests import testapp
 from tests.conftest import Clock
@@ -245,7 +245,7 @@ def test_outside_an_app_context_the_default_ttl_applies_and_is_logged(
     app = make_app(IDEMPOTENCY_INBOX_TTL=60)
     with app.app_context():
         engine = db.engine
-    _DEFAULT_TTL_TOLD.clear()
+    inbox_impl._DEFAULT_TTL_TOLD.clear()
     before = dt.datetime.now(dt.timezone.utc)
     with caplog.at_level("WARNING", logger="flask_idempotency"):
         for event_id in ("plain-1", "plain-2"):

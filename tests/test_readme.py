@@ -1,16 +1,19 @@
-"""Every code block in README.md runs as shown.
+"""Every code block in README.md and in the documentation (docs/) runs as shown.
 
-Python blocks run in order, in one namespace, as a reader following the README
-would (Quickstart first, then the examples that continue ``shop.py``), on each
-engine. Shell blocks run through ``bash`` with this environment's ``bin`` on the
-PATH, against the Quickstart saved as ``shop.py`` or the example app in a live
-server; the few substitutions a reader would make (a path, a port) are made
-here too. JSON blocks parse.
+Python blocks run in order, in one namespace, as a reader following along would, on
+each engine: the README's blocks (its Quickstart) in one sequence, the documentation's
+pages in the order of their table of contents in another (the Quickstart's ``shop.py``
+first, then the pages that continue it). Both run without a warning of the extension's
+own. Shell blocks run through ``bash`` with this environment's ``bin`` on the PATH,
+against the Quickstart saved as ``shop.py`` or the example app in a live server; the
+few substitutions a reader would make (a path, a port) are made here too. JSON blocks
+parse. Blocks that quote the example app are its code, character for character.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,18 +30,54 @@ import sqlalchemy as sa
 from tests.live import ROOT, LiveServer
 
 README = ROOT / "README.md"
-BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+DOCS = ROOT / "docs"
+#: A fenced block: its info string (a language, or a MyST directive such as
+#: ``{toctree}``) and its body.
+BLOCK = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+TOCTREE = re.compile(r"^```\{toctree\}[^\n]*\n(.*?)^```", re.S | re.M)
 BIN = str(Path(sys.executable).parent)
 
 
-def blocks(language: str | None = None) -> list[tuple[int, str, str]]:
-    """(line, language, code) of every fenced block, in order."""
-    text = README.read_text(encoding="utf-8")
+def toctree_pages(index: Path = DOCS / "index.md") -> list[Path]:
+    """The documentation's pages in the order of its tables of contents, depth first."""
+    pages = [index]
+    for tree in TOCTREE.findall(index.read_text(encoding="utf-8")):
+        entries = [ln.strip() for ln in tree.splitlines() if ln.strip()]
+        glob = ":glob:" in entries
+        for entry in entries:
+            if entry.startswith(":"):
+                continue
+            if glob and "*" in entry:
+                found = sorted(index.parent.glob(entry + ".md"))
+                pages += [page for page in found if page != index]
+            else:
+                pages += toctree_pages(index.parent / f"{entry}.md")
+    return pages
+
+
+PAGES = toctree_pages()
+DOCUMENTS = [README, *PAGES]
+
+
+def where(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def blocks(
+    language: str | None = None, documents: t.Sequence[Path] = DOCUMENTS
+) -> list[tuple[str, int, str, str]]:
+    """(where, line, language, code) of every fenced block of ``documents``, in order.
+    MyST directives (``{toctree}``, ``{eval-rst}``, ...) are not code, and are left out."""
     found = []
-    for match in BLOCK.finditer(text):
-        line = text.count("\n", 0, match.start()) + 1
-        if language is None or match.group(1) == language:
-            found.append((line, match.group(1), match.group(2)))
+    for path in documents:
+        text = path.read_text(encoding="utf-8")
+        for match in BLOCK.finditer(text):
+            lang = match.group(1)
+            if lang.startswith("{"):
+                continue
+            line = text.count("\n", 0, match.start()) + 1
+            if language is None or lang == language:
+                found.append((where(path), line, lang, match.group(2)))
     return found
 
 
@@ -52,9 +91,10 @@ def excerpt_of(code: str) -> str | None:
 
 
 def block_with(language: str, needle: str) -> str:
-    matches = [code for _, lang, code in blocks(language) if needle in code]
-    assert len(matches) == 1, f"expected one {language} block with {needle!r}"
-    return matches[0]
+    """The one block holding ``needle`` (the README and a page may show the same block)."""
+    matches = {code for _, _, lang, code in blocks(language) if needle in code}
+    assert len(matches) == 1, f"expected one {language} block with {needle!r}, got {matches}"
+    return matches.pop()
 
 
 def sh(script: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
@@ -72,54 +112,102 @@ def sh(script: str, cwd: Path, env: dict[str, str] | None = None, timeout: float
 
 
 def quickstart(tmp_path: Path) -> Path:
-    """The Quickstart saved as shop.py, as the README says to."""
-    (tmp_path / "shop.py").write_text(blocks("python")[0][2])
+    """The Quickstart saved as shop.py, as it says to."""
+    (tmp_path / "shop.py").write_text(blocks("python", [DOCS / "quickstart.md"])[0][3])
     return tmp_path
 
 
 def test_every_block_is_python_sh_or_json() -> None:
-    assert {lang for _, lang, _ in blocks()} <= {"python", "sh", "json"}
-    assert len(blocks("python")) >= 6
+    assert {lang for _, _, lang, _ in blocks()} <= {"python", "sh", "json"}
+    assert len(blocks("python", [README])) >= 2
+    assert len(blocks("python", PAGES)) >= 10
 
 
-def test_python_blocks_run_in_order(
-    fresh_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    if not fresh_database.startswith("sqlite"):
-        monkeypatch.setenv("DATABASE_URL", fresh_database)
+def test_every_page_is_in_the_table_of_contents() -> None:
+    """So the pages' blocks all run below, in an order a reader meets them."""
+    pages = {p for p in DOCS.rglob("*.md") if "_build" not in p.parts}
+    assert pages == set(PAGES)
+    assert len(PAGES) == len(set(PAGES))
+
+
+def test_the_readme_quickstart_is_the_documentation_quickstart() -> None:
+    readme = [code for _, _, _, code in blocks("python", [README])]
+    docs = [code for _, _, _, code in blocks("python", [DOCS / "quickstart.md"])]
+    assert readme[:2] == docs[:2]
+
+
+SEQUENCES = {"readme": [README], "docs": PAGES}
+
+
+def run_blocks(documents: t.Sequence[Path]) -> dict[str, t.Any]:
+    """Run the Python blocks of ``documents`` in order in one namespace (as ``shop``)."""
     namespace: dict[str, t.Any] = {"__name__": "shop"}
     apps: list[t.Any] = []  # every app a block made: a later block may replace `app`
     try:
-        for line, _, code in blocks("python"):
+        for name, line, _, code in blocks("python", documents):
             if excerpt_of(code):
                 continue  # quotes the example app; checked below, not run here
-            exec(compile(code, f"README.md:{line}", "exec"), namespace)
-            if "app" in namespace and all(namespace["app"] is not a for a in apps):
-                apps.append(namespace["app"])
+            exec(compile(code, f"{name}:{line}", "exec"), namespace)
+            for value in list(namespace.values()):
+                if type(value).__name__ == "Flask" and all(value is not a for a in apps):
+                    apps.append(value)
     finally:
         # Each app's pooled connections closed, not left to the garbage collector
         # (psycopg 3 warns about an unclosed connection in whichever test it runs).
         for made in apps:
             with made.app_context():
                 namespace["db"].engine.dispose()
-    # The Quickstart's default database landed where the README says.
+    return namespace
+
+
+@pytest.mark.parametrize("sequence", sorted(SEQUENCES))
+def test_python_blocks_run_in_order(
+    sequence: str,
+    fresh_database: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    if not fresh_database.startswith("sqlite"):
+        monkeypatch.setenv("DATABASE_URL", fresh_database)
+    caplog.set_level(logging.WARNING, logger="flask_idempotency")
+    run_blocks(SEQUENCES[sequence])
+    # The Quickstart's default database landed where it says.
     if fresh_database.startswith("sqlite"):
         assert (tmp_path / "instance" / "shop.db").exists()
+    # The examples do what they recommend: no warning of the extension's own (such as
+    # the one for callers that share one scope).
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("flask_idempotency")] == []
+
+
+def test_the_quickstart_runs_again_and_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Run twice in a row on the same database file, as a reader would: the same
+    answers (a fresh database each run), and nothing logged by the extension."""
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.DEBUG, logger="flask_idempotency")
+    answers = []
+    for _ in range(2):
+        namespace = run_blocks([README])
+        answers.append(namespace["first"].get_json())
+    assert answers == [{"charge_id": 1}, {"charge_id": 1}]
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_excerpts_of_the_example_are_its_code() -> None:
-    """The chain's code in the README is the example's, character for character,
-    so what the README shows is what the demo and tests/test_chain_live.py run."""
-    quoted = [(line, code) for line, _, code in blocks("python") if excerpt_of(code)]
+    """The chain's code in the documentation is the example's, character for character,
+    so what it shows is what the demo and tests/test_chain_live.py run."""
+    quoted = [(name, line, code) for name, line, _, code in blocks("python") if excerpt_of(code)]
     assert len(quoted) >= 5
-    for line, code in quoted:
+    for name, line, code in quoted:
         path = excerpt_of(code)
         assert path is not None
         body = code.split("\n", 1)[1]
-        assert body.strip(), f"README.md:{line} quotes nothing"
+        assert body.strip(), f"{name}:{line} quotes nothing"
         assert body in (ROOT / path).read_text() or _dedented_in(body, ROOT / path), (
-            f"README.md:{line} is not {path}'s code"
+            f"{name}:{line} is not {path}'s code"
         )
 
 
@@ -134,17 +222,19 @@ def _dedented_in(body: str, path: Path) -> bool:
 
 
 def test_json_blocks_parse() -> None:
-    for _, _, code in blocks("json"):
+    for _, _, _, code in blocks("json"):
         assert isinstance(json.loads(code), dict)
 
 
 def test_the_test_command_is_what_ci_runs() -> None:
-    [command] = [code.strip() for _, _, code in blocks("sh") if "pytest" in code]
+    [command] = [code.strip() for _, _, _, code in blocks("sh", [README]) if "pytest" in code]
     assert command in (ROOT / ".ci" / "run").read_text()
 
 
 def test_the_example_command_runs(tmp_path: Path) -> None:
-    [command] = [code.strip() for _, _, code in blocks("sh") if "example_app demo" in code]
+    [command] = [
+        code.strip() for _, _, _, code in blocks("sh", [README]) if "example_app demo" in code
+    ]
     run = command.split(" && ")[-1].replace(".venv/bin/python", sys.executable)
     out = sh(run, ROOT, {"EXAMPLE_BROKER_URL": "filesystem://"})
     assert "response lost, client retried   -> 201 replayed=true" in out
@@ -180,24 +270,22 @@ def test_curl_block_against_the_example(tmp_path: Path) -> None:
 
 def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
     shop = quickstart(tmp_path)
-    token = "tok-123"
     make = (
         "from shop import app\n"
         "c = app.test_client()\n"
         "body = {'amount': 100, 'currency': 'EUR'}\n"
-        "for auth in ('Basic YWxpY2U6cHc=', 'Bearer " + token + "'):\n"  # alice:pw
+        "for user in ('alice', 'bob'):\n"
         "    r = c.post('/payments', json=body,"
-        " headers={'Idempotency-Key': 'order-42', 'Authorization': auth})\n"
+        " headers={'Idempotency-Key': 'order-42', 'X-User': user})\n"
         "    assert r.status_code == 201, r.get_data()\n"
     )
     sh(f'{sys.executable} -c "{make}"', shop, {"PYTHONPATH": str(shop)})
-    out = sh(block_with("sh", "idempotency show"), shop, {"TOKEN": token, "PYTHONPATH": str(shop)})
-    assert '"scope": "payments.create_payment|basic:alice:' in out  # then the proof
+    out = sh(block_with("sh", "idempotency show"), shop, {"PYTHONPATH": str(shop)})
+    assert '"scope": "user:alice"' in out
     assert "released" in out
     remaining = sh("flask --app shop idempotency list --key order-42", shop)
-    assert [r["scope"] for r in json.loads(remaining)] == [
-        "payments.create_payment|bearer:" + __import__("hashlib").sha256(token.encode()).hexdigest()
-    ]
+    # The newest of the key's scopes (bob's) was the one released.
+    assert [r["scope"] for r in json.loads(remaining)] == ["user:alice"]
 
 
 def test_exit_code_block_against_the_quickstart(tmp_path: Path) -> None:
@@ -222,15 +310,9 @@ def test_exit_code_block_against_the_quickstart(tmp_path: Path) -> None:
 def test_migration_block(tmp_path: Path) -> None:
     shop = quickstart(tmp_path)
     source = (shop / "shop.py").read_text()
-    # As the README says: add Migrate, leave db.create_all() out.
+    # As the page says: add Migrate, leave db.create_all() out.
     source = source.replace(
-        "    with app.app_context():\n"
-        "        try:\n"
-        "            db.create_all()  # or your migrations: see below\n"
-        "        except OperationalError as exc:"
-        "  # database down: `flask idempotency ...` says so (69)\n"
-        '            app.logger.warning("tables not created: %s", exc.orig)\n',
-        "",
+        "    with app.app_context():\n        db.create_all()  # or your migrations\n", ""
     )
     assert "create_all" not in source
     source += "\nfrom flask_migrate import Migrate\n\nmigrate = Migrate(app, db)\n"
