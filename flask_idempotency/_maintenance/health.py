@@ -120,15 +120,18 @@ class ReadinessProbe:
 
 def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> None:
     try:
-        reason = readiness_sql.probe(engine, table, timeout)
-        if reason is None:
+        verdict = readiness_sql.probe(engine, table, timeout)
+        if verdict.forbidden is not None:
+            probe.outcome, probe.reason = "forbidden", verdict.forbidden
+            probe.error = "InsufficientPrivilege"
+            logger.warning("readiness probe of %s: %s", table.name, verdict.forbidden)
+        elif verdict.read_only is None:
             probe.ok, probe.outcome = True, "ok"
         else:
-            probe.outcome, probe.reason = "read_only", reason
-            logger.warning("readiness probe of %s: read-only database: %s", table.name, reason)
-    except readiness_sql.WriteForbidden as exc:
-        probe.outcome, probe.reason, probe.error = "forbidden", str(exc), "InsufficientPrivilege"
-        logger.warning("readiness probe of %s: %s", table.name, exc)
+            probe.outcome, probe.reason = "read_only", verdict.read_only
+            logger.warning(
+                "readiness probe of %s: read-only database: %s", table.name, verdict.read_only
+            )
     except Exception as exc:  # any failure means "not ready"; say which kind
         reason = dberrors.read_only_reason(exc)
         if reason is not None:

@@ -18,29 +18,37 @@ import sqlalchemy as sa
 from .store import idle_bound
 
 
-class WriteForbidden(Exception):
-    """The app's role lacks a privilege the claim needs (PostgreSQL)."""
+class Verdict(t.NamedTuple):
+    """What the probe found: ready when both are ``None``."""
+
+    #: Why the database refuses writes (fixed words naming the setting).
+    read_only: str | None = None
+    #: What the app's role may not do that the claim needs (PostgreSQL).
+    forbidden: str | None = None
 
 
-def probe(engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> str | None:
+READY = Verdict()
+
+
+def probe(engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> Verdict:
     """Check the database is ready for claims on ``table``, through ``engine``'s
-    pool: why it refuses writes (fixed words naming the setting), or ``None``
-    when it is ready. Raises :class:`WriteForbidden` when the app's role may not
-    write the table, and the database's own error when a statement fails (the
-    write check's refusal included). ``timeout`` is how long the probe may
-    take; nothing is left held once it returns."""
+    pool. Raises the database's own error when a statement fails (the write
+    check's refusal included). ``timeout`` is how long the probe may take;
+    nothing is left held once it returns."""
     stmt: sa.Select[t.Any] = sa.select(sa.literal_column("1")).select_from(table).limit(1)
     with engine.connect() as conn:
-        reason = _write_check(conn.dialect.name)(conn, table, timeout)
+        verdict = _write_check(conn.dialect.name)(conn, table, timeout)
+        if verdict.forbidden is not None:
+            return verdict  # no read: the connection goes back, rolled back
         conn.execute(stmt).all()
         conn.rollback()
-    return reason
+    return verdict
 
 
-WriteCheck = t.Callable[[sa.Connection, sa.Table, dt.timedelta], "str | None"]
+WriteCheck = t.Callable[[sa.Connection, sa.Table, dt.timedelta], Verdict]
 
 
-def _postgresql(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
+def _postgresql(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
     # Lock-free: a standby, or transactions read-only by default (for the
     # server, the database or the role), which the new transaction shows.
     # The probe's transaction then reads the record's table, whose lock a
@@ -62,15 +70,15 @@ def _postgresql(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> 
         },
     ).one()
     if standby:
-        return "the server is a standby (pg_is_in_recovery())"
+        return Verdict(read_only="the server is a standby (pg_is_in_recovery())")
     if read_only == "on":
-        return "transactions are read-only (default_transaction_read_only)"
+        return Verdict(read_only="transactions are read-only (default_transaction_read_only)")
     if not may_write:
-        raise WriteForbidden(f"the app's role may not INSERT and UPDATE {table.name}")
-    return None
+        return Verdict(forbidden=f"the app's role may not INSERT and UPDATE {table.name}")
+    return READY
 
 
-def _write_nothing(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
+def _write_nothing(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
     # The server's own verdict: it refuses this write exactly as it would
     # refuse the claim (so a user allowed to write on a read_only server
     # passes); the refusal is raised, and the caller says why. "scope IS
@@ -80,11 +88,11 @@ def _write_nothing(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) 
     # DELETE: a claim needs INSERT and UPDATE, never DELETE (cleanup may run
     # as another role), so an app user without DELETE stays ready.
     conn.execute(sa.update(table).where(table.c.scope.is_(None)).values(status=table.c.status))
-    return None
+    return READY
 
 
-def _no_check(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> str | None:
-    return None
+def _no_check(conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
+    return READY
 
 
 _WRITE_CHECKS: dict[str, WriteCheck] = {
@@ -96,8 +104,8 @@ _WRITE_CHECKS: dict[str, WriteCheck] = {
 
 
 def _write_check(name: str) -> WriteCheck:
-    """Why the database would refuse the claim's write, or ``None`` when it
-    accepts writes (or the engine has no check here); raises the refusal itself
-    where the check is a write. The first statement of the connection's
-    transaction, which the caller rolls back."""
+    """The check of whether the database would accept the claim's write: a
+    verdict (:data:`READY` where the engine has no check here), or the refusal
+    itself raised where the check is a write. The first statement of the
+    connection's transaction, which the caller rolls back."""
     return _WRITE_CHECKS.get(name, _no_check)
