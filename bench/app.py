@@ -41,7 +41,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from bench import claim_paths
 from flask_idempotency import Idempotency
-from flask_idempotency._storage.schema import job_lock_table, record_table
+from tests.support.tables import recreate_tables
 
 DATABASE_ENV = "BENCH_DATABASE_URL"
 KEY_HEADER = "Idempotency-Key"
@@ -235,11 +235,4 @@ def create_app(database_url: str | None = None) -> Flask:
 
 def reset_database(url: str) -> None:
     """Drop and create every table the app uses, empty."""
-    record_table(db.metadata)
-    job_lock_table(db.metadata)
-    engine = sa.create_engine(url)
-    try:
-        db.metadata.drop_all(engine)
-        db.metadata.create_all(engine)
-    finally:
-        engine.dispose()
+    recreate_tables(db.metadata, url)

@@ -23,9 +23,10 @@ import typing as t
 
 import sqlalchemy as sa
 
-from tests import cli_app, conftest, testapp
+from tests import conftest
 from tests.conftest import postgres_url, reset_tables, run_sql
-from tests.test_jobs_live import flask_cmd, wait_running
+from tests.support import cli_app, testapp
+from tests.support.commands import flask_cmd, wait_running
 
 EVERY = {"recover": 1.0, "purge": 1.4}
 

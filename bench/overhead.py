@@ -21,8 +21,8 @@ from pathlib import Path
 
 from flask import Flask
 
-from tests import testapp
 from tests.conftest import postgres_url, reset_tables
+from tests.support import testapp
 
 
 def _plain_route(app: Flask) -> None:

@@ -390,7 +390,7 @@ def _seconds(values: list[float]) -> str:
 
 def run(options: Options) -> str:
     """Run the scenario; the Markdown report."""
-    from tests.private_servers import PgCluster
+    from tests.support.private_servers import PgCluster
 
     reason = netns.available()
     if reason is not None:

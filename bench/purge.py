@@ -15,8 +15,8 @@ import time
 import typing as t
 
 from flask_idempotency._maintenance.jobs import purge_expired
-from tests import testapp
 from tests.conftest import postgres_url, reset_tables, run_sql
+from tests.support import testapp
 
 SEED = """
 INSERT INTO idempotency_keys

@@ -45,7 +45,7 @@ import threading
 
 import sqlalchemy as sa
 
-from tests.tcp_proxy import upstream_of
+from tests.support.tcp_proxy import upstream_of
 
 # Requests that come before the startup message, without a type byte: answered by
 # one byte ('S'/'G': encryption follows, 'N': go on in the clear).

@@ -33,9 +33,10 @@ from sqlalchemy import event
 
 from flask_idempotency._storage.schema import as_utc, inbox_table, job_lock_table, record_table
 from flask_idempotency._storage.store import text_param
-from tests import testapp
-from tests.live import LiveServer
-from tests.tcp_proxy import TcpProxy, upstream_of
+from tests.support import testapp
+from tests.support.live import LiveServer
+from tests.support.tables import recreate_tables
+from tests.support.tcp_proxy import TcpProxy, upstream_of
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
 MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"
@@ -214,15 +215,7 @@ def reset_tables(url: str) -> None:
     """Drop and recreate the test app's tables (ledger and idempotency_keys)."""
     # The extension puts its tables on the metadata at init_app; a test that
     # resets before creating its first app still gets them.
-    record_table(testapp.db.metadata)
-    job_lock_table(testapp.db.metadata)
-    inbox_table(testapp.db.metadata)
-    engine = sa.create_engine(url)
-    try:
-        testapp.db.metadata.drop_all(engine)
-        testapp.db.metadata.create_all(engine)
-    finally:
-        engine.dispose()
+    recreate_tables(testapp.db.metadata, url, (record_table, job_lock_table, inbox_table))
 
 
 #: Engines that opened a connection during the current test, kept alive until

@@ -1,0 +1,2 @@
+"""Tests that start real processes: live servers, gunicorn, ``flask`` commands,
+relays and schedulers, network partitions, the README's blocks."""

@@ -1,0 +1,219 @@
+"""The benchmark harness (``python -m bench.run``) runs end to end in a tiny mode,
+and its wire proxy counts round trips as the drivers make them.
+
+No timing is checked (timings depend on the machine): only that every variant ran,
+answered, and made it into the table, with every answer 2xx; round trips are
+counts, and those are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from bench.app import OPTIMISTIC_MISSING
+from bench.report import CLAIM_HOW
+from bench.variants import CLAIM_PATHS, VARIANTS
+from bench.wire import CountingProxy
+from tests.conftest import POSTGRES_ENV, postgres_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _harness(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> str:
+    """``python -m bench.run`` in its tiny mode with ``options``; the file it wrote."""
+    out = tmp_path / "BENCHMARKS.md"
+    command = [
+        sys.executable,
+        "-m",
+        "bench.run",
+        "--quick",
+        "--duration",
+        "0.5",
+        "--rounds",
+        "1",
+        "--no-memory",
+        "--load",
+        "python",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "results.png"),
+        *options,
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAILED" not in done.stderr
+    return out.read_text()
+
+
+def _sections(text: str) -> dict[str, dict[str, list[str]]]:
+    """The rows of every table under each ``###`` heading (by first cell), and of
+    the sections after ``## The claim on psycopg 3`` under that name."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("### ") or line.startswith("## The claim"):
+            rows = sections.setdefault(line.lstrip("# ").strip(), {})
+        elif line.startswith("## "):
+            rows = {}
+        elif line.startswith("| ") and not line.startswith("|---"):
+            cells = [cell.strip() for cell in line.split("|")[1:-1]]
+            rows.setdefault(cells[0], cells)
+    return sections
+
+
+def _expected(engine: str) -> list[str]:
+    return [
+        v.name for v in VARIANTS if v.runs_on(engine) and not (v.optimistic and OPTIMISTIC_MISSING)
+    ]
+
+
+@pytest.mark.slow
+def test_harness_runs_every_variant(tmp_path: Path) -> None:
+    text = _harness(tmp_path, "--engines", "sqlite")
+    rows = _sections(text)["sqlite"]
+    for name in _expected("sqlite"):
+        requests = int(rows[name][6].replace(",", ""))
+        assert requests > 0, rows[name]
+    assert "ext-serial" not in rows  # the claim paths are psycopg 3's
+    assert "no-key / plain" in text
+    assert "ext-replay / floor-replay" in text
+
+
+@pytest.mark.slow
+def test_harness_on_both_postgresql_drivers(tmp_path: Path) -> None:
+    """Both PostgreSQL engines: every variant answered, and the round trips are
+    the claim's: the extension's one string and the pipeline as few as psycopg2's
+    batch, one by one three more, and the comparison written out."""
+    # The suite's PostgreSQL, in a schema of the run's own.
+    configured = os.environ.get(POSTGRES_ENV) or postgres_url()
+    env = {**os.environ, POSTGRES_ENV: configured}
+    text = _harness(tmp_path, "--engines", "postgresql,psycopg", env=env)
+    sections = _sections(text)
+    for engine in ("postgresql", "psycopg"):
+        rows = sections[engine]
+        for name in _expected(engine):
+            assert int(rows[name][6].replace(",", "")) > 0, rows[name]
+    assert "ext-serial" not in sections["postgresql"]
+
+    def trips(engine: str, name: str) -> float:
+        return float(sections[engine][name][5])
+
+    reference = trips("postgresql", "ext")
+    assert trips("psycopg", "ext") == reference
+    assert trips("psycopg", "ext-pipeline") == reference
+    assert trips("psycopg", "ext-serial") == reference + 3  # four statements, not one batch
+    assert trips("psycopg", "ext-generic") > reference  # a statement per round trip
+    assert trips("psycopg", "ext-nowait") == trips("postgresql", "ext-nowait")
+    claims = sections["The claim on psycopg 3"]
+    compared = [row[1] for row in claims.values() if row[0] in CLAIM_HOW.values()]
+    assert compared == list(CLAIM_PATHS)
+    assert "ext-pipeline / ext" in text
+    listing = text[text.index("## Statements of one request on the wire (psycopg)") :]
+    assert "[prepared _pg3_" in listing or "[parse]" in listing
+
+
+@pytest.mark.slow
+def test_outbox_bench_runs_every_relay_and_broker(pg_url: str, tmp_path: Path) -> None:
+    """``python -m bench.outbox`` in a tiny mode: every latency variant and every
+    embedded broker has a figure, and the section lands in the output file."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\nkept\n")
+    command = [
+        sys.executable,
+        "-m",
+        "bench.outbox",
+        "--quick",
+        "--events",
+        "5",
+        "--backlog",
+        "50",
+        "--no-rabbitmq",
+        "--database-url",
+        pg_url,
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nkept\n")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    for name in ("cli-listen", "cli-poll", "scheduler-wake", "scheduler-poll"):
+        assert float(rows[name].split("|")[2].replace(",", "")) > 0, rows[name]
+    for broker in ("kombu filesystem", "kombu SQLAlchemy (SQLite)", "none (in-memory list)"):
+        assert float(rows[broker].split("|")[2].replace(",", "")) > 0, rows[broker]
+    assert "RabbitMQ figures are missing" in text
+
+
+@contextlib.contextmanager
+def _driver_connection(url: str | sa.URL) -> t.Iterator[t.Any]:
+    """The driver's own connection to ``url``, closed at the end."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            yield conn.connection.driver_connection
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def wire() -> t.Iterator[CountingProxy]:
+    with CountingProxy(postgres_url()) as proxy:
+        yield proxy
+
+
+def test_wire_counts_a_psycopg_pipeline_as_one_exchange(wire: CountingProxy) -> None:
+    """psycopg 3: four statements in pipeline mode are one exchange; sent one by
+    one, four; the capture shows each statement, marked as it travelled."""
+    url = sa.make_url(wire.url()).set(drivername="postgresql+psycopg")
+    with _driver_connection(url) as conn:
+        conn.execute("SELECT 1")  # BEGIN: an exchange of its own
+        statements = [f"SELECT %(v)s::int + {i}" for i in range(4)]
+        wire.reset(capture=True)
+        with conn.pipeline():
+            cursors = [conn.cursor() for _ in statements]
+            for cursor, sql in zip(cursors, statements, strict=True):
+                cursor.execute(sql, {"v": 1})
+        assert [c.fetchone()[0] for c in cursors] == [1, 2, 3, 4]
+        assert wire.exchanges == 1
+        assert wire.captured == [[f"[parse] SELECT $1::int + {i}" for i in range(4)]]
+
+        wire.reset(capture=True)
+        for sql in statements:
+            conn.execute(sql, {"v": 1})
+        assert wire.exchanges == 4
+        assert [len(exchange) for exchange in wire.captured] == [1, 1, 1, 1]
+
+        # Executed often enough, psycopg prepares a statement: a named Parse, then
+        # only its name. Outside a pipeline preparing is an exchange of its own.
+        wire.reset()
+        for _ in range(5):
+            conn.execute("SELECT %(v)s::int", {"v": 1})
+        wire.reset(capture=True)
+        conn.execute("SELECT %(v)s::int", {"v": 1})
+        conn.execute("SELECT %(v)s::int", {"v": 1})
+        assert wire.exchanges == 3
+        (prepare,), (first,), (second,) = wire.captured
+        name = prepare.split()[1].rstrip("]")
+        assert prepare == f"[prepare {name}] SELECT $1::int"
+        assert first == second == f"[prepared {name}] SELECT $1::int"
+
+
+def test_wire_counts_a_psycopg2_batch_as_one_exchange(wire: CountingProxy) -> None:
+    with _driver_connection(wire.url()) as conn:  # the suite's URL names psycopg2
+        cursor = conn.cursor()
+        cursor.execute("SELECT 1")  # BEGIN, then the statement
+        wire.reset(capture=True)
+        cursor.execute("SELECT %(v)s;\nSELECT %(v)s + 1;\nSELECT %(v)s + 2", {"v": 1})
+        assert cursor.fetchone() == (3,)
+        assert wire.exchanges == 1
+        assert wire.captured == [["SELECT 1", "SELECT 1 + 1", "SELECT 1 + 2"]]

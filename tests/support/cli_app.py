@@ -1,0 +1,63 @@
+"""An app factory for ``flask --app tests.support.cli_app`` in subprocesses.
+
+Reads the database from ``IDEMPOTENCY_TEST_APP_DB`` and extra config (JSON,
+durations in seconds) from ``IDEMPOTENCY_TEST_APP_CONFIG``. With
+``IDEMPOTENCY_TEST_JOB_RUNS`` set, every scheduled job run is written to the
+``job_runs`` table (pid, job, start, end), and each run is stretched by that many
+seconds so that runs in two processes would overlap if the lock let them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import Flask
+
+from flask_idempotency import signals
+from tests.support import testapp
+
+job_runs = sa.Table(
+    "job_runs",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("pid", sa.Integer),
+    sa.Column("job", sa.String(50)),
+    sa.Column("started", sa.Float),
+    sa.Column("finished", sa.Float),
+)
+
+_started: dict[tuple[int, str], float] = {}
+_lock = threading.Lock()
+
+
+def create_app() -> Flask:
+    url = os.environ["IDEMPOTENCY_TEST_APP_DB"]
+    extra = json.loads(os.environ.get("IDEMPOTENCY_TEST_APP_CONFIG", "{}"))
+    app = testapp.create_app(url, **extra)
+    stretch = os.environ.get("IDEMPOTENCY_TEST_JOB_RUNS")
+    if stretch is not None:
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+
+        def on_start(sender: t.Any, **kw: t.Any) -> None:
+            with _lock:
+                _started[(os.getpid(), kw["name"])] = time.time()
+            time.sleep(float(stretch))
+
+        def on_finish(sender: t.Any, **kw: t.Any) -> None:
+            with _lock:
+                started = _started.pop((os.getpid(), kw["name"]))
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.insert(job_runs).values(
+                        pid=os.getpid(), job=kw["name"], started=started, finished=time.time()
+                    )
+                )
+
+        signals.job_started.connect(on_start, weak=False)
+        signals.job_finished.connect(on_finish, weak=False)
+    return app

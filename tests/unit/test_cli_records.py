@@ -1,0 +1,190 @@
+"""Finding, showing and releasing one record from the command line, by the key as
+the client sent it and the scope as the README describes it.
+
+Through ``app.test_cli_runner()`` against the real database (PostgreSQL and SQLite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import typing as t
+
+import pytest
+from flask import Flask
+
+from tests.conftest import Clock, ledger_count, record_rows
+from tests.support.scopes import basic_scope
+
+ENDPOINT = "t.scope_charge"
+
+
+def cli(app: Flask, *args: str, input: str | None = None) -> t.Any:
+    return app.test_cli_runner().invoke(args=["idempotency", *args], input=input)
+
+
+def charge(client: t.Any, key: str, **kw: t.Any) -> t.Any:
+    return client.post(
+        "/scope/charge",
+        json={"amount": 5},
+        headers={"Idempotency-Key": key, **kw.pop("headers", {})},
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("sent", ["order-42", '"order-42"', ' "order-42" '])
+def test_show_takes_the_key_as_sent_and_the_documented_basic_scope(
+    app: Flask, client: t.Any, sent: str
+) -> None:
+    charge(client, '"order-42"', auth=("alice", "pw"))
+    scope = basic_scope(app, "alice", "pw")
+
+    result = cli(app, "show", scope, sent)
+
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert (shown["scope"], shown["key"]) == (scope, "order-42")
+    assert shown["status"] == "completed"
+    assert shown["response_code"] == 201
+
+
+def test_release_takes_a_quoted_key_and_the_retry_runs_again(app: Flask, client: t.Any) -> None:
+    charge(client, "order-42", headers={"Authorization": "Bearer tok"})
+    scope = f"{ENDPOINT}|bearer:{hashlib.sha256(b'tok').hexdigest()}"
+
+    result = cli(app, "release", scope, '"order-42"', "--yes", "--force")
+
+    assert result.exit_code == 0, result.output
+    assert "released" in result.output
+    assert record_rows(app) == []
+    again = charge(client, "order-42", headers={"Authorization": "Bearer tok"})
+    assert again.headers.get("Idempotent-Replayed") is None
+    assert ledger_count(app, "scope/charge") == 2
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "complaint"),
+    [
+        ("show", [f"{ENDPOINT}|basic:alice", '"order-42'], "no closing quote"),
+        ("release", [f"{ENDPOINT}|basic:alice", "a,b", "--yes", "--force"], "comma"),
+        ("release", [f"{ENDPOINT}|basic:alice", "k" * 256, "--yes", "--force"], "at most 255"),
+        ("release", ["", "order-42", "--yes", "--force"], "must not be empty"),
+        ("show", ["s" * 513, "order-42"], "at most 512"),
+        ("list", ["--key", '""'], "must not be empty"),
+    ],
+)
+def test_a_malformed_key_or_scope_is_a_usage_error_and_changes_nothing(
+    app: Flask, client: t.Any, command: str, args: list[str], complaint: str
+) -> None:
+    charge(client, "order-42", auth=("alice", "pw"))
+
+    result = cli(app, command, *args)
+
+    assert result.exit_code == 2, result.output
+    assert complaint in result.output
+    assert len(record_rows(app)) == 1
+
+
+def test_list_finds_a_record_by_the_clients_key(app: Flask, client: t.Any, clock: Clock) -> None:
+    # A bearer scope cannot be built without the token: find it by the key.
+    charge(client, "order-42", headers={"Authorization": "Bearer unknown-to-the-operator"})
+    clock.advance(seconds=1)
+    charge(client, "order-42", auth=("alice", "pw"))
+    charge(client, "order-43", auth=("alice", "pw"))
+
+    result = cli(app, "list", "--key", '"order-42"')
+
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output)
+    assert [(r["scope"].split("|")[1].split(":")[0], r["key"]) for r in found] == [
+        ("basic", "order-42"),  # newest first
+        ("bearer", "order-42"),
+    ]
+    assert all(r["status"] == "completed" and r["expired"] is False for r in found)
+    bearer_scope = found[1]["scope"]
+    assert cli(app, "release", bearer_scope, "order-42", "--yes", "--force").exit_code == 0
+    assert {(r["scope"], r["key"]) for r in record_rows(app)} == {
+        (basic_scope(app, "alice", "pw"), "order-42"),
+        (basic_scope(app, "alice", "pw"), "order-43"),
+    }
+
+
+def test_list_by_scope_prefix_compares_byte_for_byte(app: Flask, client: t.Any) -> None:
+    charge(client, "k1", auth=("alice", "pw"))
+    charge(client, "k2", auth=("Alice", "pw"))
+    charge(client, "k3", auth=("bob", "pw"))
+    client.post("/scope/refund", headers={"Idempotency-Key": "k4"}, auth=("alice", "pw"))
+
+    def listed(*args: str) -> list[tuple[str, str]]:
+        result = cli(app, "list", *args)
+        assert result.exit_code == 0, result.output
+        return sorted((r["scope"], r["key"]) for r in json.loads(result.output))
+
+    # A user's records, by the readable user name the Basic scope starts with.
+    assert listed("--scope-prefix", f"{ENDPOINT}|basic:alice:") == [
+        (basic_scope(app, "alice", "pw"), "k1")
+    ]
+    assert listed("--scope-prefix", f"{ENDPOINT}|basic:A") == [
+        (basic_scope(app, "Alice", "pw"), "k2")
+    ]
+    assert [k for _, k in listed("--scope-prefix", f"{ENDPOINT}|")] == ["k2", "k1", "k3"]
+    assert listed("--scope-prefix", "T.SCOPE") == []  # no case folding, SQLite included
+    assert len(listed("--limit", "2")) == 2
+    assert listed("--status", "in_progress") == []
+    assert len(listed()) == 4
+
+
+def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
+    database_url: str, clock: Clock
+) -> None:
+    """The operator is shown an in-progress record and asked to confirm; meanwhile
+    the slow request completes. Without --force nothing is deleted: the completed
+    record stays, and the client's retry replays instead of charging again."""
+    from tests.conftest import reset_tables
+    from tests.support import testapp
+    from tests.support.gates import Gates, send
+
+    gates = Gates()
+    app = testapp.create_app(database_url, clock=clock)
+
+    @app.post("/slow-charge")
+    @testapp.idem.idempotent(lease=30)
+    def slow_charge() -> tuple[dict[str, t.Any], int]:
+        gates.pause("slow")
+        row = testapp.write_ledger("slow-charge")
+        return {"id": row.id}, 201
+
+    reset_tables(database_url)
+    request = send(app, "/slow-charge", {}, key="stuck")
+    assert gates.arrived("slow")
+    [record] = record_rows(app)
+
+    def confirm_after_completion(text: str) -> str:
+        gates.open("slow")  # the request completes while the operator reads
+        assert request.result().status_code == 201
+        return "y\n"
+
+    import click.testing
+
+    runner = app.test_cli_runner()
+    original = click.testing.CliRunner.isolation
+
+    prompt_seen: list[str] = []
+
+    def answer(*args: t.Any, **kwargs: t.Any) -> t.Any:
+        prompt_seen.append("asked")
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "click.confirm",
+            lambda *a, **k: confirm_after_completion(str(a)) and True,
+        )
+        result = runner.invoke(args=["idempotency", "release", record["scope"], "stuck"])
+    assert result.exit_code != 0
+    assert "changed while you confirmed" in result.output
+    [kept] = record_rows(app)
+    assert kept["status"] == "completed"
+    retry = app.test_client().post("/slow-charge", json={}, headers={"Idempotency-Key": "stuck"})
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "slow-charge") == 1
