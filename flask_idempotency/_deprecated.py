@@ -13,18 +13,21 @@ import typing as t
 import warnings
 
 
-def forward(public: str, private: str) -> t.Callable[[str], t.Any]:
+def forward(public: str, *private: str) -> t.Callable[[str], t.Any]:
     """A module ``__getattr__`` for ``public`` that finds names not in its
-    ``__all__`` in the module ``private`` and warns that they are not public."""
+    ``__all__`` in the modules ``private`` (the first that has the name) and
+    warns that they are not public."""
 
     def __getattr__(name: str) -> t.Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        module = importlib.import_module(private)
-        try:
-            value = getattr(module, name)
-        except AttributeError:
-            raise AttributeError(f"module {public!r} has no attribute {name!r}") from None
+        for module_name in private:
+            module = importlib.import_module(module_name)
+            if hasattr(module, name):
+                value = getattr(module, name)
+                break
+        else:
+            raise AttributeError(f"module {public!r} has no attribute {name!r}")
         warnings.warn(
             f"{public}.{name} is not part of the public API and will be removed in 0.2; "
             "see CHANGES.md (0.1) for what to use instead",

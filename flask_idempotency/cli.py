@@ -61,8 +61,8 @@ from ._cli import (
 from ._context import resolve_app
 from ._maintenance import runner
 from ._maintenance.jobs import purge_expired, recover_abandoned
-from ._messaging import inbox
-from ._messaging.relay import outbox_stats, purge_published, retry_parked
+from ._messaging.admin import outbox_stats, purge_published, retry_parked
+from ._storage import inbox
 from ._storage.schema import OUTBOX_TABLE_NAME, inbox_table, outbox_table
 
 __all__ = ["idempotency_cli"]

@@ -36,4 +36,7 @@ __all__ = [
     "process",
 ]
 
-__getattr__ = forward(__name__, "flask_idempotency._messaging.inbox")
+# The old flat module's other names, its cleanup statements (purge_batch) among them.
+__getattr__ = forward(
+    __name__, "flask_idempotency._messaging.inbox", "flask_idempotency._storage.inbox"
+)

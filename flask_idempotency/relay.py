@@ -64,13 +64,13 @@ checks a version or sequence of its own, or the app runs a single relay.
 from __future__ import annotations
 
 from ._deprecated import forward
+from ._messaging.admin import outbox_stats as outbox_stats
+from ._messaging.admin import purge_published as purge_published
+from ._messaging.admin import retry_parked as retry_parked
 from ._messaging.relay import Publisher as Publisher
 from ._messaging.relay import RelayRun as RelayRun
-from ._messaging.relay import outbox_stats as outbox_stats
-from ._messaging.relay import purge_published as purge_published
 from ._messaging.relay import relay_batch as relay_batch
 from ._messaging.relay import relay_once as relay_once
-from ._messaging.relay import retry_parked as retry_parked
 from .errors import BrokerUnavailable as BrokerUnavailable
 
 __all__ = [
@@ -84,4 +84,12 @@ __all__ = [
     "retry_parked",
 ]
 
-__getattr__ = forward(__name__, "flask_idempotency._messaging.relay")
+# The old flat module's other names: the batch, the listener, the operator
+# functions and the outbox's cleanup statements (purge_published_batch).
+__getattr__ = forward(
+    __name__,
+    "flask_idempotency._messaging.relay",
+    "flask_idempotency._messaging.listener",
+    "flask_idempotency._messaging.admin",
+    "flask_idempotency._storage.outbox",
+)

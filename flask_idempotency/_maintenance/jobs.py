@@ -12,9 +12,9 @@ from flask import Flask
 
 from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
-from .._messaging import inbox, relay
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
-from .._storage import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, outbox_table
+from .._storage import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, inbox, outbox_table
+from .._storage import outbox as outbox_sql
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -91,7 +91,9 @@ def purge_expired(
                 if has_inbox:
                     report.inbox_deleted = inbox.count_expired(conn, state.clock())
                 if has_outbox:
-                    report.outbox_deleted = relay.count_purgeable(conn, outbox, outbox_cutoff())
+                    report.outbox_deleted = outbox_sql.count_purgeable(
+                        conn, outbox, outbox_cutoff()
+                    )
             return report
         going = True
         while True:
@@ -116,7 +118,7 @@ def purge_expired(
                 break
         while has_outbox and going:
             with engine.begin() as conn:
-                deleted = relay.purge_published_batch(conn, outbox, outbox_cutoff(), size)
+                deleted = outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(), size)
             report.outbox_batches += 1
             report.outbox_deleted += deleted
             if deleted < size or not keep_going():

@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from flask import Flask
 
 from .. import signals
-from .._messaging.relay import Listener, RelayRun, RelistenBackoff, relay_batch
+from .._messaging.listener import Listener, RelistenBackoff
+from .._messaging.relay import RelayRun, relay_batch
 from .._storage.dberrors import summary
 from .scheduler import JobFunc, JobScheduler
 

@@ -15,7 +15,7 @@ from flask import Flask
 
 from .. import signals
 from .._context import app_state
-from .._messaging.relay import Listener, RelistenBackoff
+from .._messaging.listener import Listener, RelistenBackoff
 from .._storage import dberrors
 from .._storage.locks import JobLocks, new_holder_id
 from .jobs import KeepGoing, purge_expired, recover_abandoned

@@ -18,50 +18,20 @@ from sqlalchemy.orm import Session, scoped_session
 from .. import signals
 from .._context import find_app_state
 from .._storage import dberrors
+from .._storage import inbox as inbox_sql
 from .._storage.schema import INBOX_TABLE_NAME as INBOX_TABLE_NAME
-from .._storage.schema import MYSQL_DIALECTS, _text, as_utc
+from .._storage.schema import as_utc
 from .._storage.schema import inbox_table as inbox_table
-from .._storage.store import changed_one, conflict_tolerant_inserts, text_param
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
 DEFAULT_TTL = dt.timedelta(days=7)
 
-_MYSQL = MYSQL_DIALECTS
 logger = logging.getLogger("flask_idempotency")
 _DEFAULT_TTL_TOLD = threading.Event()
 
-
-# The statements are built on a table of our own: the SQL is the same whatever
-# metadata the app's table lives on.
-_TABLE = inbox_table(sa.MetaData())
-_C = _TABLE.c
 #: The longest consumer name or event id the inbox keeps (characters).
 MAX_ID_LENGTH = 255
-
-_THIS = (_C.consumer == text_param("w_consumer"), _C.event_id == text_param("w_event_id"))
-_VALUES = {
-    "consumer": text_param("consumer"),
-    "event_id": text_param("event_id"),
-    "processed_at": sa.bindparam("processed_at"),
-    "expires_at": sa.bindparam("expires_at"),
-}
-#: Per dialect, the insert that returns the row it wrote (nothing for a duplicate).
-_INSERTS = {
-    name: insert.returning(_C.consumer)
-    for name, insert in conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"]).items()
-}
-_READ = sa.select(_C.expires_at).where(*_THIS)
-_READ_LOCKING = _READ.with_for_update(read=True)
-# An id kept past its window counts as new: the delivery that takes it over does
-# the work. The UPDATE re-checks the expiry on the latest row (a concurrent
-# taker's commit makes it fail), so only one delivery wins.
-_RENEW = (
-    sa.update(_TABLE)
-    .where(*_THIS, _C.expires_at <= sa.bindparam("w_now"))
-    .values(processed_at=sa.bindparam("processed_at"), expires_at=sa.bindparam("expires_at"))
-)
-_RENEW_RETURNING = _RENEW.returning(_C.consumer)
 
 
 def _utc_now() -> dt.datetime:
@@ -149,12 +119,10 @@ def mark_processed(
         "expires_at": expires,
     }
     dialect = session.get_bind().dialect
-    name = dialect.name
     # The insert may meet an expired row that cleanup deletes before the read
     # or the renewal below: no row then means "not processed", so insert again.
-    read = _READ_LOCKING if name in _MYSQL else _READ
     for _ in range(ATTEMPTS):
-        if _insert(session, dialect, params):
+        if inbox_sql.insert(session, dialect, params):
             return True
         # The id is there, committed. Only an expired one is taken over; a live
         # one is left without a write lock (on MySQL every waiter holds a shared
@@ -163,16 +131,14 @@ def mark_processed(
         # snapshot. (On PostgreSQL an insert that conflicts with a row its
         # REPEATABLE READ snapshot cannot see fails as a serialization error:
         # the read sees the row the insert met, unless it was deleted since.)
-        expires_at = session.execute(
-            read, {"w_consumer": consumer, "w_event_id": event_id}
-        ).scalar()
+        expires_at = inbox_sql.read_expiry(session, dialect, consumer, event_id)
         if expires_at is None:
             continue  # deleted since the insert met it (cleanup): insert again
         if t.cast(dt.datetime, as_utc(expires_at)) > now:
             return False  # processed, and still within its window
-        renewed = changed_one(
+        renewed = inbox_sql.renew(
             session,
-            _RENEW_RETURNING if dialect.update_returning else _RENEW,
+            dialect,
             {
                 "processed_at": now,
                 "expires_at": expires,
@@ -189,24 +155,6 @@ def mark_processed(
         f"inbox: the id {event_id!r} of {consumer!r} was in the way of the insert and gone "
         f"by the read, {ATTEMPTS} times in a row"
     )
-
-
-def _insert(
-    session: Session | scoped_session[t.Any], dialect: t.Any, params: dict[str, t.Any]
-) -> bool:
-    """Insert the id; whether this insert wrote the row (``False``: it was there)."""
-    insert = _INSERTS.get(dialect.name)
-    if insert is not None and dialect.insert_returning:
-        # Whether the row is ours is what the insert returns, never a row count.
-        return session.execute(insert, params).first() is not None
-    # No RETURNING here (MySQL): the insert in a savepoint, a duplicate is
-    # "exists" (an error the statement itself raises).
-    try:
-        with session.begin_nested():
-            session.execute(sa.insert(_TABLE).values(_VALUES), params)
-        return True
-    except sa.exc.IntegrityError:
-        return False
 
 
 @contextlib.contextmanager
@@ -257,17 +205,6 @@ def process(
 ATTEMPTS = 5
 
 
-def _deadlock_victim(exc: sa.exc.DBAPIError) -> bool:
-    """The database rolled this transaction back to break a deadlock or a
-    serialization conflict: running it again may succeed."""
-    orig = exc.orig
-    if orig is None:
-        return False
-    if dberrors.sqlstate(orig) in ("40P01", "40001"):
-        return True
-    return dberrors._mysql_errno(orig) in (1213, 1020)  # deadlock; record changed (MariaDB)
-
-
 def _mark_retrying(
     session: Session,
     consumer: str,
@@ -285,7 +222,7 @@ def _mark_retrying(
         try:
             return mark_processed(session, consumer, event_id, ttl=ttl, now=now)
         except sa.exc.DBAPIError as exc:
-            if not retry or attempt == ATTEMPTS or not _deadlock_victim(exc):
+            if not retry or attempt == ATTEMPTS or not dberrors.deadlock_victim(exc):
                 raise
             session.rollback()
             time.sleep(random.uniform(0, 0.01 * attempt))
@@ -338,53 +275,3 @@ def consumer(
         return t.cast(F, wrapper)
 
     return decorate
-
-
-def purge_batch(conn: sa.Connection, now: dt.datetime, limit: int) -> int:
-    """Delete up to ``limit`` expired ids in one transaction; the number deleted.
-
-    As :meth:`.Store.purge_batch`: on PostgreSQL and MySQL/MariaDB the batch is
-    chosen ``FOR UPDATE SKIP LOCKED`` (cleaners skip each other's rows), and
-    the delete re-checks the expiry, so an id renewed meanwhile stays.
-    """
-    gone = _C.expires_at <= now
-    dialect = conn.dialect.name
-    batch = sa.select(_C.consumer, _C.event_id).where(gone).order_by(_C.expires_at).limit(limit)
-    if dialect == "postgresql" or dialect in _MYSQL:
-        batch = batch.with_for_update(skip_locked=True)
-    pair = sa.tuple_(_C.consumer, _C.event_id)
-    if dialect in ("postgresql", "sqlite"):
-        return int(conn.execute(sa.delete(_TABLE).where(pair.in_(batch), gone)).rowcount)
-    keys = [tuple(row) for row in conn.execute(batch)]
-    if not keys:
-        return 0
-    return int(conn.execute(sa.delete(_TABLE).where(pair.in_(keys), gone)).rowcount)
-
-
-def count_expired(conn: sa.Connection, now: dt.datetime) -> int:
-    """How many processed ids are past their window and await cleanup."""
-    stmt = sa.select(sa.func.count()).select_from(_TABLE).where(_C.expires_at <= now)
-    return int(conn.execute(stmt).scalar_one())
-
-
-def table_exists(conn: sa.Connection) -> bool:
-    """Whether the database has the inbox table (an app that upgraded without
-    migrating has not: cleanup leaves the inbox alone then)."""
-    return bool(sa.inspect(conn).has_table(INBOX_TABLE_NAME))
-
-
-def stats(conn: sa.Connection, now: dt.datetime) -> dict[str, t.Any]:
-    """The inbox for an operator: ``inbox_processed`` (ids kept, expired or not),
-    ``inbox_by_consumer`` (the same per consumer name) and ``inbox_expired``
-    (past their window, awaiting cleanup)."""
-    by_consumer = {
-        t.cast(str, _text(name)): int(n)
-        for name, n in conn.execute(
-            sa.select(_C.consumer, sa.func.count()).group_by(_C.consumer).order_by(_C.consumer)
-        )
-    }
-    return {
-        "inbox_processed": sum(by_consumer.values()),
-        "inbox_by_consumer": by_consumer,
-        "inbox_expired": count_expired(conn, now),
-    }

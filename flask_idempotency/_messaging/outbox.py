@@ -12,18 +12,16 @@ import uuid
 
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
-from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from .._context import app_state, current_derived_key, current_request_state
-from .._storage.schema import MYSQL_DIALECTS, _text, as_utc, outbox_table
+from .._storage import outbox as outbox_sql
+from .._storage.notify import CHANNEL as CHANNEL
+from .._storage.schema import _text, as_utc, outbox_table
 from ..errors import EventIdConflictError
 
 #: Set when a transaction that emitted events commits in this process: an
 #: in-process relay waits on it instead of sleeping its whole poll interval.
 WAKE = threading.Event()
-
-#: The PostgreSQL channel a transaction that emitted notifies.
-CHANNEL = "idempotency_outbox"
 
 _INFO_FLAG = "idempotency_outbox_emitted"
 _watched: set[t.Any] = set()
@@ -54,27 +52,6 @@ class OutboxEvent:
             created_at=t.cast(dt.datetime, as_utc(m["created_at"])),
             attempts=int(m["attempts"]),
         )
-
-
-def _insert(table: sa.Table, dialect: str, values: dict[str, t.Any]) -> t.Any:
-    if dialect == "postgresql":
-        return (
-            postgresql.insert(table)
-            .values(**values)
-            .on_conflict_do_nothing(index_elements=["event_id"])
-            .returning(table.c.id)
-        )
-    if dialect == "sqlite":
-        return (
-            sqlite.insert(table)
-            .values(**values)
-            .on_conflict_do_nothing(index_elements=["event_id"])
-            .returning(table.c.id)
-        )
-    if dialect in MYSQL_DIALECTS:
-        stmt = mysql.insert(table).values(**values)
-        return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
-    return sa.insert(table).values(**values)
 
 
 def canonical_payload(payload: t.Any) -> str:
@@ -161,33 +138,27 @@ def add_event(
         "created_at": now or state.clock(),
         "attempts": 0,
     }
-    dialect = session.get_bind().dialect.name
-    result = session.execute(_insert(table, dialect, values))
-    # Whether the insert wrote the row is read from what it returned (RETURNING),
-    # never from a driver's rowcount; MySQL has no RETURNING here: read the row.
-    if dialect in MYSQL_DIALECTS or result.first() is None:
-        _check_same_event(session, table, dialect, event_id, topic, text)
-    if dialect == "postgresql" and not session.info.get(_INFO_FLAG):
-        # Once per transaction; PostgreSQL delivers it at the commit, and drops it
-        # with a rollback. A LISTENing relay wakes at once (relay.Listener).
-        session.execute(sa.text(f"SELECT pg_notify('{CHANNEL}', '')"))
+    sql = outbox_sql.for_session(session)
+    if not sql.insert_event(session, table, values):
+        _check_same_event(session, table, sql, event_id, topic, text)
+    if not session.info.get(_INFO_FLAG):
+        # Once per transaction (PostgreSQL: delivered at the commit, dropped with
+        # a rollback): a LISTENing relay wakes at once (listener.Listener).
+        sql.notify(session)
     session.info[_INFO_FLAG] = True
     return event_id
 
 
 def _check_same_event(
-    session: t.Any, table: sa.Table, dialect: str, event_id: str, topic: str, text: str
+    session: t.Any,
+    table: sa.Table,
+    sql: outbox_sql.OutboxDialect,
+    event_id: str,
+    topic: str,
+    text: str,
 ) -> None:
     """Raise unless the row with ``event_id`` holds ``topic`` and ``text``."""
-    query = sa.select(table.c.topic, table.c.payload).where(
-        table.c.event_id == sa.bindparam("event_id", event_id, type_=sa.String())
-    )
-    if dialect in MYSQL_DIALECTS:
-        # A locking read sees the latest committed row, which a REPEATABLE READ
-        # snapshot taken before that row's commit would not (the insert above
-        # already holds its lock).
-        query = query.with_for_update()
-    existing = session.execute(query).first()
+    existing = sql.existing_event(session, table, event_id)
     if existing is None:  # pragma: no cover - the insert conflicted on this id
         raise RuntimeError(f"outbox insert of {event_id!r} neither wrote nor met a row")
     if existing.topic == topic and _same_payload(existing.payload, text):

@@ -205,12 +205,6 @@ def unprotected_methods(app: Flask) -> list[str]:
     return found
 
 
-def names_table(exc: Exception, table: str) -> bool:
-    """Whether the statement that failed (SQLAlchemy keeps it) names ``table``."""
-    statement = getattr(exc, "statement", None) or ""
-    return isinstance(statement, str) and table in statement
-
-
 def database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
     """The problem to answer for a database failure, or ``None`` for any other error.
 
@@ -221,7 +215,7 @@ def database_problem(exc: Exception, session: t.Any, records: str) -> ProblemErr
     expected when the connection is gone, and ignored) and logs ``exc`` once.
     """
     failure = dberrors.classify(exc)
-    if failure is None and dberrors.privilege_refused(exc) and names_table(exc, records):
+    if failure is None and dberrors.privilege_refused(exc) and dberrors.names_table(exc, records):
         failure = dberrors.UNAVAILABLE
     if failure is None:
         return None

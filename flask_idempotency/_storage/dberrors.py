@@ -348,3 +348,29 @@ def summary(exc: BaseException) -> str:
     name = type(orig).__name__ + (f" [{code}]" if code else "")
     text = str(orig).strip()
     return f"{name}: {text.splitlines()[0]}" if text else name
+
+
+# The database ended the transaction to break a deadlock or a serialization
+# conflict: PostgreSQL deadlock_detected and serialization_failure, MySQL
+# ER_LOCK_DEADLOCK and MariaDB's ER_CHECKREAD ("record has changed").
+_PG_VICTIM = ("40P01", "40001")
+_MYSQL_VICTIM = (1213, 1020)
+
+
+def deadlock_victim(exc: sa_exc.DBAPIError) -> bool:
+    """Whether the database rolled this transaction back to break a deadlock or a
+    serialization conflict: running it again may succeed."""
+    orig = exc.orig
+    if orig is None:
+        return False
+    if sqlstate(orig) in _PG_VICTIM:
+        return True
+    return _mysql_errno(orig) in _MYSQL_VICTIM
+
+
+def names_table(exc: BaseException, table: str) -> bool:
+    """Whether the statement that failed (SQLAlchemy keeps it on its errors)
+    names ``table``: a refusal of one of the extension's own statements on the
+    record's table, not of one of the app's."""
+    statement = getattr(exc, "statement", None) or ""
+    return isinstance(statement, str) and table in statement

@@ -22,8 +22,9 @@ from flask import Flask
 from sqlalchemy import orm
 
 from flask_idempotency import EventIdConflictError, signals
+from flask_idempotency._messaging.admin import retry_parked
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
-from flask_idempotency._messaging.relay import backoff, relay_once, retry_parked
+from flask_idempotency._messaging.relay import backoff, relay_once
 from flask_idempotency._storage.schema import (
     as_utc,
     outbox_table,

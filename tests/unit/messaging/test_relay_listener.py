@@ -31,7 +31,7 @@ from flask import Flask
 
 from flask_idempotency._maintenance import scheduler as scheduler_module
 from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
-from flask_idempotency._messaging.relay import Listener
+from flask_idempotency._messaging.listener import Listener
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import run_sql
 from tests.support import outbox_app

@@ -1,0 +1,384 @@
+"""The outbox's statements: the emit's insert, the relay's lease, the operator queries.
+
+What differs per engine is one :class:`OutboxDialect` each, found by
+:func:`outbox_dialect`:
+
+* the emit's insert is conflict-tolerant on ``event_id``: ``ON CONFLICT DO
+  NOTHING RETURNING id`` on PostgreSQL and SQLite (a returned id: this insert
+  wrote the row), ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL/MariaDB (not
+  ``INSERT IGNORE``, which would also swallow truncation errors; no RETURNING
+  there, so the existing row is always read back, with a locking read that
+  sees the latest committed row whatever the snapshot);
+* the relay's take is ``FOR UPDATE SKIP LOCKED`` on PostgreSQL and
+  MySQL/MariaDB (under READ COMMITTED on MySQL/MariaDB); on SQLite it first
+  takes the database's write lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from .notify import NOTIFY
+from .schema import MYSQL_DIALECTS
+from .store import database_now
+
+_R = t.TypeVar("_R")
+_E = t.TypeVar("_E")
+
+
+def _pg_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
+    return (
+        postgresql.insert(table)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["event_id"])
+        .returning(table.c.id)
+    )
+
+
+def _sqlite_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
+    return (
+        sqlite.insert(table)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["event_id"])
+        .returning(table.c.id)
+    )
+
+
+def _mysql_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
+    stmt = mysql.insert(table).values(**values)
+    return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
+
+
+def _plain_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
+    return sa.insert(table).values(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxDialect:
+    """The outbox's statements on one engine."""
+
+    #: The emit's conflict-tolerant insert of an event.
+    insert: t.Callable[[sa.Table, dict[str, t.Any]], t.Any]
+    #: Whether the insert returns the row it wrote (none: the id existed).
+    returning: bool = True
+    #: Whether reading the existing event locks it (sees the latest commit).
+    lock_existing: bool = False
+    #: Whether the first emit of a transaction notifies LISTENing relays.
+    notifies: bool = False
+    #: The isolation level of the relay's take, where the default does not do.
+    take_isolation: str | None = None
+    #: Whether the take first takes the database's write lock.
+    take_write_lock: bool = False
+    #: Whether the take's select skips rows another relay has locked.
+    skip_locked: bool = True
+
+    def insert_event(self, session: t.Any, table: sa.Table, values: dict[str, t.Any]) -> bool:
+        """Insert an event through ``session``; whether this insert is known to
+        have written the row (``False``: read the existing row,
+        :meth:`existing_event`)."""
+        result = session.execute(self.insert(table, values))
+        # Whether the insert wrote the row is read from what it returned (RETURNING),
+        # never from a driver's rowcount; MySQL has no RETURNING here: read the row.
+        return self.returning and result.first() is not None
+
+    def existing_event(self, session: t.Any, table: sa.Table, event_id: str) -> t.Any:
+        """The ``topic`` and ``payload`` of the event ``event_id``, or ``None``."""
+        query = sa.select(table.c.topic, table.c.payload).where(
+            table.c.event_id == sa.bindparam("event_id", event_id, type_=sa.String())
+        )
+        if self.lock_existing:
+            # A locking read sees the latest committed row, which a REPEATABLE READ
+            # snapshot taken before that row's commit would not (the insert above
+            # already holds its lock).
+            query = query.with_for_update()
+        return session.execute(query).first()
+
+    def notify(self, session: t.Any) -> None:
+        """Wake LISTENing relays when ``session``'s transaction commits (once per
+        transaction is enough; nothing on engines without a channel)."""
+        if self.notifies:
+            # PostgreSQL delivers it at the commit, and drops it with a rollback.
+            session.execute(NOTIFY)
+
+
+_POSTGRESQL = OutboxDialect(_pg_insert, notifies=True)
+_SQLITE = OutboxDialect(_sqlite_insert, take_write_lock=True, skip_locked=False)
+_MYSQL = OutboxDialect(
+    _mysql_insert, returning=False, lock_existing=True, take_isolation="READ COMMITTED"
+)
+_OTHER = OutboxDialect(_plain_insert)
+_DIALECTS = {"postgresql": _POSTGRESQL, "sqlite": _SQLITE, **dict.fromkeys(MYSQL_DIALECTS, _MYSQL)}
+
+
+def outbox_dialect(name: str) -> OutboxDialect:
+    """The outbox's statements on the engine named ``name`` (``postgresql``...)."""
+    return _DIALECTS.get(name, _OTHER)
+
+
+def for_session(session: t.Any) -> OutboxDialect:
+    """The outbox's statements on the engine behind ``session``."""
+    return outbox_dialect(session.get_bind().dialect.name)
+
+
+class Leases:
+    """The relay's statements, each in a short transaction of its own: take and
+    lease a batch, mark published, back off or park, give back.
+
+    "Now", for leases and backoffs, is the database's clock, which every relay
+    on every host reads, unless ``database_clock`` is false (an app given its
+    own clock, as tests do): then ``clock``.
+    """
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        table: sa.Table,
+        clock: t.Callable[[], dt.datetime],
+        *,
+        database_clock: bool,
+    ) -> None:
+        self.engine, self.table, self.clock = engine, table, clock
+        self.database_clock = database_clock
+        self.dialect = outbox_dialect(engine.dialect.name)
+
+    def _now(self, conn: sa.Connection) -> dt.datetime:
+        return database_now(conn) if self.database_clock else self.clock()
+
+    def _pending(self, now: dt.datetime) -> sa.Select[t.Any]:
+        c = self.table.c
+        return (
+            sa.select(self.table)
+            .where(
+                c.published_at.is_(None),
+                c.failed_at.is_(None),
+                sa.or_(c.next_attempt_at.is_(None), c.next_attempt_at <= now),
+            )
+            .order_by(c.id)
+        )
+
+    def take(
+        self, batch: int, lease: dt.timedelta, make: t.Callable[[t.Any], _E]
+    ) -> tuple[dt.datetime, list[_E]]:
+        """Lease up to ``batch`` pending rows in id order, in a transaction of
+        their own; the lease's end and the rows, each made into ``make(row)``
+        (in the transaction: a row ``make`` refuses leases nothing).
+
+        Run once more on a new connection when the pooled one turns out closed
+        by the server (an idle timeout between runs, a restart)."""
+        try:
+            return self._take_once(batch, lease, make)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        return self._take_once(batch, lease, make)
+
+    def _take_once(
+        self, batch: int, lease: dt.timedelta, make: t.Callable[[t.Any], _E]
+    ) -> tuple[dt.datetime, list[_E]]:
+        dialect = self.dialect
+        with self.engine.connect() as conn:
+            if dialect.take_isolation is not None:
+                # InnoDB's REPEATABLE READ would take next-key (gap) locks over
+                # the range scanned, up to the index's end when fewer than a
+                # batch are pending: every emit (an insert at the end) would
+                # wait for this take. READ COMMITTED locks the selected rows only.
+                conn = conn.execution_options(isolation_level=dialect.take_isolation)
+            with conn.begin():
+                if dialect.take_write_lock:
+                    # Take SQLite's write lock now (a write starts the write
+                    # transaction even when it matches nothing): a second relay
+                    # waits here instead of reading the same rows.
+                    conn.execute(
+                        sa.update(self.table)
+                        .where(sa.false())
+                        .values(attempts=self.table.c.attempts)
+                    )
+                now = self._now(conn)
+                leased_until = now + lease
+                query = self._pending(now).limit(batch)
+                if dialect.skip_locked:
+                    query = query.with_for_update(skip_locked=True)
+                rows = list(conn.execute(query))
+                taken = [make(row) for row in rows]
+                if rows:
+                    conn.execute(
+                        sa.update(self.table)
+                        .where(self.table.c.id.in_([int(row.id) for row in rows]))
+                        .values(next_attempt_at=leased_until)
+                    )
+        return leased_until, taken
+
+    def _write(self, step: t.Callable[..., _R], *args: t.Any) -> _R:
+        """``step(conn, *args)`` in a short transaction of its own.
+
+        Run once more on a new connection when the first one turns out closed
+        by the server while it waited in the pool during a publish (an idle
+        timeout, a restart): the statements here may run twice.
+        """
+        try:
+            with self.engine.begin() as conn:
+                return step(conn, *args)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        with self.engine.begin() as conn:
+            return step(conn, *args)
+
+    def _mine(self, ids: list[int], leased_until: dt.datetime) -> sa.ColumnElement[bool]:
+        """The rows are still this batch's: unpublished, their lease the one it took."""
+        c = self.table.c
+        return sa.and_(c.id.in_(ids), c.published_at.is_(None), c.next_attempt_at == leased_until)
+
+    def mark_published(self, ids: list[int]) -> None:
+        """Mark the rows ``ids`` published (at the app's clock)."""
+        self._write(self._published, ids)
+
+    def _published(self, conn: sa.Connection, ids: list[int]) -> None:
+        # Not fenced by the lease: the broker has them, whoever holds the rows now.
+        c = self.table.c
+        conn.execute(
+            sa.update(self.table)
+            .where(c.id.in_(ids), c.published_at.is_(None))
+            .values(published_at=self.clock())
+        )
+
+    def fail(
+        self,
+        row_id: int,
+        leased_until: dt.datetime,
+        *,
+        attempts: int,
+        error: str,
+        delay: dt.timedelta,
+        park: bool,
+    ) -> bool:
+        """Record a failed publish of the leased row ``row_id``: ``attempts``,
+        ``error`` and due again ``delay`` from now, parked too when ``park``;
+        whether the row was still this batch's (and so was written)."""
+        return self._write(self._fail, row_id, leased_until, attempts, error, delay, park)
+
+    def _fail(
+        self,
+        conn: sa.Connection,
+        row_id: int,
+        leased_until: dt.datetime,
+        attempts: int,
+        error: str,
+        delay: dt.timedelta,
+        park: bool,
+    ) -> bool:
+        now = self._now(conn)
+        values: dict[str, t.Any] = {
+            "attempts": attempts,
+            "last_error": error,
+            "next_attempt_at": now + delay,
+        }
+        if park:
+            values["failed_at"] = now
+        table = self.table
+        result = conn.execute(
+            sa.update(table).where(self._mine([row_id], leased_until)).values(**values)
+        )
+        return bool(result.rowcount == 1)
+
+    def give_back(self, ids: list[int], leased_until: dt.datetime, error: str | None) -> None:
+        """Make leased rows due at once, their attempts unchanged (``error``, when
+        given, kept as their ``last_error``)."""
+        self._write(self._give_back, ids, leased_until, error)
+
+    def _give_back(
+        self,
+        conn: sa.Connection,
+        ids: list[int],
+        leased_until: dt.datetime,
+        error: str | None,
+    ) -> None:
+        values: dict[str, t.Any] = {"next_attempt_at": None}
+        if error is not None:
+            values["last_error"] = error
+        conn.execute(sa.update(self.table).where(self._mine(ids, leased_until)).values(**values))
+
+
+# -- operator queries ---------------------------------------------------------------
+
+
+def retry_parked(conn: sa.Connection, table: sa.Table) -> int:
+    """Un-park every parked event (attempts reset, due now); the number un-parked."""
+    result = conn.execute(
+        sa.update(table)
+        .where(table.c.failed_at.is_not(None), table.c.published_at.is_(None))
+        .values(failed_at=None, attempts=0, next_attempt_at=None)
+    )
+    return int(result.rowcount)
+
+
+def purge_published_batch(
+    conn: sa.Connection, table: sa.Table, cutoff: dt.datetime, limit: int
+) -> int:
+    """Delete up to ``limit`` events published before ``cutoff``, in ``conn``'s
+    transaction; the number deleted. Pending and parked events are never deleted.
+
+    The batch is read without locks and deleted by primary key: published rows
+    are never locked by a relay, and a plain read takes no range locks on
+    MySQL/MariaDB that an emit (an insert at the end of the ids) would wait on.
+    Two cleaners at once may pick the same ids; the second deletes none of them.
+    """
+    ids = list(
+        conn.execute(
+            sa.select(table.c.id)
+            .where(table.c.published_at.is_not(None), table.c.published_at < cutoff)
+            .order_by(table.c.id)
+            .limit(limit)
+        ).scalars()
+    )
+    if not ids:
+        return 0
+    # Only the published rows, whatever happened since the read.
+    published = table.c.published_at.is_not(None)
+    return int(conn.execute(sa.delete(table).where(table.c.id.in_(ids), published)).rowcount)
+
+
+def count_purgeable(conn: sa.Connection, table: sa.Table, cutoff: dt.datetime) -> int:
+    """How many events were published before ``cutoff`` (what a purge would delete)."""
+    stmt = sa.select(sa.func.count()).where(
+        table.c.published_at.is_not(None), table.c.published_at < cutoff
+    )
+    return int(conn.execute(stmt).scalar_one())
+
+
+class Counts(t.NamedTuple):
+    """The outbox's rows by state (:func:`counts`)."""
+
+    pending: int  #: unpublished, not parked
+    retrying: int  #: of those, the ones whose last try failed
+    oldest: dt.datetime | None  #: when the oldest pending one was written, as read
+    parked: int  #: unpublished, given up on
+    published: int  #: published, not yet purged
+
+
+def counts(conn: sa.Connection, table: sa.Table) -> Counts:
+    """The outbox's rows by state, in one query."""
+    c = table.c
+    pending = sa.and_(c.published_at.is_(None), c.failed_at.is_(None))
+    parked_now = sa.and_(c.published_at.is_(None), c.failed_at.is_not(None))
+
+    def count(condition: sa.ColumnElement[bool]) -> t.Any:
+        # COUNT(CASE ...) rather than FILTER, which MySQL/MariaDB lack.
+        return sa.func.count(sa.case((condition, 1)))
+
+    row = conn.execute(
+        sa.select(
+            count(pending),
+            count(sa.and_(pending, sa.or_(c.attempts > 0, c.last_error.is_not(None)))),
+            sa.func.min(sa.case((pending, c.created_at))),
+            count(parked_now),
+            count(c.published_at.is_not(None)),
+        )
+    ).one()
+    depth, retrying, oldest, parked, published = row
+    return Counts(int(depth), int(retrying), oldest, int(parked), int(published))
