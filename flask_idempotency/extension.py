@@ -258,7 +258,8 @@ class Idempotency(ViewAPI):
             whose every effect is a write to this database, in this
             transaction, qualify: the view may not commit, call ``idem.step``
             or ``idem.derived_key``; ``lease``, ``recover`` and ``manual`` are
-            refused with it. See :mod:`flask_idempotency.optimistic`.
+            refused with it. See "Optimistic routes" in the guide to work that spans
+            transactions.
         """
         route = route_options(
             schema=schema,
@@ -302,8 +303,8 @@ class Idempotency(ViewAPI):
         """Whether this process can use the record's database now, and why not.
 
         Runs ``SELECT 1 FROM idempotency_keys LIMIT 1`` through the app's engine,
-        then checks that the database accepts writes (see
-        :mod:`flask_idempotency.health`), in a background thread, and waits for
+        then checks that the database accepts writes (a check that changes
+        nothing: see "Readiness" in the guide to outages), in a background thread, and waits for
         it at most ``timeout`` (default ``IDEMPOTENCY_READY_TIMEOUT``, 2 s) from
         the probe's start, so it answers in time even when the database hangs.
         At most one probe per app and process is in flight: while one hangs,

@@ -7,7 +7,7 @@ broker is talked to:
    parked, due) ``ORDER BY id LIMIT batch`` and lease them: ``next_attempt_at``
    is set to now + ``IDEMPOTENCY_OUTBOX_LEASE``, so they are not due for anyone
    else, and the transaction commits. "Now", for leases and backoffs, is the
-   database's clock (:func:`~flask_idempotency.store.database_now`), the one
+   database's clock (read from the database server), the one
    every relay on every host compares with, unless the app was given a clock
    of its own (``Idempotency(clock=...)``, as tests do). On PostgreSQL and MySQL/MariaDB the
    select is ``FOR UPDATE SKIP LOCKED``, so relays taking at once take disjoint

@@ -2,11 +2,11 @@
 the outbox relay when ``IDEMPOTENCY_PUBLISHER`` is set.
 
 Every process may schedule the same jobs; a job run first takes its database
-job lock (:mod:`flask_idempotency.locks`), which also remembers when the job
+job lock (a row of ``idempotency_job_locks``), which also remembers when the job
 last started anywhere. So one runner at a time does the work, about once per
 interval across all processes and hosts, and the other processes skip their
 ticks: never more often than once per ``every`` minus a small slack
-(:func:`~flask_idempotency.locks.interval_slack`), and no later than the next
+(a tenth of ``every``, at most one second), and no later than the next
 tick of any live process once ``every`` has passed. A process that dies in a
 run holds the lock until ``IDEMPOTENCY_JOB_LOCK`` expires. Runs either inside the serving processes
 (``IDEMPOTENCY_SCHEDULER = True``: started on each process's first request, so

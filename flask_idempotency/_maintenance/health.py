@@ -10,7 +10,7 @@ fails exactly when a claim would:
 * PostgreSQL: ``pg_is_in_recovery()`` (a standby) and ``transaction_read_only``
   (``default_transaction_read_only``, for the server, database or role), read
   without taking a lock, so a migration's table lock does not take every host
-  out of rotation; and ``has_table_privilege`` for the claim's INSERT and UPDATE
+  out of rotation; and ``has_any_column_privilege`` for the claim's INSERT and UPDATE
   (``"forbidden"`` when a GRANT is missing, as the claim would be refused);
 * MySQL/MariaDB and SQLite: a write that touches no row (``UPDATE ... WHERE
   scope IS NULL``, rolled back; the claim completes with an UPDATE, so it needs

@@ -68,7 +68,7 @@ def purge_expired(
     (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
     records, and then outbox events published more than
     ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
-    (:func:`flask_idempotency.relay.purge_published_batch`; pending and parked
+    (:func:`flask_idempotency.relay.purge_published`; pending and parked
     events stay), each when its table exists.
     """
     app = resolve_app(app)
