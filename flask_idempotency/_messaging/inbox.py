@@ -17,11 +17,10 @@ from sqlalchemy.orm import Session, scoped_session
 
 from .. import signals
 from .._context import find_app_state
-from .._storage import dberrors
+from .._storage import INBOX_TABLE_NAME as INBOX_TABLE_NAME
+from .._storage import as_utc, dberrors
 from .._storage import inbox as inbox_sql
-from .._storage.schema import INBOX_TABLE_NAME as INBOX_TABLE_NAME
-from .._storage.schema import as_utc
-from .._storage.schema import inbox_table as inbox_table
+from .._storage import inbox_table as inbox_table
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.

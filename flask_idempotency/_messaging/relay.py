@@ -20,7 +20,7 @@ from flask import Flask
 from .. import signals
 from .._context import app_state
 from .._storage import outbox as outbox_sql
-from .._storage.schema import outbox_table
+from .._storage import outbox_table
 from ..errors import BrokerUnavailable
 from .outbox import OutboxEvent
 

@@ -24,9 +24,12 @@ What the layers above may rely on:
 
 Inside: :mod:`.store` (a request's claim), :mod:`.held` (a holder's fenced
 statements), :mod:`.admin` (the jobs' and the operator's), :mod:`.locks` (job
-locks), :mod:`.schema` (the tables and the record as read), :mod:`.sql` (the
-shared building blocks); :mod:`.dialects` (one module per engine, behind one
-interface) and :mod:`.drivers` (the psycopg fast paths, by dialect and driver).
+locks), :mod:`.outbox`, :mod:`.inbox` and :mod:`.notify` (the messaging
+tables' statements, the relay's wake-up channel), :mod:`.readiness` (the
+readiness probe's), :mod:`.schema` (the tables and the record as read),
+:mod:`.sql` (the shared building blocks); :mod:`.dialects` (one module per
+engine, behind one interface: every difference between engines is there) and
+:mod:`.drivers` (the psycopg fast paths, by dialect and driver).
 The layers above import from here, not from those modules.
 """
 
@@ -52,7 +55,6 @@ from .schema import (
 )
 from .sql import (
     changed_one,
-    conflict_tolerant_inserts,
     database_now,
     new_fencing_token,
     open_transaction,
@@ -77,7 +79,6 @@ __all__ = [
     "Store",
     "as_utc",
     "changed_one",
-    "conflict_tolerant_inserts",
     "database_now",
     "dberrors",
     "idle_bound",

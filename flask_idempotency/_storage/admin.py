@@ -75,19 +75,9 @@ class OperatorQueries(Statements):
         # A record past its retention whose holder's lease still runs is not
         # expired yet: cleanup waits for the lease to end.
         gone = expired(c, now)
-        batch = sa.select(c.scope, c.key).where(*gone).order_by(c.expires_at).limit(limit)
-        if dialect.skip_locked:
-            batch = batch.with_for_update(skip_locked=True)
-        if dialect.limit_in_subquery:
-            stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(batch), *gone)
-            return int(conn.execute(stmt).rowcount)
-        # Engines that refuse LIMIT in an IN subquery (MySQL): read (and lock),
-        # then delete, in the caller's transaction.
-        keys = [tuple(row) for row in conn.execute(batch)]
-        if not keys:
-            return 0
-        stmt = sa.delete(self.table).where(sa.tuple_(c.scope, c.key).in_(keys), *gone)
-        return int(conn.execute(stmt).rowcount)
+        key = [c.scope, c.key]
+        batch = sa.select(*key).where(*gone).order_by(c.expires_at).limit(limit)
+        return dialect.delete_batch(conn, self.table, key, batch, *gone)
 
     def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
         """How many records are past their retention and await cleanup."""

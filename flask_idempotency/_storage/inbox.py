@@ -1,8 +1,8 @@
 """The inbox's statements: insert an id, read and renew it, and the cleanup and
 operator queries.
 
-What differs per engine is one :class:`_Dialect` each, found by
-:func:`_dialect`: the insert is conflict-tolerant (``ON CONFLICT DO NOTHING``
+What differs per engine is asked of its dialect object (:mod:`.dialects`):
+the insert is conflict-tolerant (``ON CONFLICT DO NOTHING``
 on PostgreSQL and SQLite, ``INSERT IGNORE`` on MySQL/MariaDB) and returns the
 row it wrote where the engine has ``RETURNING``; elsewhere a plain insert in a
 savepoint, whose duplicate-key error means "exists". The read of an existing id
@@ -12,15 +12,16 @@ PostgreSQL and MySQL/MariaDB.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
+import functools
 import typing as t
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
 
-from .schema import INBOX_TABLE_NAME, MYSQL_DIALECTS, _text, inbox_table
-from .store import changed_one, conflict_tolerant_inserts, text_param
+from .dialects import dialect_for, dialect_of
+from .schema import INBOX_TABLE_NAME, _text, inbox_table
+from .sql import changed_one, text_param
 
 # The statements are built on a table of our own: the SQL is the same whatever
 # metadata the app's table lives on.
@@ -34,15 +35,9 @@ _VALUES = {
     "processed_at": sa.bindparam("processed_at"),
     "expires_at": sa.bindparam("expires_at"),
 }
-#: Per dialect, the insert that returns the row it wrote (nothing for a duplicate).
-_INSERTS = {
-    name: insert.returning(_C.consumer)
-    for name, insert in conflict_tolerant_inserts(_TABLE, _VALUES, ["consumer", "event_id"]).items()
-}
 #: The insert that raises on a duplicate, for engines without a returning one.
 _PLAIN_INSERT = sa.insert(_TABLE).values(_VALUES)
 _READ = sa.select(_C.expires_at).where(*_THIS)
-_READ_LOCKING = _READ.with_for_update(read=True)
 # An id kept past its window counts as new: the delivery that takes it over does
 # the work. The UPDATE re-checks the expiry on the latest row (a concurrent
 # taker's commit makes it fail), so only one delivery wins.
@@ -56,38 +51,26 @@ _RENEW_RETURNING = _RENEW.returning(_C.consumer)
 AnySession = t.Union[Session, "scoped_session[t.Any]"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dialect:
-    """The inbox's statements on one engine."""
-
-    #: The conflict-tolerant insert returning the row it wrote, if the engine has one.
-    insert: t.Any
-    #: The read of an id's expiry.
-    read: t.Any
-    #: Whether cleanup's batch skips the rows another cleaner has locked.
-    skip_locked: bool
-    #: Whether cleanup deletes the batch in one statement (else reads its keys first).
-    delete_by_subquery: bool
+@functools.cache
+def _insert(name: str) -> t.Any | None:
+    """The engine's conflict-tolerant insert returning the row it wrote (nothing
+    for a duplicate), if it has one; built once per engine."""
+    stmt = dialect_for(name).conflict_tolerant_insert(_TABLE, _VALUES, ["consumer", "event_id"])
+    return None if stmt is None else stmt.returning(_C.consumer)
 
 
-_DIALECTS = {
-    "postgresql": _Dialect(_INSERTS["postgresql"], _READ, True, True),
-    "sqlite": _Dialect(_INSERTS["sqlite"], _READ, False, True),
-    # The read locks on MySQL, so that it sees the latest row whatever the snapshot.
-    **{name: _Dialect(_INSERTS[name], _READ_LOCKING, True, False) for name in MYSQL_DIALECTS},
-}
-_OTHER = _Dialect(None, _READ, False, False)
-
-
-def _dialect(name: str) -> _Dialect:
-    return _DIALECTS.get(name, _OTHER)
+@functools.cache
+def _read(name: str) -> t.Any:
+    """The read of an id's expiry: a locking one on MySQL, so that it sees the
+    latest row whatever the snapshot."""
+    return dialect_for(name).read_latest(_READ)
 
 
 def insert(session: AnySession, dialect: sa.Dialect, params: dict[str, t.Any]) -> bool:
     """Insert the id (``params``: consumer, event_id, processed_at, expires_at);
     whether this insert wrote the row (``False``: it was there). ``dialect`` is
     the session's engine's."""
-    stmt = _dialect(dialect.name).insert
+    stmt = _insert(dialect.name)
     if stmt is not None and dialect.insert_returning:
         # Whether the row is ours is what the insert returns, never a row count.
         return session.execute(stmt, params).first() is not None
@@ -110,7 +93,7 @@ def read_expiry(
     shared lock on it after INSERT IGNORE, and a write by each would deadlock
     them. It locks for reading on MySQL, so that it sees the latest row
     whatever the snapshot."""
-    stmt = _dialect(dialect.name).read
+    stmt = _read(dialect.name)
     value = session.execute(stmt, {"w_consumer": consumer, "w_event_id": event_id}).scalar()
     return t.cast("dt.datetime | None", value)
 
@@ -130,17 +113,9 @@ def purge_batch(conn: sa.Connection, now: dt.datetime, limit: int) -> int:
     the delete re-checks the expiry, so an id renewed meanwhile stays.
     """
     gone = _C.expires_at <= now
-    dialect = _dialect(conn.dialect.name)
-    batch = sa.select(_C.consumer, _C.event_id).where(gone).order_by(_C.expires_at).limit(limit)
-    if dialect.skip_locked:
-        batch = batch.with_for_update(skip_locked=True)
-    pair = sa.tuple_(_C.consumer, _C.event_id)
-    if dialect.delete_by_subquery:
-        return int(conn.execute(sa.delete(_TABLE).where(pair.in_(batch), gone)).rowcount)
-    keys = [tuple(row) for row in conn.execute(batch)]
-    if not keys:
-        return 0
-    return int(conn.execute(sa.delete(_TABLE).where(pair.in_(keys), gone)).rowcount)
+    key = [_C.consumer, _C.event_id]
+    batch = sa.select(*key).where(gone).order_by(_C.expires_at).limit(limit)
+    return dialect_of(conn).delete_batch(conn, _TABLE, key, batch, gone)
 
 
 def count_expired(conn: sa.Connection, now: dt.datetime) -> int:

@@ -14,19 +14,18 @@ import typing as t
 
 import sqlalchemy as sa
 
+from .dialects import dialect_of
+
 #: The PostgreSQL channel a transaction that emitted notifies.
 CHANNEL = "idempotency_outbox"
 
 #: Run once per transaction that emitted (PostgreSQL only).
 NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', '')")
 
-#: The drivers whose connection a relay can LISTEN on and wait for.
-_LISTEN_DRIVERS = ("psycopg2", "psycopg")
-
 
 def can_listen(engine: sa.Engine) -> bool:
     """Whether a relay on ``engine`` can LISTEN (PostgreSQL with psycopg2 or psycopg 3)."""
-    return engine.dialect.name == "postgresql" and engine.dialect.driver in _LISTEN_DRIVERS
+    return dialect_of(engine).can_listen(engine.dialect.driver)
 
 
 class ListenConnection:

@@ -1,14 +1,13 @@
 """The outbox's statements: the emit's insert, the relay's lease, the operator queries.
 
-What differs per engine is one :class:`OutboxDialect` each, found by
-:func:`outbox_dialect`:
+What differs per engine is asked of its dialect object (:mod:`.dialects`):
 
-* the emit's insert is conflict-tolerant on ``event_id``: ``ON CONFLICT DO
-  NOTHING RETURNING id`` on PostgreSQL and SQLite (a returned id: this insert
-  wrote the row), ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL/MariaDB (not
-  ``INSERT IGNORE``, which would also swallow truncation errors; no RETURNING
-  there, so the existing row is always read back, with a locking read that
-  sees the latest committed row whatever the snapshot);
+* the emit's insert leaves an existing ``event_id`` as it is
+  (:meth:`~.dialects.Dialect.keeping_insert`): ``ON CONFLICT DO NOTHING
+  RETURNING id`` on PostgreSQL and SQLite (a returned id: this insert wrote
+  the row), ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL/MariaDB, where the
+  existing row is always read back, with a locking read that sees the latest
+  committed row whatever the snapshot;
 * the relay's take is ``FOR UPDATE SKIP LOCKED`` on PostgreSQL and
   MySQL/MariaDB (under READ COMMITTED on MySQL/MariaDB); on SQLite it first
   takes the database's write lock.
@@ -16,113 +15,62 @@ What differs per engine is one :class:`OutboxDialect` each, found by
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
+import functools
 import typing as t
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql, sqlite
 
+from .dialects import Dialect, dialect_for
 from .notify import NOTIFY
-from .schema import MYSQL_DIALECTS
-from .store import database_now
+from .sql import database_now
 
 _R = t.TypeVar("_R")
 _E = t.TypeVar("_E")
 
 
-def _pg_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
-    return (
-        postgresql.insert(table)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["event_id"])
-        .returning(table.c.id)
-    )
-
-
-def _sqlite_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
-    return (
-        sqlite.insert(table)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["event_id"])
-        .returning(table.c.id)
-    )
-
-
-def _mysql_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
-    stmt = mysql.insert(table).values(**values)
-    return stmt.on_duplicate_key_update(event_id=stmt.inserted.event_id)
-
-
-def _plain_insert(table: sa.Table, values: dict[str, t.Any]) -> t.Any:
-    return sa.insert(table).values(**values)
-
-
-@dataclasses.dataclass(frozen=True)
 class OutboxDialect:
-    """The outbox's statements on one engine."""
+    """The emit's statements on one engine (:func:`for_session`)."""
 
-    #: The emit's conflict-tolerant insert of an event.
-    insert: t.Callable[[sa.Table, dict[str, t.Any]], t.Any]
-    #: Whether the insert returns the row it wrote (none: the id existed).
-    returning: bool = True
-    #: Whether reading the existing event locks it (sees the latest commit).
-    lock_existing: bool = False
-    #: Whether the first emit of a transaction notifies LISTENing relays.
-    notifies: bool = False
-    #: The isolation level of the relay's take, where the default does not do.
-    take_isolation: str | None = None
-    #: Whether the take first takes the database's write lock.
-    take_write_lock: bool = False
-    #: Whether the take's select skips rows another relay has locked.
-    skip_locked: bool = True
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
 
     def insert_event(self, session: t.Any, table: sa.Table, values: dict[str, t.Any]) -> bool:
         """Insert an event through ``session``; whether this insert is known to
         have written the row (``False``: read the existing row,
         :meth:`existing_event`)."""
-        result = session.execute(self.insert(table, values))
+        dialect = self.dialect
+        result = session.execute(dialect.keeping_insert(table, values, ["event_id"], table.c.id))
         # Whether the insert wrote the row is read from what it returned (RETURNING),
         # never from a driver's rowcount; MySQL has no RETURNING here: read the row.
-        return self.returning and result.first() is not None
+        return dialect.keeping_insert_returns and result.first() is not None
 
     def existing_event(self, session: t.Any, table: sa.Table, event_id: str) -> t.Any:
         """The ``topic`` and ``payload`` of the event ``event_id``, or ``None``."""
         query = sa.select(table.c.topic, table.c.payload).where(
             table.c.event_id == sa.bindparam("event_id", event_id, type_=sa.String())
         )
-        if self.lock_existing:
-            # A locking read sees the latest committed row, which a REPEATABLE READ
-            # snapshot taken before that row's commit would not (the insert above
-            # already holds its lock).
-            query = query.with_for_update()
-        return session.execute(query).first()
+        # A locking read sees the latest committed row, which a REPEATABLE READ
+        # snapshot taken before that row's commit would not (the insert above
+        # already holds its lock).
+        return session.execute(self.dialect.read_latest(query, read=False)).first()
 
     def notify(self, session: t.Any) -> None:
         """Wake LISTENing relays when ``session``'s transaction commits (once per
         transaction is enough; nothing on engines without a channel)."""
-        if self.notifies:
+        if self.dialect.notifies:
             # PostgreSQL delivers it at the commit, and drops it with a rollback.
             session.execute(NOTIFY)
 
 
-_POSTGRESQL = OutboxDialect(_pg_insert, notifies=True)
-_SQLITE = OutboxDialect(_sqlite_insert, take_write_lock=True, skip_locked=False)
-_MYSQL = OutboxDialect(
-    _mysql_insert, returning=False, lock_existing=True, take_isolation="READ COMMITTED"
-)
-_OTHER = OutboxDialect(_plain_insert)
-_DIALECTS = {"postgresql": _POSTGRESQL, "sqlite": _SQLITE, **dict.fromkeys(MYSQL_DIALECTS, _MYSQL)}
-
-
-def outbox_dialect(name: str) -> OutboxDialect:
-    """The outbox's statements on the engine named ``name`` (``postgresql``...)."""
-    return _DIALECTS.get(name, _OTHER)
-
-
 def for_session(session: t.Any) -> OutboxDialect:
-    """The outbox's statements on the engine behind ``session``."""
-    return outbox_dialect(session.get_bind().dialect.name)
+    """The emit's statements on the engine behind ``session`` (a scoped one too)."""
+    return _for_dialect(session.get_bind().dialect.name)
+
+
+@functools.cache
+def _for_dialect(name: str) -> OutboxDialect:
+    return OutboxDialect(dialect_for(name))
 
 
 class Leases:
@@ -144,7 +92,7 @@ class Leases:
     ) -> None:
         self.engine, self.table, self.clock = engine, table, clock
         self.database_clock = database_clock
-        self.dialect = outbox_dialect(engine.dialect.name)
+        self.dialect = dialect_for(engine.dialect.name)
 
     def _now(self, conn: sa.Connection) -> dt.datetime:
         return database_now(conn) if self.database_clock else self.clock()
@@ -183,26 +131,16 @@ class Leases:
         dialect = self.dialect
         with self.engine.connect() as conn:
             if dialect.take_isolation is not None:
-                # InnoDB's REPEATABLE READ would take next-key (gap) locks over
-                # the range scanned, up to the index's end when fewer than a
-                # batch are pending: every emit (an insert at the end) would
-                # wait for this take. READ COMMITTED locks the selected rows only.
+                # Where the default would lock more than the rows taken (MySQL's
+                # gap locks): every emit would wait for this take.
                 conn = conn.execution_options(isolation_level=dialect.take_isolation)
             with conn.begin():
-                if dialect.take_write_lock:
-                    # Take SQLite's write lock now (a write starts the write
-                    # transaction even when it matches nothing): a second relay
-                    # waits here instead of reading the same rows.
-                    conn.execute(
-                        sa.update(self.table)
-                        .where(sa.false())
-                        .values(attempts=self.table.c.attempts)
-                    )
+                # SQLite: its write lock first, so a second relay waits here
+                # instead of reading the same rows.
+                dialect.lock_writers(conn, self.table, "attempts")
                 now = self._now(conn)
                 leased_until = now + lease
-                query = self._pending(now).limit(batch)
-                if dialect.skip_locked:
-                    query = query.with_for_update(skip_locked=True)
+                query = dialect.skip_locked_take(self._pending(now).limit(batch))
                 rows = list(conn.execute(query))
                 taken = [make(row) for row in rows]
                 if rows:

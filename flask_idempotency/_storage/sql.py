@@ -3,8 +3,9 @@
 Conditions on a record (:func:`lease_over`, :func:`expired`), a scope or key
 bound byte for byte (:func:`text_param`), fencing tokens, the columns of a new
 operation, and the two rules every change of a row follows: an insert never
-checks first (:func:`conflict_tolerant_inserts`), and whether a statement
-changed its row is read from what it returned (:func:`changed_one`).
+checks first (each engine's :meth:`~.dialects.Dialect.conflict_tolerant_insert`),
+and whether a statement changed its row is read from what it returned
+(:func:`changed_one`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.orm import scoped_session
 
-from .dialects import DIALECTS, Executor, dialect_for
+from .dialects import Executor, dialect_for
 from .schema import IN_PROGRESS
 
 #: The request as sent, kept for the recovery job only (``recover=True`` routes).
@@ -54,20 +55,6 @@ def text_param(name: str, value: t.Any = None) -> t.Any:
     if value is None:
         return sa.bindparam(name, type_=sa.String())
     return sa.bindparam(name, value, type_=sa.String())
-
-
-def conflict_tolerant_inserts(
-    table: sa.Table, values: dict[str, t.Any], key: list[str]
-) -> dict[str, t.Any]:
-    """An insert of ``values`` per dialect name that inserts nothing when a row
-    with the same ``key`` columns exists (each engine's
-    :meth:`~.dialects.Dialect.conflict_tolerant_insert`); engines without one
-    are absent."""
-    inserts = {
-        name: dialect.conflict_tolerant_insert(table, values, key)
-        for name, dialect in DIALECTS.items()
-    }
-    return {name: insert for name, insert in inserts.items() if insert is not None}
 
 
 def new_fencing_token(previous: int | None = None) -> int:

@@ -41,40 +41,19 @@ from sqlalchemy.orm import Session
 from ..errors import ClaimWaitExceeded, TooLargeToStore
 from . import dberrors, drivers
 from .admin import OperatorQueries
-from .dialects import Executor, dialect_for, dialect_of, idle_bound
+from .dialects import Executor, dialect_for, dialect_of
 from .held import HeldRecord
 from .schema import IN_PROGRESS, Record
 from .sql import (
     RECLAIM_KEEPS,
     STORED_REQUEST,
-    changed_one,
-    conflict_tolerant_inserts,
-    database_now,
     expired,
     lease_over,
-    new_fencing_token,
-    operation_values,
     refuse_autocommit,
-    returning,
     text_param,
 )
 
-# The store, and the building blocks that were defined here before the storage
-# layer was split into modules: still importable from here, for code written
-# against it (new code imports them from the package, ``flask_idempotency._storage``).
-__all__ = [
-    "Executor",
-    "Store",
-    "changed_one",
-    "conflict_tolerant_inserts",
-    "database_now",
-    "idle_bound",
-    "new_fencing_token",
-    "operation_values",
-    "refuse_autocommit",
-    "returning",
-    "text_param",
-]
+__all__ = ["Store"]
 
 # Room for the rest of the INSERT besides the stored request body.
 _STATEMENT_MARGIN = 64 * 1024

@@ -14,18 +14,20 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from .base import Dialect, Executor, millis
+from .base import READY, Dialect, Executor, Verdict, millis
 from .mysql import MySQL
 from .postgresql import PostgreSQL, idle_bound
 from .sqlite import SQLite
 
 __all__ = [
     "DIALECTS",
+    "READY",
     "Dialect",
     "Executor",
     "MySQL",
     "PostgreSQL",
     "SQLite",
+    "Verdict",
     "dialect_for",
     "dialect_of",
     "idle_bound",

@@ -27,6 +27,32 @@ def millis(wait: dt.timedelta) -> int:
     return max(1, math.ceil(wait.total_seconds() * 1000))
 
 
+class Verdict(t.NamedTuple):
+    """What the readiness probe's write check found: ready when both are ``None``."""
+
+    #: Why the database refuses writes (fixed words naming the setting).
+    read_only: str | None = None
+    #: What the app's role may not do that the claim needs (PostgreSQL).
+    forbidden: str | None = None
+
+
+READY = Verdict()
+
+
+def write_nothing(conn: sa.Connection, table: sa.Table) -> Verdict:
+    """The server's own verdict on the claim's write: it refuses this write
+    exactly as it would refuse the claim (so a user allowed to write on a
+    read_only server passes); the refusal is raised, and the caller says why.
+
+    "scope IS NULL" matches no row (the column is NOT NULL: MySQL plans an
+    "Impossible WHERE", locking nothing), and names a key column, as
+    sql_safe_updates wants (it refuses WHERE false). An UPDATE, not a DELETE:
+    a claim needs INSERT and UPDATE, never DELETE (cleanup may run as another
+    role), so an app user without DELETE stays ready."""
+    conn.execute(sa.update(table).where(table.c.scope.is_(None)).values(status=table.c.status))
+    return READY
+
+
 class Dialect:
     """One database engine's way of doing what differs between engines.
 
@@ -47,6 +73,14 @@ class Dialect:
     #: The server refuses (by dropping the connection) a statement larger than
     #: :meth:`statement_limit`, which the store checks before sending one.
     limits_statement_size = False
+    #: A transaction can wake a listener at its commit (``NOTIFY``).
+    notifies = False
+    #: The isolation level a queue's take (choose a batch, lease it) runs
+    #: under, where the default would lock more than the rows taken.
+    take_isolation: str | None = None
+    #: Whether the insert of :meth:`keeping_insert` tells whether it wrote the
+    #: row by what it returns; where it does not, the caller reads the row back.
+    keeping_insert_returns = True
 
     def conflict_tolerant_insert(
         self, table: sa.Table, values: dict[str, t.Any], key: list[str]
@@ -55,6 +89,82 @@ class Dialect:
         ``key`` columns exists, or ``None`` where the engine has none (then the
         insert runs in a savepoint, and a unique violation means "exists")."""
         return None
+
+    def keeping_insert(
+        self, table: sa.Table, values: dict[str, t.Any], key: list[str], returned: t.Any
+    ) -> t.Any:
+        """An insert of ``values`` that leaves a row with the same ``key``
+        columns as it is and otherwise fails as a plain insert would (a value
+        too long, a NULL), returning ``returned`` of the row it wrote where
+        :attr:`keeping_insert_returns`.
+
+        Here: the :meth:`conflict_tolerant_insert` ``RETURNING returned``, or a
+        plain insert (a duplicate raises) where the engine has none. (An engine
+        without a module here is asked for the rows this plain insert returns.)
+        """
+        stmt = self.conflict_tolerant_insert(table, values, key)
+        if stmt is None:
+            return sa.insert(table).values(**values)
+        return stmt.returning(returned)
+
+    def read_latest(self, query: sa.Select[t.Any], *, read: bool = True) -> sa.Select[t.Any]:
+        """``query`` made to see the latest committed rows, whatever snapshot the
+        transaction took: a locking read (``read``: in share mode) where
+        :attr:`locking_reads`, ``query`` itself elsewhere."""
+        return query.with_for_update(read=read) if self.locking_reads else query
+
+    def delete_batch(
+        self,
+        conn: sa.Connection,
+        table: sa.Table,
+        key: t.Sequence[sa.ColumnElement[t.Any]],
+        batch: sa.Select[t.Any],
+        *conditions: sa.ColumnElement[bool],
+    ) -> int:
+        """Delete the rows ``batch`` chooses (a select of the ``key`` columns,
+        ordered and limited) that still meet ``conditions``, in ``conn``'s
+        transaction; the number deleted.
+
+        Where :attr:`skip_locked`, the batch is chosen ``FOR UPDATE SKIP
+        LOCKED``: rows another deleter (or a writer) holds are skipped, so
+        deleters never wait on each other. Where :attr:`limit_in_subquery`,
+        one ``DELETE ... WHERE (key) IN (batch)``; elsewhere the batch is read
+        (and locked) first, then deleted by its keys.
+        """
+        if self.skip_locked:
+            batch = batch.with_for_update(skip_locked=True)
+        pair = sa.tuple_(*key)
+        if self.limit_in_subquery:
+            return int(conn.execute(sa.delete(table).where(pair.in_(batch), *conditions)).rowcount)
+        keys = [tuple(row) for row in conn.execute(batch)]
+        if not keys:
+            return 0
+        return int(conn.execute(sa.delete(table).where(pair.in_(keys), *conditions)).rowcount)
+
+    def lock_writers(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
+        """Take the database's one write lock now, where the engine has one for
+        all writers (SQLite), so that a second transaction doing the same waits
+        here, before it reads anything (by a write of ``table``'s ``column`` to
+        itself). Nothing elsewhere."""
+
+    def skip_locked_take(self, query: sa.Select[t.Any]) -> sa.Select[t.Any]:
+        """``query``, choosing a queue's batch that concurrent takers split
+        between them: ``FOR UPDATE SKIP LOCKED`` (for an engine without a
+        module here, as SQLAlchemy renders it)."""
+        return query.with_for_update(skip_locked=True)
+
+    def write_check(self, conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
+        """The readiness probe's check that the database would accept the
+        claim's write on ``table``: a verdict, or the server's refusal itself
+        raised where the check is a write. The first statement of ``conn``'s
+        transaction, which the caller rolls back; ``timeout`` is how long the
+        probe may take. Here no check: :data:`READY`."""
+        return READY
+
+    def can_listen(self, driver: str) -> bool:
+        """Whether a connection through ``driver`` can ``LISTEN`` for what
+        :attr:`notifies` sends, and be waited on."""
+        return False
 
     def returns_rows(self, dialect: sa.Dialect, stmt: t.Any) -> bool:
         """Whether the engine returns rows (``RETURNING``) from this kind of

@@ -14,6 +14,12 @@
   ignore trailing spaces): lengths are counted in bytes.
 * A statement larger than ``max_allowed_packet`` is answered by dropping the
   connection, so the store refuses one before sending it.
+* An outbox event's insert is ``ON DUPLICATE KEY UPDATE`` a no-op (not
+  ``INSERT IGNORE``, which would also swallow truncation errors); no
+  RETURNING there, so the existing row is read back.
+* A queue's take runs under READ COMMITTED: InnoDB's REPEATABLE READ would take
+  next-key (gap) locks over the range scanned.
+* The readiness probe's write check is a write that touches no row.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import math
 import typing as t
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 
 from ..schema import as_utc
-from .base import Dialect, Executor, millis
+from .base import Dialect, Executor, Verdict, millis, write_nothing
 
 _SET_WAIT = sa.text(
     "SET @flask_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, "
@@ -44,6 +51,12 @@ class MySQL(Dialect):
     # IN subquery.
     skip_locked = True
     limits_statement_size = True
+    # InnoDB's REPEATABLE READ would take next-key (gap) locks over the range a
+    # take scans, up to the index's end when fewer than a batch are pending:
+    # every insert at the end would wait for the take. READ COMMITTED locks the
+    # selected rows only.
+    take_isolation = "READ COMMITTED"
+    keeping_insert_returns = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -52,6 +65,17 @@ class MySQL(Dialect):
         self, table: sa.Table, values: dict[str, t.Any], key: list[str]
     ) -> t.Any:
         return sa.insert(table).values(values).prefix_with("IGNORE", dialect=self.name)
+
+    def keeping_insert(
+        self, table: sa.Table, values: dict[str, t.Any], key: list[str], returned: t.Any
+    ) -> t.Any:
+        """``ON DUPLICATE KEY UPDATE`` the key to itself: a no-op on a duplicate,
+        and unlike ``INSERT IGNORE`` every other error still raised."""
+        stmt = mysql.insert(table).values(**values)
+        return stmt.on_duplicate_key_update({column: stmt.inserted[column] for column in key})
+
+    def write_check(self, conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
+        return write_nothing(conn, table)
 
     def now(self, conn: sa.Connection) -> dt.datetime:
         """``UTC_TIMESTAMP(6)``: microseconds, whatever the session's time zone."""

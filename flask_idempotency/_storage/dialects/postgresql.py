@@ -13,11 +13,16 @@
 * A transaction that renewed a lease before its ``COMMIT`` is named by
   ``txid_current()``, so that a ``COMMIT`` whose answer was lost can be judged
   (:meth:`PostgreSQL.commit_outcome`).
+* A transaction that emitted an outbox event notifies LISTENing relays; a relay
+  can LISTEN through psycopg2 or psycopg 3.
+* The readiness probe's write check is a lock-free read of the server's state
+  and the role's privileges (:meth:`PostgreSQL.write_check`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 import typing as t
 
@@ -26,7 +31,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg
 
 from ..schema import as_utc
-from .base import Dialect, Executor, millis
+from .base import READY, Dialect, Executor, Verdict, millis
 
 
 def idle_bound(param: str) -> str:
@@ -82,6 +87,9 @@ def batch_bounds(bounded: bool, idle_bounded: bool) -> tuple[str | None, str | N
     return before, after
 
 
+#: The drivers whose connection a relay can LISTEN on and wait for.
+LISTEN_DRIVERS = ("psycopg2", "psycopg")
+
 _NOW = sa.text("SELECT clock_timestamp()")
 _TABLE_BYTES = sa.text("SELECT pg_total_relation_size(CAST(:t AS regclass))")
 
@@ -105,11 +113,45 @@ class PostgreSQL(Dialect):
     name = "postgresql"
     skip_locked = True
     limit_in_subquery = True
+    notifies = True
 
     def conflict_tolerant_insert(
         self, table: sa.Table, values: dict[str, t.Any], key: list[str]
     ) -> t.Any:
         return pg.insert(table).values(values).on_conflict_do_nothing(index_elements=key)
+
+    def can_listen(self, driver: str) -> bool:
+        return driver in LISTEN_DRIVERS
+
+    def write_check(self, conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
+        """Lock-free: a standby, or transactions read-only by default (for the
+        server, the database or the role), which the new transaction shows;
+        and whether the app's role may INSERT and UPDATE the table, as a claim
+        does (a GRANT missing answers every claim 503; a catalog lookup, no
+        lock either), granted on the table or on its columns."""
+        # The probe's transaction then reads the record's table, whose lock a
+        # probe stranded by a partition would hold, and make an operator's
+        # ALTER TABLE (and every claim queued behind it) wait: the server ends
+        # it once it sits idle as long as the probe may take.
+        standby, read_only, may_write, _ = conn.execute(
+            sa.text(
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
+                "has_any_column_privilege(CAST(:table AS text), 'INSERT') "
+                "AND has_any_column_privilege(CAST(:table AS text), 'UPDATE'), "
+                + idle_bound(":idle")
+            ),
+            {
+                "idle": f"{max(1, math.ceil(timeout.total_seconds()))}s",
+                "table": conn.dialect.identifier_preparer.format_table(table),
+            },
+        ).one()
+        if standby:
+            return Verdict(read_only="the server is a standby (pg_is_in_recovery())")
+        if read_only == "on":
+            return Verdict(read_only="transactions are read-only (default_transaction_read_only)")
+        if not may_write:
+            return Verdict(forbidden=f"the app's role may not INSERT and UPDATE {table.name}")
+        return READY
 
     def now(self, conn: sa.Connection) -> dt.datetime:
         """``clock_timestamp()``: the time of the call, not of the transaction's start."""

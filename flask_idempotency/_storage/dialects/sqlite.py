@@ -4,6 +4,9 @@
 * A writer waits on another for at most the busy timeout, which the claim sets
   (``PRAGMA busy_timeout``) and puts back afterwards.
 * The clock is the app host's, which SQLite reads; milliseconds.
+* One writer at a time, and no row locks: a queue's take first takes the
+  write lock (:meth:`SQLite.lock_writers`) instead of skipping locked rows.
+* The readiness probe's write check is a write that touches no row.
 * pysqlite can commit every statement on its own in ways SQLAlchemy does not
   see (:meth:`SQLite.autocommits`), which the store refuses.
 """
@@ -18,7 +21,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from ..schema import as_utc
-from .base import Dialect, Executor, millis
+from .base import Dialect, Executor, Verdict, millis, write_nothing
 
 # SQLite's 'now' is UTC; %f gives milliseconds (the finest it keeps).
 _NOW = sa.text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
@@ -38,6 +41,17 @@ class SQLite(Dialect):
         self, table: sa.Table, values: dict[str, t.Any], key: list[str]
     ) -> t.Any:
         return sqlite.insert(table).values(values).on_conflict_do_nothing(index_elements=key)
+
+    def lock_writers(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
+        """A write starts the write transaction even when it matches nothing."""
+        conn.execute(sa.update(table).where(sa.false()).values({column: table.c[column]}))
+
+    def skip_locked_take(self, query: sa.Select[t.Any]) -> sa.Select[t.Any]:
+        """``query`` itself: the write lock (:meth:`lock_writers`) keeps takers apart."""
+        return query
+
+    def write_check(self, conn: sa.Connection, table: sa.Table, timeout: dt.timedelta) -> Verdict:
+        return write_nothing(conn, table)
 
     def now(self, conn: sa.Connection) -> dt.datetime:
         text = conn.execute(_NOW).scalar_one()
