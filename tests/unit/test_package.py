@@ -75,13 +75,11 @@ PUBLIC: dict[str, set[str]] = {
         "outbox_table",
         "record_table",
     },
-    "flask_idempotency.outbox": {"CHANNEL", "OutboxEvent", "add_event", "emit", "on_commit"},
+    "flask_idempotency.outbox": {"CHANNEL", "OutboxEvent", "add_event"},
     "flask_idempotency.inbox": {
         "DEFAULT_TTL",
-        "INBOX_TABLE_NAME",
         "MAX_ID_LENGTH",
         "consumer",
-        "inbox_table",
         "mark_processed",
         "process",
     },
@@ -101,7 +99,7 @@ PUBLIC: dict[str, set[str]] = {
         "purge_expired",
         "recover_abandoned",
     },
-    "flask_idempotency.scheduler": {"InProcessScheduler", "JobScheduler"},
+    "flask_idempotency.scheduler": {"JobScheduler"},
     "flask_idempotency.extension": {"Idempotency"},
     "flask_idempotency.cli": {"idempotency_cli"},
     "flask_idempotency.client": {
