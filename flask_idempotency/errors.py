@@ -56,7 +56,10 @@ __all__ = [
     "ValidationProblem",
 ]
 
+#: What every problem type URI starts with; the slug after it names the type
+#: (``tag:flask-idempotency,2026:problem/key-reused``), stable across releases.
 PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
+#: The media type of every error the extension answers (RFC 9457).
 PROBLEM_JSON = "application/problem+json"
 
 

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 from ._deprecated import forward
 from ._messaging.inbox import DEFAULT_TTL as DEFAULT_TTL
-from ._messaging.inbox import INBOX_TABLE_NAME as INBOX_TABLE_NAME
 from ._messaging.inbox import MAX_ID_LENGTH as MAX_ID_LENGTH
 from ._messaging.inbox import consumer as consumer
-from ._messaging.inbox import inbox_table as inbox_table
 from ._messaging.inbox import mark_processed as mark_processed
 from ._messaging.inbox import process as process
 
 __all__ = [
     "DEFAULT_TTL",
-    "INBOX_TABLE_NAME",
     "MAX_ID_LENGTH",
     "consumer",
-    "inbox_table",
     "mark_processed",
     "process",
 ]

@@ -62,9 +62,7 @@ from ._deprecated import forward
 from ._messaging.outbox import CHANNEL as CHANNEL
 from ._messaging.outbox import OutboxEvent as OutboxEvent
 from ._messaging.outbox import add_event as add_event
-from ._messaging.outbox import emit as emit
-from ._messaging.outbox import on_commit as on_commit
 
-__all__ = ["CHANNEL", "OutboxEvent", "add_event", "emit", "on_commit"]
+__all__ = ["CHANNEL", "OutboxEvent", "add_event"]
 
 __getattr__ = forward(__name__, "flask_idempotency._messaging.outbox")

@@ -29,9 +29,8 @@ a second one (the run may have read the outbox before the commit).
 from __future__ import annotations
 
 from ._deprecated import forward
-from ._maintenance.scheduler import InProcessScheduler as InProcessScheduler
 from ._maintenance.scheduler import JobScheduler as JobScheduler
 
-__all__ = ["InProcessScheduler", "JobScheduler"]
+__all__ = ["JobScheduler"]
 
 __getattr__ = forward(__name__, "flask_idempotency._maintenance.scheduler")

@@ -10,6 +10,7 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+#: The record table's name (one row per scope and key).
 TABLE_NAME = "idempotency_keys"
 
 #: The request is running (or its worker died); see ``locked_until``.
@@ -125,6 +126,7 @@ def record_table(metadata: sa.MetaData) -> sa.Table:
 #: PostgreSQL fillfactor of the record table (see ``record_table``).
 FILLFACTOR = 90
 
+#: The maintenance jobs' lock table's name.
 JOB_LOCK_TABLE_NAME = "idempotency_job_locks"
 
 
@@ -151,6 +153,7 @@ def job_lock_table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+#: The inbox's table name (one row per consumer and event id).
 INBOX_TABLE_NAME = "idempotency_inbox"
 
 
@@ -250,6 +253,7 @@ class Record:
         )
 
 
+#: The outbox's table name (one row per event).
 OUTBOX_TABLE_NAME = "idempotency_outbox"
 
 

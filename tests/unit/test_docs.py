@@ -95,3 +95,50 @@ def test_each_problem_page_names_its_type(site: Path, slug: str) -> None:
     assert errors.PROBLEM_TYPE_BASE + slug in page
     index = (site / "problems" / "index.html").read_text(encoding="utf-8")
     assert f'href="{slug}.html"' in index
+
+
+def test_the_api_reference_documents_every_public_name(site: Path) -> None:
+    """Each name a public module exports (its ``__all__``) has an entry in the API
+    reference, under that module or the root, and the reference documents no name
+    of a private module but as an alias of its public entry."""
+    import importlib
+
+    from sphinx.util.inventory import InventoryFile
+
+    with (site / "objects.inv").open("rb") as stream:
+        inventory = InventoryFile.load(stream, "", lambda base, uri: uri)
+    documented = {name for entries in inventory.values() for name in entries}
+    # A re-exported class is also listed under its defining module (autodoc's
+    # canonical name, so that references by that path resolve), pointing at the
+    # public entry; no private name has an entry of its own.
+    private = {
+        name: entries[name].uri
+        for entries in inventory.values()
+        for name in entries
+        if "._" in name and not name.endswith("__")
+    }
+    assert all("#flask_idempotency." in uri and "._" not in uri for uri in private.values())
+    from tests.unit.test_package import PUBLIC
+
+    missing = []
+    for module_name, names in PUBLIC.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            value = getattr(module, name)
+            if module_name == "flask_idempotency.cli":  # sphinx-click's page, docs/cli.md
+                assert f".. click:: {module_name}:{name}" in (DOCS / "cli.md").read_text()
+                continue
+            if isinstance(value, type(importlib)):  # a module (flask_idempotency.signals)
+                if value.__name__ not in documented:
+                    missing.append(value.__name__)
+                continue
+            # Documented under this module, or under another public module that
+            # exports the same object (the root's errors are documented in errors).
+            homes = {
+                f"{other}.{name}"
+                for other, exported in PUBLIC.items()
+                if name in exported and getattr(importlib.import_module(other), name) is value
+            }
+            if not homes & documented:
+                missing.append(f"{module_name}.{name}")
+    assert not missing, missing

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency import inbox, signals
+from flask_idempotency import inbox, models, signals
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._messaging import inbox as inbox_impl
 from flask_idempotency._storage.schema import as_utc
@@ -52,7 +52,7 @@ def work(app: Flask, consumer: str | None = None) -> list[tuple[str, str]]:
 
 def inbox_ids(app: Flask) -> set[tuple[str, str]]:
     with app.app_context():
-        table = db.metadata.tables[inbox.INBOX_TABLE_NAME]
+        table = db.metadata.tables[models.INBOX_TABLE_NAME]
         rows = db.session.execute(sa.select(table.c.consumer, table.c.event_id)).all()
 
     def text(v: t.Any) -> str:
@@ -257,7 +257,7 @@ def test_outside_an_app_context_the_default_ttl_applies_and_is_logged(
     told = [r for r in caplog.records if "IDEMPOTENCY_INBOX_TTL" in r.getMessage()]
     assert len(told) == 1
     with app.app_context():
-        table = db.metadata.tables[inbox.INBOX_TABLE_NAME]
+        table = db.metadata.tables[models.INBOX_TABLE_NAME]
         expiries = db.session.execute(sa.select(table.c.expires_at)).scalars().all()
     assert len(expiries) == 2
     for expires in expiries:
