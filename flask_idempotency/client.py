@@ -310,13 +310,9 @@ class IdempotentSession(requests.Session):
             return current_derived_key(step)
         if method not in KEYED_METHODS:
             return None
-        if _in_keyed_idempotent_request():
+        if in_keyed_request():
             raise ValueError(
                 "inside an idempotent view, name the downstream call: step='...' (a key "
                 "derived from the view's operation) or idempotency_key='...'"
             )
         return str(uuid.uuid4())
-
-
-def _in_keyed_idempotent_request() -> bool:
-    return in_keyed_request()

@@ -20,7 +20,7 @@ from ._context import (
     register,
     resolve_app,
 )
-from ._maintenance import health
+from ._maintenance import health, readiness_http
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
 from ._request import session_guard
@@ -342,14 +342,14 @@ class Idempotency(ViewAPI):
         """
         ready, details = self.readiness()
         if not ready:
-            raise health.not_ready_error(details)
+            raise readiness_http.not_ready_error(details)
         response = jsonify(details)
         response.headers["Cache-Control"] = "no-store"
         return response
 
     def serve_readiness(
         self, app: Flask, *, port: int, host: str = "0.0.0.0", path: str = "/readyz"
-    ) -> health.ReadinessServer:
+    ) -> readiness_http.ReadinessServer:
         """Answer readiness on ``host:port`` from a thread of this process, so the
         answer does not wait for a free worker.
 
@@ -385,4 +385,4 @@ class Idempotency(ViewAPI):
             with app.app_context():
                 return self.readiness()
 
-        return health.serve(app, check, host=host, port=port, path=path)
+        return readiness_http.serve(app, check, host=host, port=port, path=path)

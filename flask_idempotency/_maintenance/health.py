@@ -48,10 +48,7 @@ from .._storage import readiness as readiness_sql
 
 # The answers over HTTP, which the extension's readiness view and
 # serve_readiness reach through here.
-from .readiness_http import Details as Details
-from .readiness_http import ReadinessServer as ReadinessServer
-from .readiness_http import not_ready_error as not_ready_error
-from .readiness_http import serve as serve
+from .readiness_http import Details
 
 logger = logging.getLogger("flask_idempotency")
 
