@@ -168,13 +168,7 @@ def release(flow: Flow, state: RequestState, *, commit: bool = False) -> None:
         if state.keys_handed_out:
             released = keep_operation(flow, state)
         else:
-            released = flow.store.release(
-                session,
-                state.scope,
-                state.key,
-                state.fencing_token,
-                keep_recovery_points=bool(state.recovery_points),
-            )
+            released = release_own(flow, state)
         session.commit()
         if released:
             logger.debug("released %r in scope %r", state.key, state.scope)
@@ -208,13 +202,7 @@ def commit_without_record(flow: Flow, state: RequestState) -> None:
             keep_operation(flow, state)
         elif claim in (Claim.DURABLE, Claim.IN_TRANSACTION):
             # Our own row, committed or still in this transaction: fenced.
-            flow.store.release(
-                session,
-                state.scope,
-                state.key,
-                state.fencing_token,
-                keep_recovery_points=bool(state.recovery_points),
-            )
+            release_own(flow, state)
         session.commit()
     except BaseException:
         with contextlib.suppress(Exception):
@@ -222,6 +210,21 @@ def commit_without_record(flow: Flow, state: RequestState) -> None:
         raise
     logger.debug(
         "%r in scope %r: answer not stored; the view's work committed", state.key, state.scope
+    )
+
+
+def release_own(flow: Flow, state: RequestState) -> bool:
+    """Free the key of this request's own record (fenced by its token), keeping
+    its recovery points when it has any; whether a row was released."""
+    assert state.scope is not None
+    assert state.key is not None
+    assert state.fencing_token is not None
+    return flow.store.release(
+        flow.session,
+        state.scope,
+        state.key,
+        state.fencing_token,
+        keep_recovery_points=bool(state.recovery_points),
     )
 
 
