@@ -38,7 +38,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask, g, has_request_context, request
 from flask_sqlalchemy import SQLAlchemy
-from marshmallow import Schema, fields
+from marshmallow import Schema, fields, validate
 from sqlalchemy import event, orm
 from werkzeug.exceptions import HTTPException
 
@@ -65,7 +65,9 @@ class Ledger(db.Model):  # type: ignore[name-defined,misc]
 
 
 class ChargeSchema(Schema):
-    amount = fields.Integer(required=True, strict=True)
+    # Held to what the ledger's INTEGER column stores: a larger number is the
+    # client's error (422), not a database error in the view (500).
+    amount = fields.Integer(required=True, strict=True, validate=validate.Range(1, 2**31 - 1))
     currency = fields.String(required=True)
     note = fields.String(load_default=None)
 
