@@ -77,7 +77,7 @@ class Raw:
 
 # -- strategies ----------------------------------------------------------------------
 
-_METHODS = ["POST"] * 8 + ["PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "TRACE", "FROB"]
+_METHODS = ["POST"] * 16 + ["PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "TRACE", "FROB"]
 _TARGETS = [("reliability", "/plain"), ("reliability", "/leased"), ("payments", "/payments")]
 _CONTENT_TYPES: list[bytes | None] = [b"application/json"] * 6 + [
     b"application/json; charset=utf-8",
