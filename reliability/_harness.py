@@ -342,8 +342,10 @@ class Gunicorn:
         host: str = "127.0.0.1",
         port: int | None = None,
         prefix: t.Sequence[str] = (),
+        options: t.Sequence[str] = (),
     ) -> None:
         self.app, self.env = app, dict(env)
+        self.options = list(options)  # more command-line options, such as --preload
         self.workers, self.threads, self.timeout = workers, threads, timeout
         self.host, self.port = host, port or free_port()
         self.prefix = list(prefix)
@@ -377,6 +379,7 @@ class Gunicorn:
             "--log-level",
             "warning",
             *gunicorn_options(),
+            *self.options,
             self.app,
         ]
         with self.log.open("ab") as log:

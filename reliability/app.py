@@ -81,6 +81,15 @@ def _draw(point: str) -> bool:
     return rate > 0 and _rng.random() < rate
 
 
+def _reseed() -> None:
+    _rng.seed(f"{os.environ.get('RELIABILITY_SEED', '0')}:{os.getpid()}:{time.time_ns()}")
+
+
+# A worker forked from a master that loaded the app (gunicorn --preload) draws
+# its own faults, not a copy of the master's sequence.
+os.register_at_fork(after_in_child=_reseed)
+
+
 def _log_fault(point: str) -> None:
     path = os.environ.get(FAULT_LOG_ENV)
     if path:
@@ -141,7 +150,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     if config:
         app.config.update(config)
     _faults.update({k: float(v) for k, v in json.loads(os.environ.get(FAULTS_ENV, "{}")).items()})
-    _rng.seed(f"{os.environ.get('RELIABILITY_SEED', '0')}:{os.getpid()}:{time.time_ns()}")
+    _reseed()
     db.init_app(app)
     idem.init_app(app, db)
     lease = dt.timedelta(seconds=float(os.environ.get(LEASE_ENV, "3")))

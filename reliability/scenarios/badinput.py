@@ -79,7 +79,8 @@ class Raw:
 
 _METHODS = ["POST"] * 16 + ["PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "TRACE", "FROB"]
 _TARGETS = [("reliability", "/plain"), ("reliability", "/leased"), ("payments", "/payments")]
-_CONTENT_TYPES: list[bytes | None] = [b"application/json"] * 6 + [
+_CONTENT_TYPES: list[bytes | None] = [
+    *[b"application/json"] * 6,
     b"application/json; charset=utf-8",
     b"application/json; charset=latin-1",
     b"application/json; charset=utf-16",
@@ -166,7 +167,9 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -447,7 +450,8 @@ def run(ctx: Context) -> list[h.Result]:
             result.lost += n_rows == 0
     if refused_stored:
         result.failures.append(
-            f"{len(refused_stored)} refused requests left rows or records; first: {refused_stored[0]}"
+            f"{len(refused_stored)} refused requests left rows or records;"
+            f" first: {refused_stored[0]}"
         )
     h.count_stuck(rel_url, result)
     h.count_stuck(pay_url, result)

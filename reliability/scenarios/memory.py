@@ -17,15 +17,15 @@ NAME = "memory"
 TITLE = "Worker memory after 1,000 requests and after 100,000"
 DESCRIPTION = """\
 One gunicorn sync worker serves the plain route on the scenario's PostgreSQL. Two client threads
-send requests with a new key each, every 10th a replay of the previous key; the worker's memory is read from `/proc/<pid>/status` (`VmRSS`) and
-`/proc/<pid>/smaps_rollup` (`Pss`) after the first 1,000 requests and again after 100,000 (the
-short run: 10,000), the worker the same process throughout (a respawned worker fails the run).
-**Bound: RSS after the last request at most 1.10x RSS after 1,000, and at most 8 MiB more.**
-After 1,000 requests every cache a worker fills once (imported modules, SQLAlchemy's compiled
-statements, the connection pool) is full, so what grows after it grows with the requests: a leak
-of 100 bytes a request is 9.4 MiB over 99,000 requests and fails the run; allocator noise (a few
-MiB at most on a 70-80 MiB worker) passes. Every request must answer 2xx, and the ledger must hold
-exactly one row per new key.
+send requests with a new key each, every 10th a replay of the previous key; the worker's memory is
+read from `/proc/<pid>/status` (`VmRSS`) and `/proc/<pid>/smaps_rollup` (`Pss`) after the first
+1,000 requests and again after 100,000 (the short run: 10,000), the worker the same process
+throughout (a respawned worker fails the run). **Bound: RSS after the last request at most 1.10x
+RSS after 1,000, and at most 8 MiB more.** After 1,000 requests every cache a worker fills once
+(imported modules, SQLAlchemy's compiled statements, the connection pool) is full, so what grows
+after it grows with the requests: a leak of 100 bytes a request is 9.4 MiB over 99,000 requests and
+fails the run; allocator noise (a few MiB at most on a 70-80 MiB worker) passes. Every request must
+answer 2xx, and the ledger must hold exactly one row per new key.
 """
 
 #: Every this-many-th request replays the previous key.
@@ -148,8 +148,12 @@ def run(ctx: Context) -> list[h.Result]:
     else:
         (n1, rss1, pss1), (n2, rss2, pss2) = readings
         ratio = rss2 / rss1
-        result.extra[f"RSS after {n1:,} requests"] = f"{rss1 / 1024:.1f} MiB (Pss {pss1 / 1024:.1f})"
-        result.extra[f"RSS after {n2:,} requests"] = f"{rss2 / 1024:.1f} MiB (Pss {pss2 / 1024:.1f})"
+        result.extra[f"RSS after {n1:,} requests"] = (
+            f"{rss1 / 1024:.1f} MiB (Pss {pss1 / 1024:.1f})"
+        )
+        result.extra[f"RSS after {n2:,} requests"] = (
+            f"{rss2 / 1024:.1f} MiB (Pss {pss2 / 1024:.1f})"
+        )
         result.extra["RSS ratio"] = f"{ratio:.3f}x ({(rss2 - rss1) / 1024:+.1f} MiB)"
         result.extra["growth per request after the first 1,000"] = (
             f"{(rss2 - rss1) * 1024 / max(1, n2 - n1):.1f} bytes"

@@ -24,19 +24,20 @@ from reliability._context import Context
 NAME = "nginx"
 TITLE = "A retrying nginx in front of two gunicorn instances, workers killed at random"
 DESCRIPTION = """\
-nginx (Debian's package, run as a child with a config of the scenario's own) balances two
-gunicorn instances (2 sync workers each) and **re-sends a request, POST included, to the other
-instance** when the first fails: `proxy_next_upstream error timeout non_idempotent`,
-`proxy_next_upstream_tries 3`, connect timeout 1 s, read timeout 5 s, `max_fails=0` (an instance
-is never taken out, so the retries always have somewhere to go). A killer thread SIGKILLs a
-random worker of a random instance every 0.2-0.5 s (`sigkill` faults); on top, each worker kills
-itself right after the COMMIT that carries the work on 3% of requests (`after_commit`), the
-window where a re-send makes a duplicate. Clients send to nginx only and retry with the same
-key. nginx's access log records every upstream try (`$upstream_addr`, `$upstream_status`): the
-figure *nginx re-sends* counts the requests nginx itself sent a second or third time. nginx's own
-error pages (502/503/504 when no instance answered) are problem+json, so *HTML 500s* counts only
-what the app sends. The last run is the same on the route without the extension: the
-duplicates the proxy's re-sends (and the client's retries) make there.
+nginx (Debian's package, run as a child with a config of the scenario's own) balances two gunicorn
+instances (2 sync workers each, `--preload`: a killed worker is forked again from a master that has
+the app loaded, so the kills, not the workers' boots, set the pace) and **re-sends a request, POST
+included, to the other instance** when the first fails: `proxy_next_upstream error timeout
+non_idempotent`, `proxy_next_upstream_tries 3`, connect timeout 1 s, read timeout 5 s,
+`max_fails=0` (an instance is never taken out, so the retries always have somewhere to go). A
+killer thread SIGKILLs a random worker of a random instance every 0.2-0.5 s (`sigkill` faults); on
+top, each worker kills itself right after the COMMIT that carries the work on 3% of requests
+(`after_commit`), the window where a re-send makes a duplicate. Clients send to nginx only and
+retry with the same key. nginx's access log records every upstream try (`$upstream_addr`,
+`$upstream_status`): the figure *nginx re-sends* counts the requests nginx itself sent a second or
+third time. nginx's own error pages (502/503/504 when no instance answered) are problem+json, so
+*HTML 500s* counts only what the app sends. The last run is the same on the route without the
+extension: the duplicates the proxy's re-sends (and the client's retries) make there.
 """
 
 #: (label, route, expect duplicates)
@@ -103,7 +104,11 @@ def nginx_config(workdir: Path, port: int, upstreams: t.Sequence[tuple[str, int]
     )
     problems = "".join(
         _problem_location(status, title)
-        for status, title in ((502, "Bad Gateway"), (503, "Service Unavailable"), (504, "Gateway Timeout"))
+        for status, title in (
+            (502, "Bad Gateway"),
+            (503, "Service Unavailable"),
+            (504, "Gateway Timeout"),
+        )
     )
     return f"""
 daemon off;
@@ -246,15 +251,14 @@ class Killer:
 
 def run(ctx: Context) -> list[h.Result]:
     binary, missing = find_nginx()
-    if binary is None:
-        results = [
-            h.Result(f"{NAME}: {label}", label, expect_duplicates=dup, skipped=missing)
-            for label, _, dup in RUNS
-        ]
-        for result in results:
-            ctx.show(result)
-        return results
     results: list[h.Result] = []
+    if binary is None:
+        for label, _, dup in RUNS:
+            results.append(
+                h.Result(f"{NAME}: {label}", label, expect_duplicates=dup, skipped=missing)
+            )
+            ctx.show(results[-1])
+        return results
     operations = ctx.scale.pick(3000, 400)
     seconds = ctx.scale.pick(180, 12)
     rng = random.Random(17)
@@ -269,7 +273,10 @@ def run(ctx: Context) -> list[h.Result]:
             "RELIABILITY_FAULT_LOG": str(log),
             "RELIABILITY_LEASE": "3",
         }
-        servers = [h.Gunicorn("reliability.app:create_app()", env, workers=2) for _ in range(2)]
+        servers = [
+            h.Gunicorn("reliability.app:create_app()", env, workers=2, options=["--preload"])
+            for _ in range(2)
+        ]
         proxy = Nginx(binary, [(s.host, s.port) for s in servers])
         try:
             with h.timed(result), contextlib.ExitStack() as stack:
