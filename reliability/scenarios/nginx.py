@@ -259,8 +259,8 @@ def run(ctx: Context) -> list[h.Result]:
             )
             ctx.show(results[-1])
         return results
-    operations = ctx.scale.pick(3000, 400)
-    seconds = ctx.scale.pick(180, 12)
+    operations = ctx.scale.pick(100_000, 10_000)
+    seconds = ctx.scale.pick(180, 15)
     rng = random.Random(17)
     for label, route, expect_duplicates in RUNS:
         url = ctx.database(f"nginx_{len(results)}")
