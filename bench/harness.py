@@ -1,0 +1,435 @@
+"""What the benchmarks of issue 17 share: a PostgreSQL of their own, the run's
+facts, percentiles, their sections of ``BENCHMARKS.md``, and paced writers.
+
+* :func:`private_postgres`: a PostgreSQL cluster of the run's own
+  (:class:`tests.support.private_servers.PgCluster`, pgserver's binaries),
+  with ``fsync`` on as in production, stopped and deleted on every way out.
+  Server settings are the run's to choose and ``pg_stat_*`` counts only the
+  run's own work.
+* Each benchmark writes one section, between ``<!-- bench.NAME: start -->``
+  and ``<!-- bench.NAME: end -->``: a rerun replaces only its own, and
+  ``python -m bench.run`` (which rewrites the file) keeps them all
+  (:func:`kept_sections`). A section carries its figures as JSON in an HTML
+  comment (:func:`data_comment`), which ``python -m bench.plot_more`` draws.
+* :class:`Writers`: processes that each make one claim every ``gap`` seconds
+  (through the extension's route, or one hand-written transaction on a named
+  table) and report, per operation, its scheduled start and its latency, so a
+  stream's tail can be cut into windows afterwards (with cleanup, without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import typing as t
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "BENCHMARKS.md"
+
+#: Settings of every private cluster: production's durability (``fsync``), room
+#: for the duplicates' connections, and index builds that fit in memory.
+SERVER_SETTINGS: dict[str, str | int] = {
+    "fsync": "on",
+    "max_connections": 200,
+    "maintenance_work_mem": "512MB",
+    "max_wal_size": "4GB",
+}
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every ``finally`` stops what it started."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+@contextlib.contextmanager
+def private_postgres(**settings: str | int) -> t.Iterator[t.Any]:
+    """A PostgreSQL cluster of the run's own, started with :data:`SERVER_SETTINGS`
+    and ``settings``; stopped and its directory deleted at the end."""
+    from tests.support.private_servers import PgCluster
+
+    cluster = PgCluster.create()
+    try:
+        cluster.start(**{**SERVER_SETTINGS, **settings})
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def server_version(url: str) -> str:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return str(conn.execute(sa.text("SHOW server_version")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+@dataclasses.dataclass
+class Facts:
+    """Where and when a section's figures were taken."""
+
+    command: str
+    postgresql: str
+    load_start: float
+    load_end: float = math.nan
+    date: str = dataclasses.field(
+        default_factory=lambda: dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    )
+
+    def end(self) -> None:
+        self.load_end = load_average()
+
+    def lines(self) -> list[str]:
+        from bench.run import _cpu_model, _git_commit
+
+        settings = ", ".join(f"{k}={v}" for k, v in SERVER_SETTINGS.items())
+        return [
+            f"* command: `{self.command}`",
+            f"* date: {self.date}; commit {_git_commit()}",
+            f"* CPUs: {os.cpu_count()} ({_cpu_model()}); Python {platform.python_version()}; "
+            f"PostgreSQL {self.postgresql} (a private cluster from pgserver's binaries: "
+            f"{settings}, other settings default)",
+            f"* load average (1 min) at the start {self.load_start:.2f}, at the end "
+            f"{self.load_end:.2f} (a machine shared with other work: compare the ratios "
+            "measured side by side in this run, not absolute figures)",
+        ]
+
+
+def facts(module: str, argv: t.Sequence[str], url: str) -> Facts:
+    return Facts(
+        command=" ".join([f"python -m {module}", *argv]),
+        postgresql=server_version(url),
+        load_start=load_average(),
+    )
+
+
+def percentile(values: t.Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+# -- sections of BENCHMARKS.md ---------------------------------------------------
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}: start -->", f"<!-- {name}: end -->"
+
+
+_DATA = re.compile(r"<!-- (bench\.[a-z_]+) data: (.*?) -->")
+
+
+def data_comment(name: str, data: dict[str, t.Any]) -> str:
+    """The section's figures, for the plot: JSON in an HTML comment (no ``--``)."""
+    text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    assert "--" not in text
+    return f"<!-- {name} data: {text} -->"
+
+
+def read_data(text: str) -> dict[str, dict[str, t.Any]]:
+    """Every section's figures in ``text``, by section name."""
+    return {match[1]: json.loads(match[2]) for match in _DATA.finditer(text)}
+
+
+def splice(existing: str, name: str, section: str) -> str:
+    """``existing`` with section ``name`` replaced by ``section`` (or it appended)."""
+    start, end = markers(name)
+    if start in existing and end in existing:
+        head, rest = existing.split(start, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        return head + section + tail
+    return existing.rstrip("\n") + "\n\n" + section
+
+
+def write_section(out: Path, name: str, body: t.Sequence[str]) -> str:
+    """Write ``body`` (lines) as section ``name`` of ``out``; the section's text."""
+    start, end = markers(name)
+    section = "\n".join([start, *body, end]) + "\n"
+    existing = out.read_text() if out.exists() else ""
+    out.write_text(splice(existing, name, section))
+    return section
+
+
+_SECTION = re.compile(r"<!-- (bench\.[a-z_]+): start -->.*?<!-- \1: end -->\n?", re.S)
+
+
+def kept_sections(path: Path) -> str:
+    """Every ``bench.*`` section of ``path``, in order (for ``bench.run``, which
+    rewrites the file)."""
+    with contextlib.suppress(OSError):
+        return "\n".join(match[0].rstrip("\n") + "\n" for match in _SECTION.finditer(path.read_text()))
+    return ""
+
+
+def common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the file to write")
+
+
+# -- writers -----------------------------------------------------------------------
+
+WRITER_EXT = "ext"  # POST /charges of the test app (the extension's whole request)
+WRITER_SQL = "sql"  # one hand-written claim transaction on a named table
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One writer's operation: when it was due (wall clock) and how long it
+    took from then (its wait behind earlier ones included), or ``None`` when it
+    failed."""
+
+    due: float
+    latency: float | None
+
+
+class Writers:
+    """``count`` writer processes, each one operation every ``gap`` seconds.
+
+    Latency is measured from when an operation was due, not from when it
+    started: a writer held up by a stall still owes the operations that fell
+    due meanwhile, so the stall is counted in every one of them (no
+    coordinated omission). Every writer stops at :meth:`stop` or after
+    ``limit`` seconds, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        count: int,
+        gap: float,
+        mode: str,
+        table: str = "idempotency_keys",
+        limit: float = 900,
+    ) -> None:
+        self.url, self.count, self.gap, self.mode, self.table = url, count, gap, mode, table
+        self.limit = limit
+        self._dir = Path(tempfile.mkdtemp(prefix="bench-writers-"))
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> Writers:
+        stop = self._dir / "stop"
+        for i in range(self.count):
+            out = self._dir / f"writer-{i}.json"
+            self._procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.harness",
+                        self.url,
+                        self.mode,
+                        self.table,
+                        str(self.gap),
+                        str(self.limit),
+                        str(stop),
+                        str(out),
+                    ],
+                    cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.monotonic() + 60
+        while not all((self._dir / f"writer-{i}.json.ready").exists() for i in range(self.count)):
+            if any(p.poll() is not None for p in self._procs):
+                raise RuntimeError("a writer exited at start")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the writers did not start within 60 s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> list[Op]:
+        """Stop every writer; their operations, in order of when they were due."""
+        (self._dir / "stop").touch()
+        ops: list[Op] = []
+        for i, proc in enumerate(self._procs):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out = self._dir / f"writer-{i}.json"
+            if proc.returncode != 0 or not out.exists():
+                raise RuntimeError(f"writer {i} failed (exit {proc.returncode})")
+            ops += [Op(due, latency) for due, latency in json.loads(out.read_text())]
+        self._procs = []
+        return sorted(ops, key=lambda op: op.due)
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+
+    def __enter__(self) -> Writers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        for path in self._dir.iterdir():
+            path.unlink()
+        self._dir.rmdir()
+
+
+@dataclasses.dataclass
+class Window:
+    """The operations that overlapped ``[start, end]`` (wall clock)."""
+
+    start: float
+    end: float
+
+    def ops(self, ops: t.Iterable[Op]) -> list[Op]:
+        return [
+            op
+            for op in ops
+            if op.due <= self.end and op.due + (op.latency or 0.0) >= self.start
+        ]
+
+
+def summary(ops: t.Sequence[Op]) -> dict[str, float]:
+    """Count, failures, p50, p99 and max (ms) of ``ops``."""
+    done = [op.latency * 1000 for op in ops if op.latency is not None]
+    return {
+        "ops": len(ops),
+        "failed": len(ops) - len(done),
+        "p50": percentile(done, 0.5),
+        "p99": percentile(done, 0.99),
+        "max": max(done) if done else math.nan,
+    }
+
+
+def _ext_op(url: str) -> t.Callable[[], bool]:
+    from tests.support import testapp
+
+    app = testapp.create_app(url)
+    client = app.test_client()
+    body = {"amount": 1, "currency": "EUR"}
+
+    def op() -> bool:
+        response = client.post(
+            "/charges", json=body, headers={"Idempotency-Key": str(uuid.uuid4())}
+        )
+        return response.status_code == 201
+
+    return op
+
+
+# A hand-written claim on ``table``: what the extension's claim and completion do,
+# in one transaction, through the same statements whatever the table (a plain one or
+# a partitioned copy); ``ON CONFLICT DO NOTHING`` names no target, so it holds for
+# any unique index the table has.
+_SQL_CLAIM = """
+INSERT INTO {table} (scope, key, request_hash, status, fencing_token, body_omitted,
+                     locked_until, created_at, expires_at)
+VALUES (%(scope)s, %(key)s, %(hash)s, 'in_progress', %(token)s, false,
+        now() + interval '60 seconds', now(), now() + interval '1 day')
+ON CONFLICT DO NOTHING
+"""
+_SQL_COMPLETE = """
+UPDATE {table} SET status = 'completed', locked_until = NULL, response_code = 201,
+       response_body = %(body)s, completed_at = now()
+WHERE scope = %(scope)s AND key = %(key)s AND fencing_token = %(token)s
+"""
+
+
+def _sql_op(url: str, table: str) -> t.Callable[[], bool]:
+    import psycopg2
+
+    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = psycopg2.connect(dsn)
+    claim, complete = _SQL_CLAIM.format(table=table), _SQL_COMPLETE.format(table=table)
+
+    def op() -> bool:
+        params = {
+            "scope": "writers",
+            "key": str(uuid.uuid4()),
+            "hash": uuid.uuid4().hex * 2,
+            "token": int.from_bytes(os.urandom(7), "big"),
+            "body": b'{"id": 1}',
+        }
+        with conn.cursor() as cur:
+            cur.execute(claim, params)
+            inserted = cur.rowcount == 1
+            cur.execute(complete, params)
+        conn.commit()
+        return inserted
+
+    return op
+
+
+def writer_main(argv: t.Sequence[str]) -> None:
+    """One writer process (see :class:`Writers`)."""
+    url, mode, table, gap_text, limit_text, stop_text, out_text = argv
+    gap, stop, out = float(gap_text), Path(stop_text), Path(out_text)
+    op = _ext_op(url) if mode == WRITER_EXT else _sql_op(url, table)
+    op()  # connect, warm the statement caches
+    Path(f"{out}.ready").touch()
+    ops: list[tuple[float, float | None]] = []
+    start = time.time()
+    due = start
+    while not stop.exists() and time.time() - start < float(limit_text):
+        now = time.time()
+        if now < due:
+            time.sleep(due - now)
+        try:
+            ok = op()
+        except Exception as exc:  # counted as failed, and shown
+            say(f"writer: {type(exc).__name__}: {exc}")
+            ok = False
+        ops.append((due, time.time() - due if ok else None))
+        due += gap
+    out.write_text(json.dumps(ops))
+
+
+class Ticker:
+    """A thread that calls ``call`` every ``every`` seconds until stopped (for
+    progress lines)."""
+
+    def __init__(self, every: float, call: t.Callable[[], None]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every, call), daemon=True)
+
+    def _run(self, every: float, call: t.Callable[[], None]) -> None:
+        while not self._stop.wait(every):
+            call()
+
+    def __enter__(self) -> Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+if __name__ == "__main__":
+    writer_main(sys.argv[1:])
