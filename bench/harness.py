@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import typing as t
 import uuid
@@ -197,6 +196,10 @@ def common_options(parser: argparse.ArgumentParser) -> None:
 
 WRITER_EXT = "ext"  # POST /charges of the test app (the extension's whole request)
 WRITER_SQL = "sql"  # one hand-written claim transaction on a named table
+#: The same, first taking a lock on the key and looking for an unexpired record of
+#: it in every partition: what a claim on a table partitioned by time must do to
+#: keep (scope, key) unique across partitions.
+WRITER_SQL_GUARDED = "sql-guarded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +318,74 @@ class Window:
         ]
 
 
+@dataclasses.dataclass
+class Phased:
+    """A writers' stream cut in windows: without the action (before and after
+    it) and during it."""
+
+    baseline: list[Op]
+    during: list[Op]
+    seconds: float  # the action's time
+    result: t.Any  # what the action returned
+
+    def figures(self) -> dict[str, t.Any]:
+        base, during = summary(self.baseline), summary(self.during)
+        return {"baseline": base, "during": during, "p99_ratio": during["p99"] / base["p99"]}
+
+
+def under_writers(writers: Writers, action: t.Callable[[], t.Any], quiet: float) -> Phased:
+    """Run ``action`` while ``writers`` write: ``quiet`` seconds of writers alone,
+    the action, ``quiet`` seconds more. Every writer's operation that failed
+    fails the run."""
+    with writers:
+        before = Window(time.time(), 0.0)
+        time.sleep(quiet)
+        before.end = time.time()
+        during = Window(time.time(), 0.0)
+        result = action()
+        during.end = time.time()
+        after = Window(time.time(), 0.0)
+        time.sleep(quiet)
+        after.end = time.time()
+        ops = writers.stop()
+    failed = [op for op in ops if op.latency is None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} writers' operations failed")
+    hit = during.ops(ops)
+    hit_ids = {id(op) for op in hit}
+    baseline = [op for op in before.ops(ops) + after.ops(ops) if id(op) not in hit_ids]
+    return Phased(baseline, hit, during.end - during.start, result)
+
+
+def wait_backends_gone(url: str, application_name: str, within: float = 30) -> None:
+    """Until no backend of ``application_name`` is left: a backend reports its
+    table counts (``pg_stat_user_tables``) on its way out, before it leaves
+    ``pg_stat_activity``."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    deadline = time.monotonic() + within
+    try:
+        while True:
+            with engine.connect() as conn:
+                left = conn.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"),
+                    {"a": application_name},
+                ).scalar_one()
+            if not left or time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+    finally:
+        engine.dispose()
+
+
+def named(url: str, application_name: str) -> str:
+    """``url`` whose connections carry ``application_name``."""
+    return (
+        sa.make_url(url)
+        .update_query_dict({"application_name": application_name})
+        .render_as_string(hide_password=False)
+    )
+
+
 def summary(ops: t.Sequence[Op]) -> dict[str, float]:
     """Count, failures, p50, p99 and max (ms) of ``ops``."""
     done = [op.latency * 1000 for op in ops if op.latency is not None]
@@ -330,7 +401,7 @@ def summary(ops: t.Sequence[Op]) -> dict[str, float]:
 def _ext_op(url: str) -> t.Callable[[], bool]:
     from tests.support import testapp
 
-    app = testapp.create_app(url)
+    app = testapp.create_app(url, IDEMPOTENCY_SCOPE=lambda: "writers")
     client = app.test_client()
     body = {"amount": 1, "currency": "EUR"}
 
@@ -361,12 +432,22 @@ WHERE scope = %(scope)s AND key = %(key)s AND fencing_token = %(token)s
 """
 
 
-def _sql_op(url: str, table: str) -> t.Callable[[], bool]:
+#: The guard of :data:`WRITER_SQL_GUARDED`: one lock per key for the rest of the
+#: transaction (two claims of a key queue here), then a look in every partition
+#: that may hold an unexpired record (``now()`` prunes the expired ones).
+GUARD = """
+SELECT pg_advisory_xact_lock(hashtextextended(%(scope)s || chr(1) || %(key)s, 0));
+SELECT 1 FROM {table} WHERE scope = %(scope)s AND key = %(key)s AND expires_at > now()
+"""
+
+
+def _sql_op(url: str, table: str, guarded: bool = False) -> t.Callable[[], bool]:
     import psycopg2
 
     dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     conn = psycopg2.connect(dsn)
     claim, complete = _SQL_CLAIM.format(table=table), _SQL_COMPLETE.format(table=table)
+    guard = GUARD.format(table=table)
 
     def op() -> bool:
         params = {
@@ -377,6 +458,11 @@ def _sql_op(url: str, table: str) -> t.Callable[[], bool]:
             "body": b'{"id": 1}',
         }
         with conn.cursor() as cur:
+            if guarded:
+                cur.execute(guard, params)
+                if cur.fetchone() is not None:
+                    conn.rollback()
+                    return False
             cur.execute(claim, params)
             inserted = cur.rowcount == 1
             cur.execute(complete, params)
@@ -390,7 +476,10 @@ def writer_main(argv: t.Sequence[str]) -> None:
     """One writer process (see :class:`Writers`)."""
     url, mode, table, gap_text, limit_text, stop_text, out_text = argv
     gap, stop, out = float(gap_text), Path(stop_text), Path(out_text)
-    op = _ext_op(url) if mode == WRITER_EXT else _sql_op(url, table)
+    if mode == WRITER_EXT:
+        op = _ext_op(url)
+    else:
+        op = _sql_op(url, table, guarded=mode == WRITER_SQL_GUARDED)
     op()  # connect, warm the statement caches
     Path(f"{out}.ready").touch()
     ops: list[tuple[float, float | None]] = []
@@ -408,27 +497,6 @@ def writer_main(argv: t.Sequence[str]) -> None:
         ops.append((due, time.time() - due if ok else None))
         due += gap
     out.write_text(json.dumps(ops))
-
-
-class Ticker:
-    """A thread that calls ``call`` every ``every`` seconds until stopped (for
-    progress lines)."""
-
-    def __init__(self, every: float, call: t.Callable[[], None]) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every, call), daemon=True)
-
-    def _run(self, every: float, call: t.Callable[[], None]) -> None:
-        while not self._stop.wait(every):
-            call()
-
-    def __enter__(self) -> Ticker:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,226 @@
+"""Cleanup under load: ``python -m bench.cleanup [--quick] ...``.
+
+Seeds ``--rows`` (1,000,000) expired records in the record table (SQL
+``generate_series``, 200-byte response bodies), vacuums and analyzes it, then
+runs the extension's cleanup (:func:`flask_idempotency.jobs.purge_expired`,
+what ``flask idempotency purge`` and the scheduler's job call) while writers
+claim new keys through the extension (``--writers`` processes, each a
+``POST /charges`` of the test app with a new key every ``--gap`` seconds: the
+claim, a ledger row, the completion, one commit, in the same table).
+
+Reported per batch size (``--batch-sizes``, default 1000, the default
+``IDEMPOTENCY_PURGE_BATCH``, and 10000): rows deleted per second, and the
+writers' latency (p50, p99, max) while the cleanup runs against the same
+writers without it, ``--quiet`` seconds before and after, in the same run
+(target: p99 at most 1.5 times); dead tuples left for vacuum (autovacuum is
+on, as in production) and how long a ``VACUUM`` then takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import typing as t
+
+import sqlalchemy as sa
+
+from bench import harness
+from bench.harness import say
+
+NAME = "bench.cleanup"
+TARGET = 1.5
+PURGER = "bench-purge"
+
+SEED = """
+INSERT INTO idempotency_keys
+    (scope, key, request_hash, status, fencing_token, response_code, response_body,
+     body_omitted, created_at, completed_at, expires_at)
+SELECT 'bulk', md5(i::text), md5((-i)::text), 'completed', i, 201,
+       convert_to(repeat('x', 200), 'UTF8'), false,
+       now() - interval '2 days', now() - interval '2 days',
+       now() - interval '1 hour' - i * interval '1 millisecond'
+FROM generate_series(:first, :last) AS i
+"""
+
+
+def seed(url: str, rows: int, chunk: int = 250_000) -> None:
+    """``rows`` expired records, in statements of ``chunk``, then VACUUM ANALYZE."""
+    engine = sa.create_engine(url)
+    try:
+        for first in range(1, rows + 1, chunk):
+            with engine.begin() as conn:
+                conn.execute(sa.text(SEED), {"first": first, "last": min(rows, first + chunk - 1)})
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("VACUUM (ANALYZE) idempotency_keys"))
+            conn.execute(sa.text("CHECKPOINT"))
+    finally:
+        engine.dispose()
+
+
+def table_facts(url: str) -> dict[str, float]:
+    """Dead tuples, size (heap and indexes, MiB) and expired records left."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            dead, size = conn.execute(
+                sa.text(
+                    "SELECT n_dead_tup, pg_total_relation_size('idempotency_keys') / 1048576.0 "
+                    "FROM pg_stat_user_tables WHERE relname = 'idempotency_keys'"
+                )
+            ).one()
+            expired = conn.execute(
+                sa.text("SELECT count(*) FROM idempotency_keys WHERE expires_at <= now()")
+            ).scalar_one()
+        return {"dead": float(dead), "mib": float(size), "expired": float(expired)}
+    finally:
+        engine.dispose()
+
+
+def vacuum_seconds(url: str) -> float:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            start = time.perf_counter()
+            conn.execute(sa.text("VACUUM idempotency_keys"))
+            return time.perf_counter() - start
+    finally:
+        engine.dispose()
+
+
+def purge(url: str, batch: int) -> t.Callable[[], int]:
+    """The extension's cleanup on a connection named :data:`PURGER` (so its
+    backend's counts can be waited for)."""
+    from flask_idempotency.jobs import purge_expired
+    from tests.support import testapp
+
+    app = testapp.create_app(harness.named(url, PURGER), IDEMPOTENCY_SCOPE=lambda: "purge")
+
+    def run() -> int:
+        report = purge_expired(app, batch_size=batch)
+        with app.app_context():
+            testapp.db.engine.dispose()
+        return report.deleted
+
+    return run
+
+
+def one_batch_size(url: str, batch: int, args: argparse.Namespace) -> dict[str, t.Any]:
+    from tests.conftest import reset_tables
+
+    reset_tables(url)
+    say(f"batch {batch}: seeding {args.rows:,} expired records")
+    seed(url, args.rows)
+    seeded = table_facts(url)
+    writers = harness.Writers(url, count=args.writers, gap=args.gap, mode=harness.WRITER_EXT)
+    say(f"batch {batch}: writers alone {args.quiet:g} s, the purge, writers alone {args.quiet:g} s")
+    phased = harness.under_writers(writers, purge(url, batch), args.quiet)
+    if phased.result != args.rows:
+        raise RuntimeError(f"the purge deleted {phased.result} of {args.rows}")
+    harness.wait_backends_gone(url, PURGER)
+    after = table_facts(url)
+    if after["expired"]:
+        raise RuntimeError(f"{after['expired']} expired records left")
+    vacuum = vacuum_seconds(url)
+    figures = phased.figures()
+    figures.update(
+        batch=batch,
+        rows=args.rows,
+        seconds=phased.seconds,
+        rows_per_s=args.rows / phased.seconds,
+        dead_after=after["dead"],
+        mib_seeded=seeded["mib"],
+        mib_after=after["mib"],
+        vacuum_s=vacuum,
+    )
+    say(
+        f"batch {batch}: {figures['rows_per_s']:,.0f} rows/s; writers p99 "
+        f"{figures['baseline']['p99']:.1f} ms without, {figures['during']['p99']:.1f} ms during "
+        f"({figures['p99_ratio']:.2f}x)"
+    )
+    return figures
+
+
+def section(results: list[dict[str, t.Any]], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
+    rows, verdicts = [], []
+    for r in results:
+        base, during = r["baseline"], r["during"]
+        met = "met" if r["p99_ratio"] <= TARGET else "NOT met"
+        rows.append(
+            f"| {r['batch']:,} | {r['rows']:,} | {r['seconds']:.1f} | {r['rows_per_s']:,.0f} | "
+            f"{base['p50']:.1f} / {base['p99']:.1f} / {base['max']:.0f} ({base['ops']:,}) | "
+            f"{during['p50']:.1f} / {during['p99']:.1f} / {during['max']:.0f} ({during['ops']:,}) | "
+            f"{r['p99_ratio']:.2f}x ({met}) | {r['dead_after']:,.0f} | {r['vacuum_s']:.1f} |"
+        )
+        verdicts.append(
+            f"* batch {r['batch']:,}: writers' p99 during cleanup {r['p99_ratio']:.2f}x their p99 "
+            f"without it: target at most {TARGET}x {met}."
+        )
+    data = {
+        str(r["batch"]): {
+            "rows_per_s": r["rows_per_s"],
+            "baseline_p99": r["baseline"]["p99"],
+            "during_p99": r["during"]["p99"],
+            "baseline_p50": r["baseline"]["p50"],
+            "during_p50": r["during"]["p50"],
+        }
+        for r in results
+    }
+    return [
+        "## Cleanup under load (`python -m bench.cleanup`)",
+        "",
+        *facts.lines(),
+        f"* {args.rows:,} expired records (200-byte bodies, "
+        f"{results[0]['mib_seeded']:,.0f} MiB with indexes) deleted by `purge_expired` (the "
+        f"`flask idempotency purge` path) per batch size; {args.writers} writer processes, each "
+        f"`POST /charges` through the extension with a new key every {args.gap * 1000:g} ms, "
+        f"alone for {args.quiet:g} s before and after the cleanup (the baseline) and during it",
+        "",
+        "| batch | rows | seconds | rows/s | writers without cleanup: p50 / p99 / max ms (ops) | "
+        "during cleanup: p50 / p99 / max ms (ops) | p99 during / without | dead tuples after | "
+        "VACUUM after, s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        *verdicts,
+        "",
+        "Each batch is one short transaction (`DELETE ... WHERE (scope, key) IN (SELECT ...",
+        "ORDER BY expires_at LIMIT n FOR UPDATE SKIP LOCKED)`), so a writer never waits for",
+        "more than one batch, and the writers' keys are never among the rows locked. A",
+        "writer's latency counts from when its request was due (a stalled writer owes the",
+        "requests that fell due meanwhile). The dead tuples are left for (auto)vacuum, which",
+        "was on during the run; the last column is a manual `VACUUM` right after.",
+        "",
+        harness.data_comment(NAME, data),
+    ]
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
+    harness.common_options(parser)
+    parser.add_argument("--rows", type=int, help="expired records (default 1,000,000)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--writers", type=int, default=3, help="writer processes")
+    parser.add_argument("--gap", type=float, default=0.05, help="seconds between a writer's claims")
+    parser.add_argument("--quiet", type=float, help="seconds of writers alone before and after")
+    args = parser.parse_args(argv)
+    args.rows = args.rows or (5_000 if args.quick else 1_000_000)
+    args.quiet = args.quiet or (1.0 if args.quick else 15.0)
+    harness.exit_on_sigterm()
+    with harness.private_postgres() as cluster:
+        url = cluster.url()
+        facts = harness.facts(NAME, argv, url)
+        from tests.support import testapp
+
+        testapp.create_app(url)  # the extension's tables on the metadata
+        results = [one_batch_size(url, batch, args) for batch in args.batch_sizes]
+        facts.end()
+    text = harness.write_section(args.out, NAME, section(results, facts, args))
+    print(text)
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
