@@ -141,15 +141,16 @@ def one_batch_size(url: str, batch: int, args: argparse.Namespace) -> dict[str, 
     return figures
 
 
-def section(results: list[dict[str, t.Any]], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
+def section(
+    results: list[dict[str, t.Any]], facts: harness.Facts, args: argparse.Namespace
+) -> list[str]:
     rows, verdicts = [], []
     for r in results:
         base, during = r["baseline"], r["during"]
         met = "met" if r["p99_ratio"] <= TARGET else "NOT met"
         rows.append(
             f"| {r['batch']:,} | {r['rows']:,} | {r['seconds']:.1f} | {r['rows_per_s']:,.0f} | "
-            f"{base['p50']:.1f} / {base['p99']:.1f} / {base['max']:.0f} ({base['ops']:,}) | "
-            f"{during['p50']:.1f} / {during['p99']:.1f} / {during['max']:.0f} ({during['ops']:,}) | "
+            f"{harness.cell(base)} | {harness.cell(during)} | "
             f"{r['p99_ratio']:.2f}x ({met}) | {r['dead_after']:,.0f} | {r['vacuum_s']:.1f} |"
         )
         verdicts.append(

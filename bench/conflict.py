@@ -67,7 +67,8 @@ FROM generate_series(1, :n) AS i
 """
 
 STATS = """
-SELECT n_dead_tup, n_tup_ins, pg_relation_size('idempotency_keys') / current_setting('block_size')::int,
+SELECT n_dead_tup, n_tup_ins,
+       pg_relation_size('idempotency_keys') / current_setting('block_size')::int,
        pg_current_wal_lsn()
 FROM pg_stat_user_tables WHERE relname = 'idempotency_keys'
 """
@@ -126,9 +127,12 @@ def _stats(admin: sa.Engine, backend: int | None = None) -> tuple[int, int, int,
     ``pg_stat_activity``)."""
     for _ in range(100):  # at most 10 s
         with admin.connect() as conn:
-            gone = backend is None or not conn.execute(
-                sa.text("SELECT 1 FROM pg_stat_activity WHERE pid = :p"), {"p": backend}
-            ).first()
+            gone = (
+                backend is None
+                or not conn.execute(
+                    sa.text("SELECT 1 FROM pg_stat_activity WHERE pid = :p"), {"p": backend}
+                ).first()
+            )
         if gone:
             break
         time.sleep(0.1)
@@ -234,7 +238,9 @@ def section(
         f"* store.claim / on-conflict: p50 {med('store.claim', 'p50') / med(base, 'p50'):.2f}x "
         "(one round trip for the claim's statements instead of two)",
     ]
-    data = {name: {k: med(name, k) for k in ("p50", "p99", "dead", "pages", "wal")} for name in results}
+    data = {
+        name: {k: med(name, k) for k in ("p50", "p99", "dead", "pages", "wal")} for name in results
+    }
     return [
         "## The conflict path (`python -m bench.conflict`)",
         "",

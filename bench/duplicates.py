@@ -76,7 +76,12 @@ class Server:
     def start(self) -> Server:
         from bench.servers import _quiet_options
 
-        env = {**os.environ, DB_ENV: self.url, WAIT_ENV: str(self.wait_ms), "PYTHONPATH": str(harness.ROOT)}
+        env = {
+            **os.environ,
+            DB_ENV: self.url,
+            WAIT_ENV: str(self.wait_ms),
+            "PYTHONPATH": str(harness.ROOT),
+        }
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [
@@ -221,7 +226,9 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, list[Round]]:
 
     testapp.create_app(url)  # puts the extension's tables on the metadata
     reset_tables(url)
-    servers = {name: Server(url, wait, threads=args.duplicates + 5) for name, wait in VARIANTS.items()}
+    servers = {
+        name: Server(url, wait, threads=args.duplicates + 5) for name, wait in VARIANTS.items()
+    }
     rounds: dict[str, list[Round]] = {name: [] for name in VARIANTS}
     try:
         for server in servers.values():
@@ -245,7 +252,9 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, list[Round]]:
     return rounds
 
 
-def section(rounds: dict[str, list[Round]], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
+def section(
+    rounds: dict[str, list[Round]], facts: harness.Facts, args: argparse.Namespace
+) -> list[str]:
     rows, data = [], {}
     for name, results in rounds.items():
         ratios = [s / r.winner for r in results for s in r.losers]
@@ -262,7 +271,10 @@ def section(rounds: dict[str, list[Round]], facts: harness.Facts, args: argparse
             f"{max(ratios):.2f}x | {', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))} | "
             f"{ledger} / {len(results)} |"
         )
-        data[name] = {"ratios": [round(x, 4) for x in ratios], "winner_ms": [round(w, 2) for w in winners]}
+        data[name] = {
+            "ratios": [round(x, 4) for x in ratios],
+            "winner_ms": [round(w, 2) for w in winners],
+        }
     return [
         "## Concurrent duplicates of one key (`python -m bench.duplicates`)",
         "",
@@ -295,7 +307,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     harness.common_options(parser)
     parser.add_argument("--rounds", type=int, help="rounds per variant (default 10; quick 2)")
     parser.add_argument("--duplicates", type=int, help="duplicates per round (default 50; quick 5)")
-    parser.add_argument("--view-ms", type=int, default=200, help="the view's time in its transaction")
+    parser.add_argument(
+        "--view-ms", type=int, default=200, help="the view's time in its transaction"
+    )
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 10)
     args.duplicates = args.duplicates or (5 if args.quick else 50)

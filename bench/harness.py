@@ -183,7 +183,9 @@ def kept_sections(path: Path) -> str:
     """Every ``bench.*`` section of ``path``, in order (for ``bench.run``, which
     rewrites the file)."""
     with contextlib.suppress(OSError):
-        return "\n".join(match[0].rstrip("\n") + "\n" for match in _SECTION.finditer(path.read_text()))
+        return "\n".join(
+            match[0].rstrip("\n") + "\n" for match in _SECTION.finditer(path.read_text())
+        )
     return ""
 
 
@@ -312,9 +314,7 @@ class Window:
 
     def ops(self, ops: t.Iterable[Op]) -> list[Op]:
         return [
-            op
-            for op in ops
-            if op.due <= self.end and op.due + (op.latency or 0.0) >= self.start
+            op for op in ops if op.due <= self.end and op.due + (op.latency or 0.0) >= self.start
         ]
 
 
@@ -396,6 +396,14 @@ def summary(ops: t.Sequence[Op]) -> dict[str, float]:
         "p99": percentile(done, 0.99),
         "max": max(done) if done else math.nan,
     }
+
+
+def cell(figures: dict[str, float]) -> str:
+    """A table cell of :func:`summary`'s figures: ``p50 / p99 / max (ops)``."""
+    return (
+        f"{figures['p50']:.1f} / {figures['p99']:.1f} / {figures['max']:.0f} "
+        f"({figures['ops']:,.0f})"
+    )
 
 
 def _ext_op(url: str) -> t.Callable[[], bool]:

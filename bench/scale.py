@@ -27,7 +27,13 @@ from sqlalchemy.orm import Session
 
 from bench import harness
 from bench.harness import percentile, say
-from flask_idempotency._storage import IN_PROGRESS, Store, new_fencing_token, operation_values, record_table
+from flask_idempotency._storage import (
+    IN_PROGRESS,
+    Store,
+    new_fencing_token,
+    operation_values,
+    record_table,
+)
 
 NAME = "bench.scale"
 TARGET = 1.2
@@ -195,16 +201,23 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, t.Any]:
 
 def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
     rows, verdicts = [], []
-    for part, label in (("claim", "the claim (`Store.claim`, one batch)"), ("whole", "claim, completion, COMMIT")):
+    for part, label in (
+        ("claim", "the claim (`Store.claim`, one batch)"),
+        ("whole", "claim, completion, COMMIT"),
+    ):
         p50 = r[f"large_{part}_p50"] / r[f"small_{part}_p50"]
         p99 = r[f"large_{part}_p99"] / r[f"small_{part}_p99"]
         r[f"{part}_ratio_p50"], r[f"{part}_ratio_p99"] = p50, p99
         rows.append(
             f"| {label} | {r[f'small_{part}_p50']:.3f} / {r[f'small_{part}_p99']:.3f} | "
-            f"{r[f'large_{part}_p50']:.3f} / {r[f'large_{part}_p99']:.3f} | {p50:.2f}x | {p99:.2f}x |"
+            f"{r[f'large_{part}_p50']:.3f} / {r[f'large_{part}_p99']:.3f} | "
+            f"{p50:.2f}x | {p99:.2f}x |"
         )
         met = "met" if max(p50, p99) <= TARGET else "NOT met"
-        verdicts.append(f"* {label}: large / small p50 {p50:.2f}x, p99 {p99:.2f}x: target within {TARGET}x {met}.")
+        verdicts.append(
+            f"* {label}: large / small p50 {p50:.2f}x, p99 {p99:.2f}x: "
+            f"target within {TARGET}x {met}."
+        )
     data = {
         key: r[key]
         for key in (
