@@ -40,8 +40,6 @@ class Context:
         print(result.line(), flush=True)
         for note in result.notes:
             print(f"    {note}", flush=True)
-        for violation in result.violations[:20]:
-            print(f"    VIOLATION: {violation}", flush=True)
 
     def say(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -96,7 +96,5 @@ def write(
                 lines.append(f"* {key}: {value}")
             for note in r.notes:
                 lines.append(f"* {note}")
-            for violation in r.violations[:20]:
-                lines.append(f"* **violation**: {violation}")
             lines.append("")
     path.write_text("\n".join(lines).rstrip() + "\n")

@@ -129,7 +129,7 @@ def run(ctx: Context) -> list[h.Result]:
     h.count_ledger(url, ops, result)
     h.count_stuck(url, result)
     _check_amounts(url, ops, tally)
-    result.violations += tally.violations
+    result.failures += tally.violations
     result.extra.update({k: f"{v:,}" for k, v in sorted(tally.counts.items())})
     ctx.show(result)
     log.unlink(missing_ok=True)
