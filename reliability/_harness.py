@@ -218,6 +218,9 @@ class Result:
     #: Duplicates this scenario expects and shows (a route without the extension).
     expect_duplicates: bool = False
     skipped: str | None = None
+    #: Checks of the scenario's own that failed (a bound exceeded, a refused
+    #: request that left something stored): any one fails the run.
+    failures: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     extra: dict[str, t.Any] = dataclasses.field(default_factory=dict)
 
@@ -225,7 +228,13 @@ class Result:
     def passed(self) -> bool:
         if self.skipped:
             return True
-        clean = self.lost == 0 and self.unsettled == 0 and self.stuck == 0 and self.html_500 == 0
+        clean = (
+            self.lost == 0
+            and self.unsettled == 0
+            and self.stuck == 0
+            and self.html_500 == 0
+            and not self.failures
+        )
         if self.expect_duplicates:
             return clean
         return clean and self.duplicates == 0 and self.operations > 0
@@ -245,7 +254,9 @@ class Result:
             f"{status} {self.name}: {self.operations} operations, {self.attempts} attempts, "
             f"faults {dict(self.faults)}, ledger rows {self.ledger_rows}, duplicates "
             f"{self.duplicates}, lost {self.lost}, unsettled {self.unsettled}, stuck {self.stuck}, "
-            f"HTML 500s {self.html_500}" + (f" ({self.skipped})" if self.skipped else "")
+            f"HTML 500s {self.html_500}"
+            + (f" ({self.skipped})" if self.skipped else "")
+            + "".join(f"; FAILED CHECK: {f}" for f in self.failures)
         )
 
 
