@@ -52,7 +52,8 @@ setup(
         "client": ["requests>=2.31"],
         # flask_idempotency.publishers.KombuPublisher: the outbox relay to a broker.
         "kombu": ["kombu>=5.3"],
-        # The benchmark's plot (python -m bench.run); the tables need nothing extra.
+        # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
+        # nothing extra.
         "bench": ["matplotlib>=3.7"],
     },
     classifiers=[

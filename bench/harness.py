@@ -104,12 +104,12 @@ class Facts:
         self.load_end = load_average()
 
     def lines(self) -> list[str]:
-        from bench.run import _cpu_model, _git_commit
+        from bench.run import _cpu_model
 
         settings = ", ".join(f"{k}={v}" for k, v in SERVER_SETTINGS.items())
         return [
             f"* command: `{self.command}`",
-            f"* date: {self.date}; commit {_git_commit()}",
+            f"* date: {self.date}; commit {git_commit()}",
             f"* CPUs: {os.cpu_count()} ({_cpu_model()}); Python {platform.python_version()}; "
             f"PostgreSQL {self.postgresql} (a private cluster from pgserver's binaries: "
             f"{settings}, other settings default)",
@@ -117,6 +117,33 @@ class Facts:
             f"{self.load_end:.2f} (a machine shared with other work: compare the ratios "
             "measured side by side in this run, not absolute figures)",
         ]
+
+
+def git_commit() -> str:
+    """The commit checked out, marked when files other than the results differ
+    from it (the results are written during the run)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!BENCHMARKS.md",
+                ":!bench/*.png",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
 def facts(module: str, argv: t.Sequence[str], url: str) -> Facts:
