@@ -121,14 +121,23 @@ class Server:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        from bench import procstats
+
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is None:
+            return
+        workers = procstats.children_of({proc.pid})
+        if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in workers:  # none outlives its master
+            if procstats.parent_of(pid) in (proc.pid, 1):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self._log.unlink()
 
