@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import statistics
 import sys
 import time
 import typing as t
@@ -96,6 +97,7 @@ def setup(url: str, rows: int, chunk: int = 250_000) -> None:
     from tests.support import testapp
 
     testapp.create_app(url)
+    _autocommit(url, f"DROP TABLE IF EXISTS {PARTED} CASCADE")
     reset_tables(url)
     engine = _engine(url)
     try:
@@ -297,20 +299,35 @@ def guard_price(url: str, args: argparse.Namespace) -> dict[str, dict[str, float
     }
 
 
+def _median(runs: list[dict[str, t.Any]]) -> dict[str, t.Any]:
+    """The median over rounds of each figure the decision and the plot use."""
+    return {
+        "seconds": statistics.median(f["seconds"] for f in runs),
+        "rows_per_s": statistics.median(f["rows_per_s"] for f in runs),
+        "p99_ratio": statistics.median(f["p99_ratio"] for f in runs),
+        "vacuum_s": statistics.median(f["vacuum_s"] for f in runs),
+        "p99": [
+            statistics.median(f["baseline"]["p99"] for f in runs),
+            statistics.median(f["during"]["p99"] for f in runs),
+        ],
+    }
+
+
 def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
     rows = []
-    for label, f in (
+    for label, runs in (
         ("row deletes (`purge_expired`)", r["deletes"]),
         ("partition DETACH + DROP", r["drop"]),
     ):
-        base, during = f["baseline"], f["during"]
-        rows.append(
-            f"| {label} | {f['seconds']:.2f} | {f['rows_per_s']:,.0f} | "
-            f"{harness.cell(base)} | {harness.cell(during)} | "
-            f"{f['p99_ratio']:.2f}x | {f['dead']:,} | "
-            f"{f['mib_before']:,.0f} → {f['mib_after']:,.0f} | "
-            f"{f['vacuum_s']:.1f} |"
-        )
+        for i, f in enumerate(runs, 1):
+            base, during = f["baseline"], f["during"]
+            rows.append(
+                f"| {label} | {i} | {f['seconds']:.2f} | {f['rows_per_s']:,.0f} | "
+                f"{harness.cell(base)} | {harness.cell(during)} | "
+                f"{f['p99_ratio']:.2f}x | {f['dead']:,} | "
+                f"{f['mib_before']:,.0f} → {f['mib_after']:,.0f} | "
+                f"{f['vacuum_s']:.1f} |"
+            )
     price = r["price"]
     base = price["record table"]
     price_rows = [
@@ -318,12 +335,12 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         for name, p in price.items()
     ]
     b = r["boundary"]
-    d, p = r["deletes"], r["drop"]
+    d, p = _median(r["deletes"]), _median(r["drop"])
     data = {
-        "deletes": {k: r["deletes"][k] for k in ("seconds", "rows_per_s", "p99_ratio")},
-        "drop": {k: r["drop"][k] for k in ("seconds", "rows_per_s", "p99_ratio")},
-        "deletes_p99": [r["deletes"]["baseline"]["p99"], r["deletes"]["during"]["p99"]],
-        "drop_p99": [r["drop"]["baseline"]["p99"], r["drop"]["during"]["p99"]],
+        "deletes": {k: d[k] for k in ("seconds", "rows_per_s", "p99_ratio")},
+        "drop": {k: p[k] for k in ("seconds", "rows_per_s", "p99_ratio")},
+        "deletes_p99": d["p99"],
+        "drop_p99": p["p99"],
         "price": price,
         "boundary": b,
     }
@@ -334,12 +351,14 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         f"* {args.rows:,} expired records in each table (200-byte bodies); {args.writers} writer "
         f"processes, a claim transaction (insert, completion, commit) every {args.gap * 1000:g} ms "
         f"each, alone for {args.quiet:g} s before and after the cleanup and during it; on the "
-        "partitioned copy with the guard its claims need (below)",
+        f"partitioned copy with the guard its claims need (below); {args.cleanups} rounds, "
+        "each on freshly seeded tables",
         "",
-        "| cleanup | seconds | rows/s | writers without: p50 / p99 / max ms (ops) | during: p50 / "
+        "| cleanup | round | seconds | rows/s | writers without: p50 / p99 / max ms (ops) | "
+        "during: p50 / "
         "p99 / max ms (ops) | p99 during / without | dead tuples after | MiB before → after | "
         "VACUUM after, s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "The boundary: a claim with `expires_at` 1 ms before a partition boundary, its retry",
@@ -359,7 +378,8 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         *price_rows,
         "",
         "**Decision: one table stays.** "
-        f"Row deletes took {d['seconds']:.0f} s ({d['rows_per_s']:,.0f} rows/s) with the "
+        f"Medians over {len(r['deletes'])} rounds: row deletes took {d['seconds']:.0f} s "
+        f"({d['rows_per_s']:,.0f} rows/s) with the "
         f"writers' p99 at {d['p99_ratio']:.2f}x its level without them ("
         f"{'within' if d['p99_ratio'] <= 1.5 else 'above'} the 1.5x cleanup target), then a "
         f"{d['vacuum_s']:.1f} s `VACUUM`; dropping the partition took {p['seconds']:.2f} s, "
@@ -384,24 +404,27 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser.add_argument("--writers", type=int, default=3, help="writer processes")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between a writer's claims")
     parser.add_argument("--quiet", type=float, help="seconds of writers alone before and after")
+    parser.add_argument("--cleanups", type=int, help="rounds of both cleanups (default 3; quick 1)")
     parser.add_argument("--rounds", type=int, help="rounds of the guard's price (default 5)")
     parser.add_argument("--claims", type=int, help="claims per kind per round (default 300)")
     args = parser.parse_args(argv)
     args.rows = args.rows or (5_000 if args.quick else 1_000_000)
-    args.quiet = args.quiet or (1.0 if args.quick else 15.0)
+    args.quiet = args.quiet or (1.0 if args.quick else 10.0)
+    args.cleanups = args.cleanups or (1 if args.quick else 3)
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.claims = args.claims or (30 if args.quick else 300)
     harness.exit_on_sigterm()
     with harness.private_postgres() as cluster:
         url = cluster.url()
         facts = harness.facts(NAME, argv, url)
-        setup(url, args.rows)
-        results = {
-            "deletes": row_deletes(url, args),
-            "drop": partition_drop(url, args),
-            "boundary": boundary(url),
-            "price": guard_price(url, args),
-        }
+        results: dict[str, t.Any] = {"deletes": [], "drop": []}
+        for i in range(args.cleanups):
+            say(f"round {i + 1}/{args.cleanups}")
+            setup(url, args.rows)
+            results["deletes"].append(row_deletes(url, args))
+            results["drop"].append(partition_drop(url, args))
+        results["boundary"] = boundary(url)
+        results["price"] = guard_price(url, args)
         facts.end()
     if results["boundary"] != {"as is": 2, "guarded": 1}:
         raise RuntimeError(f"unexpected boundary outcome: {results['boundary']}")

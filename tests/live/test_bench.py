@@ -284,8 +284,8 @@ def test_issue17_benchmarks_run_and_report(tmp_path: Path) -> None:
     cleanup = _section(text, "bench.cleanup")
     rows = _table(cleanup)
     for batch in ("1,000", "10,000"):
-        assert rows[batch][1] == "5,000"  # every expired record deleted (checked in the run)
-        assert float(rows[batch][3].replace(",", "")) > 0
+        assert rows[batch][2] == "5,000"  # every expired record deleted (checked in the run)
+        assert float(rows[batch][4].replace(",", "")) > 0
         assert f"* batch {batch}: writers' p99 during cleanup" in cleanup
 
     scale = _section(text, "bench.scale")
@@ -296,7 +296,7 @@ def test_issue17_benchmarks_run_and_report(tmp_path: Path) -> None:
     assert "* as is: **2 records** for one key" in retention
     assert data["bench.retention"]["boundary"] == {"as is": 2, "guarded": 1}
     rows = _table(retention)
-    assert rows["partition DETACH + DROP"][7].endswith("→ 0")  # the partition's space is back
+    assert rows["partition DETACH + DROP"][8].endswith("→ 0")  # the partition's space is back
     assert set(data["bench.retention"]["price"]) == {
         "record table",
         "partitioned, as is",
