@@ -64,6 +64,7 @@ def plot(data: dict[str, dict[str, t.Any]], path: Path) -> str | None:
                 va="bottom",
                 fontsize=8,
             )
+        conflict.set_ylim(top=max(variants[n]["p99"] for n in names) * 1.25)
         conflict.legend()
         conflict.set_title("The conflict path: latency, dead tuples")
     else:
