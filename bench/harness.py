@@ -119,9 +119,13 @@ class Facts:
         ]
 
 
+#: What runs in a benchmark: a change elsewhere (the results it writes, the docs)
+#: does not make a run's commit "with uncommitted changes".
+CODE = ("bench", "flask_idempotency", "tests", "example_app", "setup.py", "pyproject.toml")
+
+
 def git_commit() -> str:
-    """The commit checked out, marked when files other than the results differ
-    from it (the results are written during the run)."""
+    """The commit checked out, marked when the code that runs differs from it."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -133,8 +137,7 @@ def git_commit() -> str:
                 "--porcelain",
                 "--untracked-files=no",
                 "--",
-                ".",
-                ":!BENCHMARKS.md",
+                *CODE,
                 ":!bench/*.png",
             ],
             cwd=ROOT,

@@ -70,23 +70,27 @@ def plot(data: dict[str, dict[str, t.Any]], path: Path) -> str | None:
     else:
         missing(conflict, "bench.conflict")
 
-    bars: list[tuple[str, float, float]] = []
+    # Writers' p99 during cleanup over their p99 without it, per round (the figure
+    # the target judges; a median of each side would pair different rounds).
+    kinds: list[tuple[str, list[float]]] = []
     for batch, figures in data.get("bench.cleanup", {}).items():
-        bars.append((f"purge, batch {batch}", figures["baseline_p99"], figures["during_p99"]))
+        kinds.append((f"purge, batch {batch}", figures.get("ratios", [figures["p99_ratio"]])))
     retention = data.get("bench.retention")
     if retention:
-        bars.append(("retention: purge", *retention["deletes_p99"]))
-        bars.append(("retention: drop partition", *retention["drop_p99"]))
-    if bars:
-        xs = range(len(bars))
-        cleanup.bar(
-            [x - 0.2 for x in xs], [b[1] for b in bars], 0.4, label="writers without cleanup"
-        )
-        cleanup.bar([x + 0.2 for x in xs], [b[2] for b in bars], 0.4, label="during cleanup")
-        cleanup.set_xticks(list(xs), [b[0] for b in bars], rotation=15, fontsize=8)
-        cleanup.set_ylabel("writers' p99 ms")
+        kinds.append(("retention: purge", retention["deletes_ratios"]))
+        kinds.append(("retention: drop partition", retention["drop_ratios"]))
+    if kinds:
+        for x, (_, ratios) in enumerate(kinds):
+            cleanup.scatter([x] * len(ratios), ratios, color="tab:blue", zorder=3)
+            middle = sorted(ratios)[len(ratios) // 2]
+            cleanup.hlines(middle, x - 0.25, x + 0.25, color="tab:orange", linewidth=2, zorder=2)
+        cleanup.axhline(1.5, color="tab:red", linewidth=0.8, linestyle="--", label="target 1.5x")
+        cleanup.axhline(1.0, color="grey", linewidth=0.8)
+        cleanup.set_yscale("log")
+        cleanup.set_xticks(range(len(kinds)), [k[0] for k in kinds], rotation=15, fontsize=8)
+        cleanup.set_ylabel("writers' p99 during / without (per round; bar: median)")
         cleanup.legend()
-        cleanup.set_title("Writers' p99 with and without cleanup")
+        cleanup.set_title("Writers' p99 during cleanup against without it")
     else:
         missing(cleanup, "bench.cleanup")
 

@@ -341,6 +341,8 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         "drop": {k: p[k] for k in ("seconds", "rows_per_s", "p99_ratio")},
         "deletes_p99": d["p99"],
         "drop_p99": p["p99"],
+        "deletes_ratios": [f["p99_ratio"] for f in r["deletes"]],
+        "drop_ratios": [f["p99_ratio"] for f in r["drop"]],
         "price": price,
         "boundary": b,
     }
