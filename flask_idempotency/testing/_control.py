@@ -70,7 +70,7 @@ class Control:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
-        for sub in ("armed", "fired", "held"):
+        for sub in ("armed", "fired", "held", "booted"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     # -- faults ----------------------------------------------------------------
@@ -110,6 +110,20 @@ class Control:
 
     def held(self, token: str, what: str) -> Path:
         return self.root / "held" / f"{token}.{what}"
+
+    # -- the served processes --------------------------------------------------
+
+    def mark_booted(self) -> None:
+        """This process built the app and serves it."""
+        (self.root / "booted" / str(os.getpid())).touch()
+
+    def booted(self) -> int:
+        """How many processes marked themselves booted since :meth:`clear_booted`."""
+        return sum(1 for _ in (self.root / "booted").iterdir())
+
+    def clear_booted(self) -> None:
+        for path in (self.root / "booted").iterdir():
+            path.unlink(missing_ok=True)
 
     # -- the trace -------------------------------------------------------------
 

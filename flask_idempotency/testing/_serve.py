@@ -56,6 +56,7 @@ def create() -> Flask:
     _hooks.install(control, downstream)
     app = load_app(os.environ[APP_ENV], json.loads(os.environ.get(CONFIG_ENV) or "{}"))
     app.wsgi_app = _ReadyProbe(app.wsgi_app)  # type: ignore[method-assign]
+    control.mark_booted()
     return app
 
 

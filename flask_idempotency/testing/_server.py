@@ -163,6 +163,7 @@ class ServedApp:
         """Start the server and wait until the app answers (at most 60 s)."""
         if self.alive():
             return self
+        self.control.clear_booted()
         with self.control.log_path.open("ab") as log:
             log.write(f"--- idempotency kit: starting {self.server} on {self.url}\n".encode())
             log.flush()
@@ -180,7 +181,9 @@ class ServedApp:
             if self._proc.poll() is not None:
                 self._proc = None
                 raise RuntimeError(f"the served app exited at start:\n{self.logs(tail=60)}")
-            if self._ready():
+            # Every worker has built the app (none still booting when a test
+            # cuts the database), and one answers.
+            if self.control.booted() >= self._processes() and self._ready():
                 return self
             if time.monotonic() > deadline:
                 self.kill()
@@ -188,6 +191,9 @@ class ServedApp:
                     f"the served app did not start in {START_TIMEOUT:.0f} s:\n{self.logs(tail=60)}"
                 )
             time.sleep(0.05)
+
+    def _processes(self) -> int:
+        return 1 if self.server == "werkzeug" else self.workers
 
     def _ready(self) -> bool:
         try:
