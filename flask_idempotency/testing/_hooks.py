@@ -163,7 +163,11 @@ def _after_commit(session: orm.Session) -> None:
         return
     state["commits"] += 1
     armed = _control.peek("kill_after_commit")
-    if armed and armed.get("nth", 1) == state["commits"] and _control.consume("kill_after_commit"):
+    if (
+        armed
+        and armed.get("nth", 1) == state["commits"]
+        and _control.consume("kill_after_commit") is not None
+    ):
         _kill("kill_after_commit")
 
 
@@ -177,7 +181,11 @@ def _before_commit(session: orm.Session) -> None:
         return
     state["before"] += 1
     armed = _control.peek("kill_before_commit")
-    if armed and armed.get("nth", 1) == state["before"] and _control.consume("kill_before_commit"):
+    if (
+        armed
+        and armed.get("nth", 1) == state["before"]
+        and _control.consume("kill_before_commit") is not None
+    ):
         _kill("kill_before_commit")
 
 
@@ -203,7 +211,11 @@ def _step_saved(sender: t.Any, **kwargs: t.Any) -> None:
     if _control is None:
         return
     armed = _control.peek("kill_after_step")
-    if armed and armed.get("name") == kwargs.get("name") and _control.consume("kill_after_step"):
+    if (
+        armed
+        and armed.get("name") == kwargs.get("name")
+        and _control.consume("kill_after_step") is not None
+    ):
         _kill(f"kill_after_step({kwargs.get('name')!r})")
 
 
@@ -237,8 +249,8 @@ def _patch_http_client() -> None:
 
     def getresponse(self: http.client.HTTPConnection) -> http.client.HTTPResponse:
         response = original_getresponse(self)
-        aimed = _aimed_at_downstream(self)
-        if aimed and _control is not None and _control.consume("kill_after_call"):
+        aimed = _aimed_at_downstream(self) and _control is not None
+        if aimed and _control is not None and _control.consume("kill_after_call") is not None:
             _kill("kill_after_call")
         return response
 
