@@ -212,6 +212,20 @@ class PgCluster:
         finally:
             engine.dispose()
 
+    def halt(self, mode: str = "fast") -> None:
+        """Stop the server and keep the cluster: ``fast`` (SIGINT: sessions ended,
+        a clean checkpoint) or ``immediate`` (SIGQUIT: no checkpoint, crash
+        recovery at the next start). :meth:`start` brings it back on the same port."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT if mode == "fast" else signal.SIGQUIT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
     def stop(self) -> None:
         """Stop (fast shutdown; killed after 20 s) and delete the cluster."""
         proc, self.proc = self.proc, None
