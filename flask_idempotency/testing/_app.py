@@ -86,9 +86,7 @@ def create_tables(app: Flask) -> None:
     extension's, which ``init_app`` put on the same metadata)."""
     ext = app.extensions.get("sqlalchemy")
     if ext is None:
-        raise RuntimeError(
-            "the app has no Flask-SQLAlchemy extension (app.extensions['sqlalchemy'])"
-        )
+        raise RuntimeError("the app has no Flask-SQLAlchemy extension extension")
     with app.app_context():
         ext.create_all()
 
