@@ -1,9 +1,10 @@
 """The documented example (docs/examples/test_idempotency_kit.py) run as a user
 runs it: copied into a fresh project (a temporary folder with a minimal
 ``pytest.ini``), ``python -m pytest`` in a subprocess with the kit's plugin, on
-the suite's PostgreSQL. Against the example app it passes; against a route with
-a response cache written after the commit (tests/kit/broken_app.py) the kit's
-crash-after-commit test fails, on the exactly-once assertion: two executions.
+the suite's PostgreSQL (both drivers), MariaDB and SQLite. Against the example
+app it passes; against a route with a response cache written after the commit
+(tests/kit/broken_app.py) the kit's crash-after-commit test fails, on the
+exactly-once assertion: two executions.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import postgres_url
+from tests.conftest import mysql_url, postgres_url
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "test_idempotency_kit.py"
@@ -64,6 +65,15 @@ def run_example(
 @pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_the_documented_example_passes_on_the_example_app(tmp_path: Path, driver: str) -> None:
     done = run_example(tmp_path / "shop", "example_app.app:create_app", postgres_url(driver))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 passed" in done.stdout, done.stdout
+
+
+def test_the_documented_example_passes_on_mariadb(tmp_path: Path) -> None:
+    url = mysql_url()
+    if url is None:
+        pytest.skip("no MariaDB/MySQL reachable (see the report header)")
+    done = run_example(tmp_path / "shop", "example_app.app:create_app", url)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 passed" in done.stdout, done.stdout
 
