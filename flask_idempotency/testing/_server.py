@@ -70,6 +70,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _no_control_socket() -> list[str]:
+    """gunicorn's control socket (newer releases) is at one path per user by
+    default; servers of tests running side by side would take it from each other."""
+    try:
+        from gunicorn import config  # type: ignore[import-untyped]
+    except ImportError:
+        return []
+    names = {setting.name for setting in getattr(config, "KNOWN_SETTINGS", [])}
+    return ["--no-control-socket"] if "control_socket_disable" in names else []
+
+
 def gunicorn_available() -> bool:
     return sys.platform != "win32" and importlib.util.find_spec("gunicorn") is not None
 
@@ -136,6 +147,7 @@ class ServedApp:
             "-",
             "--access-logfile",
             "-",
+            *_no_control_socket(),
             "flask_idempotency.testing._serve:create()",
         ]
 
