@@ -6,6 +6,7 @@ import importlib
 import inspect
 import typing as t
 
+import sqlalchemy as sa
 from flask import Flask
 
 
@@ -17,6 +18,11 @@ def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
     A :class:`~flask.Flask` instance gets ``config`` applied, and its default
     Flask-SQLAlchemy engine is pointed at ``SQLALCHEMY_DATABASE_URI``.
     Without ``:name``, ``create_app`` then ``app`` are tried, as ``flask --app`` does.
+
+    When ``config`` names ``SQLALCHEMY_DATABASE_URI``, the app built must use
+    that database (its config and its default engine), else ``RuntimeError``:
+    a factory that ignores its argument would run the tests, and the kit's
+    ``create_all``, on the database it names itself.
     """
     module_name, _, name = spec.partition(":")
     if not module_name:
@@ -41,7 +47,37 @@ def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
         _reconfigure(app, config)
     if not isinstance(app, Flask):
         raise TypeError(f"idempotency_app {spec!r} returned {type(app).__name__}, not a Flask app")
+    _check_database(spec, app, config.get("SQLALCHEMY_DATABASE_URI"))
     return app
+
+
+def _where(url: t.Any) -> tuple[t.Any, ...]:
+    """What names a database in ``url``: backend, host, port, database (the
+    query and driver are left out: Flask-SQLAlchemy adds to the query)."""
+    parsed = sa.make_url(url)
+    return (parsed.get_backend_name(), parsed.host, parsed.port, parsed.database)
+
+
+def _check_database(spec: str, app: Flask, url: t.Any) -> None:
+    if url is None:
+        return
+    found = [("its SQLALCHEMY_DATABASE_URI", app.config.get("SQLALCHEMY_DATABASE_URI"))]
+    ext = app.extensions.get("sqlalchemy")
+    if ext is not None:
+        with app.app_context():
+            engine = ext.engines.get(None)
+        if engine is not None:
+            found.append(("its Flask-SQLAlchemy engine", engine.url))
+    for what, value in found:
+        if value is None or _where(value) != _where(url):
+            shown = "nothing" if value is None else sa.make_url(value).render_as_string()
+            raise RuntimeError(
+                f"idempotency_app {spec!r}: the app built with the kit's config uses {shown} "
+                f"({what}), not the test database the kit gave it "
+                f"({sa.make_url(url).render_as_string()}); the kit stops before it touches "
+                "another database. Name a factory that applies its one argument, a config "
+                "mapping, before db.init_app (or one without parameters, or the app itself)."
+            )
 
 
 def _takes_an_argument(factory: t.Callable[..., t.Any]) -> bool:

@@ -221,16 +221,20 @@ def api(
         served.kill()
 
 
-@pytest.hookimpl(wrapper=True)
+# An old-style wrapper: this module is loaded by every pytest run where the
+# package is installed (the entry point does not depend on the [testing] extra),
+# and ``wrapper=True`` needs pluggy 1.2, which pytest 7 does not require: with
+# it, pytest 7 on pluggy 1.0 could not start at all, in any project.
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> t.Generator[None, pytest.TestReport, pytest.TestReport]:
+) -> t.Generator[None, t.Any, None]:
     """A failed test that used ``api`` gets the server's logs in its report."""
-    report = yield
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
     if report.failed:
         served = getattr(item, "funcargs", {}).get("api")
         if isinstance(served, ServedApp):
             report.sections.append(
                 (f"idempotency kit: {served.server} logs ({served.url})", served.logs(tail=200))
             )
-    return report
