@@ -220,12 +220,21 @@ class Result:
     skipped: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     extra: dict[str, t.Any] = dataclasses.field(default_factory=dict)
+    #: Requirements the scenario checked beyond the counts that did not hold (a
+    #: host that did not fail fast, an event never processed): each fails the run.
+    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         if self.skipped:
             return True
-        clean = self.lost == 0 and self.unsettled == 0 and self.stuck == 0 and self.html_500 == 0
+        clean = (
+            self.lost == 0
+            and self.unsettled == 0
+            and self.stuck == 0
+            and self.html_500 == 0
+            and not self.problems
+        )
         if self.expect_duplicates:
             return clean
         return clean and self.duplicates == 0 and self.operations > 0
@@ -245,7 +254,9 @@ class Result:
             f"{status} {self.name}: {self.operations} operations, {self.attempts} attempts, "
             f"faults {dict(self.faults)}, ledger rows {self.ledger_rows}, duplicates "
             f"{self.duplicates}, lost {self.lost}, unsettled {self.unsettled}, stuck {self.stuck}, "
-            f"HTML 500s {self.html_500}" + (f" ({self.skipped})" if self.skipped else "")
+            f"HTML 500s {self.html_500}"
+            + (f" ({self.skipped})" if self.skipped else "")
+            + "".join(f"; PROBLEM: {p}" for p in self.problems)
         )
 
 

@@ -96,5 +96,7 @@ def write(
                 lines.append(f"* {key}: {value}")
             for note in r.notes:
                 lines.append(f"* {note}")
+            for problem in r.problems:
+                lines.append(f"* **problem**: {problem}")
             lines.append("")
     path.write_text("\n".join(lines).rstrip() + "\n")
