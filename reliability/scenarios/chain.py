@@ -30,7 +30,7 @@ The example's chain (`example_app`): clients place orders at the order service w
 and retry until settled; the order service (gunicorn, 2 workers x 4 threads, leased route, 15 s
 lease) charges at the payments service (gunicorn, 2 sync workers) over HTTP with the key derived
 from the client's (`idem.derived_key("charge")`), then commits the order with its
-`order-created` event in the outbox; the relay (`flask idempotency relay --batch 10`, a process
+`order-created` event in the outbox; the relay (`flask idempotency relay --batch 2`, a process
 of its own) publishes the outbox to the broker; the shipping consumer (a process looping over
 `example_app.shipping.consume`) ships each event once through the inbox. Each service has a
 database of its own on the run's PostgreSQL. The broker is RabbitMQ at 127.0.0.1:5672 when it
@@ -52,6 +52,8 @@ RABBITMQ = ("127.0.0.1", 5672)
 TENANT = {"X-Tenant": "reliability"}
 ORDERS_FAULTS = {"before_commit": 0.02, "after_commit": 0.02}
 PAYMENTS_FAULTS = {"before_commit": 0.03, "after_commit": 0.03}
+#: Events left pending while the relay is away, before it starts again to drain them.
+BACKLOG = 20
 
 
 class Process:
@@ -70,6 +72,8 @@ class Process:
         self.log = Path(tempfile.mkstemp(prefix=f"reliability-{name}-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        #: The supervisor starts the process again no sooner (time.monotonic()).
+        self.hold_until = 0.0
         self.exits: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -93,18 +97,23 @@ class Process:
             while not self._stopping.wait(0.2):
                 with self._lock:
                     proc = self.proc
-                if proc is not None and proc.poll() is not None and not self._stopping.is_set():
-                    self.exits[proc.returncode] += 1
-                    self.restarts += 1
-                    time.sleep(0.5)
-                    self.start()
+                if proc is None or proc.poll() is None or self._stopping.is_set():
+                    continue
+                if time.monotonic() < self.hold_until:
+                    continue
+                self.exits[proc.returncode] += 1
+                self.restarts += 1
+                time.sleep(0.5)
+                self.start()
 
         self._watcher = threading.Thread(target=watch, daemon=True)
         self._watcher.start()
         return self
 
-    def kill(self) -> None:
-        """SIGKILL the process (the supervisor, when on, starts it again)."""
+    def kill(self, hold: float = 0.0) -> None:
+        """SIGKILL the process; the supervisor, when on, starts it again after
+        ``hold`` seconds (and its own half second)."""
+        self.hold_until = time.monotonic() + hold
         with self._lock:
             proc = self.proc
         if proc is not None:
@@ -226,15 +235,15 @@ class Faults:
 
     def _run(self) -> None:
         try:
-            time.sleep(self.seconds * 0.2)
+            time.sleep(self.seconds * 0.15)
             if self.proxy is not None:
                 down = self.seconds * 0.2
                 self.proxy.cut()
                 self.result.faults["broker down"] += 1
                 time.sleep(down)
                 self.proxy.heal()
-                self.result.extra["broker down"] = f"{down:.0f} s, from {self.seconds * 0.2:.0f} s"
-            time.sleep(self.seconds * 0.15)
+                self.result.extra["broker down"] = f"{down:.0f} s, from {self.seconds * 0.15:.0f} s"
+            time.sleep(self.seconds * 0.1)
             self._kill_mid_drain()
         except BaseException as exc:  # re-raised by join()
             self.error = exc
@@ -242,20 +251,19 @@ class Faults:
                 self.proxy.heal()
 
     def _kill_mid_drain(self) -> None:
-        # The relay dies; the backlog builds up while it is away (the supervisor
-        # starts it again after 0.5 s, and its start takes a while); once it has
-        # published part of the backlog, it is killed again, mid-drain.
-        self.relay.kill()
+        # The relay dies and stays away until a backlog has built up (at most
+        # 20 s); started again, it drains it two events a batch; once it has
+        # published part of it, it is killed again, mid-drain.
+        self.relay.kill(hold=3600)
         self.result.faults["relay killed"] += 1
+        deadline = time.monotonic() + 20
+        while self._pending() < BACKLOG and time.monotonic() < deadline:
+            time.sleep(0.2)
+        backlog = self._pending()
+        self.relay.hold_until = 0.0  # the supervisor starts it now
         deadline = time.monotonic() + 30
-        backlog = 0
-        while time.monotonic() < deadline:
-            pending = self._pending()
-            backlog = max(backlog, pending)
-            if backlog >= 10 and pending < backlog:
-                break
-            time.sleep(0.02)
-        pending = self._pending()
+        while (pending := self._pending()) >= backlog and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.relay.kill()
         self.result.faults["relay killed mid-drain"] += 1
         self.result.extra["relay killed mid-drain"] = (
@@ -329,7 +337,7 @@ def run(ctx: Context) -> list[h.Result]:
             "idempotency",
             "relay",
             "--batch",
-            "10",
+            "2",
             "--poll",
             "0.5",
         ],
@@ -382,7 +390,10 @@ def run(ctx: Context) -> list[h.Result]:
             proxy.close()
             _delete_queue(direct_env)
         for path in (relay.log, consumer.log, orders.log, payments.log):
-            path.unlink(missing_ok=True)
+            if os.environ.get("RELIABILITY_KEEP_LOGS"):
+                ctx.say(f"log kept: {path}")
+            else:
+                path.unlink(missing_ok=True)
     ctx.show(result)
     return [result]
 
@@ -390,16 +401,20 @@ def run(ctx: Context) -> list[h.Result]:
 def _drain(urls: dict[str, str], within: float = 120) -> str:
     """Wait until every outbox event is published and every order shipped."""
     start = time.monotonic()
+    published_at: float | None = None
     while time.monotonic() - start < within:
         pending = _scalar(
             urls["orders"], "SELECT count(*) FROM idempotency_outbox WHERE published_at IS NULL"
         )
         orders = _scalar(urls["orders"], "SELECT count(*) FROM orders")
         shipped = _scalar(urls["shipping"], "SELECT count(DISTINCT order_id) FROM shipments")
+        if pending == 0 and published_at is None:
+            published_at = time.monotonic() - start
         if pending == 0 and shipped >= orders:
-            return f"{time.monotonic() - start:.1f}"
-        time.sleep(1)
-    return f"not drained within {within:.0f} s"
+            done = time.monotonic() - start
+            return f"all published after {published_at:.1f} s, all shipped after {done:.1f} s"
+        time.sleep(0.5)
+    return f"not drained within {within:.0f} s ({pending} pending, {orders - shipped} not shipped)"
 
 
 def _count(result: h.Result, ops: list[h.Operation], urls: dict[str, str], skipped: Path) -> None:
