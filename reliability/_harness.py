@@ -218,11 +218,11 @@ class Result:
     #: Duplicates this scenario expects and shows (a route without the extension).
     expect_duplicates: bool = False
     skipped: str | None = None
+    #: Checks of the scenario's own that failed (a bound exceeded, a refused
+    #: request that left something stored): any one fails the run.
+    failures: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     extra: dict[str, t.Any] = dataclasses.field(default_factory=dict)
-    #: Requirements the scenario checked beyond the counts that did not hold (a
-    #: host that did not fail fast, an event never processed): each fails the run.
-    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -233,7 +233,7 @@ class Result:
             and self.unsettled == 0
             and self.stuck == 0
             and self.html_500 == 0
-            and not self.problems
+            and not self.failures
         )
         if self.expect_duplicates:
             return clean
@@ -256,7 +256,7 @@ class Result:
             f"{self.duplicates}, lost {self.lost}, unsettled {self.unsettled}, stuck {self.stuck}, "
             f"HTML 500s {self.html_500}"
             + (f" ({self.skipped})" if self.skipped else "")
-            + "".join(f"; PROBLEM: {p}" for p in self.problems)
+            + "".join(f"; FAILED CHECK: {f}" for f in self.failures)
         )
 
 

@@ -94,9 +94,9 @@ def write(
                 lines.append(f"* faults injected: {_faults(r)}")
             for key, value in r.extra.items():
                 lines.append(f"* {key}: {value}")
+            for failure in r.failures:
+                lines.append(f"* **failed check**: {failure}")
             for note in r.notes:
                 lines.append(f"* {note}")
-            for problem in r.problems:
-                lines.append(f"* **problem**: {problem}")
             lines.append("")
     path.write_text("\n".join(lines).rstrip() + "\n")

@@ -464,14 +464,14 @@ def _count(result: h.Result, ops: list[h.Operation], urls: dict[str, str], skipp
         1 for _, amount, charge_id in orders if charge_amount.get(charge_id) != amount
     )
     if wrong_charge:
-        result.problems.append(f"{wrong_charge} orders point at another order's charge")
+        result.failures.append(f"{wrong_charge} orders point at another order's charge")
     orphans = sum(1 for amount in charges_by_amount if amount not in orders_by_amount)
     published = sum(1 for _, done, _ in outbox if done)
     parked = sum(1 for _, _, failed in outbox if failed)
     if parked:
-        result.problems.append(f"{parked} outbox events parked")
+        result.failures.append(f"{parked} outbox events parked")
     if published < len(outbox):
-        result.problems.append(f"{len(outbox) - published} outbox events never published")
+        result.failures.append(f"{len(outbox) - published} outbox events never published")
     result.extra["orders (one per key)"] = (
         f"{len(orders)} rows for {len(orders_by_amount)} keys; {len(ops)} operations"
     )

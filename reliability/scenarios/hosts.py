@@ -266,9 +266,9 @@ class JobWatch:
                 + (f"{min(gaps):.2f} s" if gaps else "-")
             )
             if not starts:
-                result.problems.append(f"the {name} job never ran")
+                result.failures.append(f"the {name} job never ran")
             elif gaps and min(gaps) < every - min(every / 10, 1.0):
-                result.problems.append(f"the {name} job ran twice within {min(gaps):.2f} s")
+                result.failures.append(f"the {name} job ran twice within {min(gaps):.2f} s")
         result.extra["scheduled jobs (idempotency_job_locks, polled every second)"] = "; ".join(
             figures
         )
@@ -456,7 +456,7 @@ def _one(
         per_key = h.count_ledger(url, ops, result)
         stray = sorted(set(per_key) - {op.key for op in ops})
         if stray:
-            result.problems.append(
+            result.failures.append(
                 f"{sum(per_key[k] for k in stray)} ledger rows under keys no client sent: "
                 + ", ".join(repr(k) for k in stray[:5])
             )
@@ -506,22 +506,22 @@ def _figures(
     if kind in CUT_OFF:
         over = [took for took in served if took > BOUND]
         if over:
-            result.problems.append(
+            result.failures.append(
                 f"{len(over)} of host 1's {len(served)} 503s took its workers longer than the "
                 f"documented {BOUND} s"
             )
         if not unavailable:
-            result.problems.append("the cut-off host answered no 503 while cut off")
+            result.failures.append("the cut-off host answered no 503 while cut off")
         if answers["timeout"]:
-            result.problems.append(
+            result.failures.append(
                 f"{answers['timeout']} attempts at the cut-off host got no answer within "
                 f"{CLIENT_TIMEOUT:g} s"
             )
     if kind in CUT_OFF or kind == "kill":
         if left is None:
-            result.problems.append("host 1 never left the rotation")
+            result.failures.append("host 1 never left the rotation")
         elif left - at > LB_FALL * LB_INTERVAL + LB_TIMEOUT + BOUND:
-            result.problems.append(f"host 1 left the rotation only after {left - at:.1f} s")
+            result.failures.append(f"host 1 left the rotation only after {left - at:.1f} s")
 
 
 def run(ctx: Context) -> list[h.Result]:
