@@ -325,13 +325,14 @@ class Hosts:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-    def answered(self, n: int, status: str) -> list[float]:
-        """Seconds host ``n``'s workers took for each POST they answered with ``status``."""
-        found = []
+    def answered(self, n: int, status: str) -> dict[str, list[float]]:
+        """Seconds host ``n``'s workers took for each POST they answered with
+        ``status``, by route."""
+        found: dict[str, list[float]] = {"/plain": [], "/leased": []}
         for line in self.servers[n].log.read_text(errors="replace").splitlines():
             parts = line.split()
-            if parts[:2] == ["ACCESS", status] and parts[3:] in (["/plain"], ["/leased"]):
-                found.append(float(parts[2]))
+            if parts[:2] == ["ACCESS", status] and len(parts) == 4 and parts[3] in found:
+                found[parts[3]].append(float(parts[2]))
         return found
 
     def stop(self) -> None:
@@ -489,8 +490,12 @@ def _figures(
         ", ".join(f"{k}: {v}" for k, v in sorted(answers.items())) or "none"
     )
     unavailable = [a.took for a in faulted if a.answer.status == 503]
-    served = hosts.answered(FAULTED, "503")
-    result.extra["host 1's 503s, seconds in its workers (gunicorn's access log)"] = _seconds(served)
+    by_route = hosts.answered(FAULTED, "503")
+    served = [took for times in by_route.values() for took in times]
+    for route, times in by_route.items():
+        result.extra[f"host 1's 503s on {route}, seconds in its workers (access log)"] = _seconds(
+            times
+        )
     result.extra["host 1's 503s, seconds the clients waited (a queue for a worker included)"] = (
         _seconds(unavailable)
     )
