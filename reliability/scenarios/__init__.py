@@ -10,7 +10,7 @@ import importlib
 import types
 
 #: Module names under ``reliability.scenarios``, in run order.
-ALL = ["kills", "soak"]
+ALL = ["kills", "soak", "hosts", "chain"]
 
 
 def load(name: str) -> types.ModuleType:
