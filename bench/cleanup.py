@@ -19,6 +19,7 @@ on, as in production) and how long a ``VACUUM`` then takes.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -164,7 +165,7 @@ def one_batch_size(
     say(
         f"batch {batch}: {figures['rows_per_s']:,.0f} rows/s; writers p99 "
         f"{figures['baseline']['p99']:.1f} ms without, {figures['during']['p99']:.1f} ms during "
-        f"({figures['p99_ratio']:.2f}x)"
+        f"({harness.times(figures['p99_ratio'])})"
     )
     return figures
 
@@ -178,16 +179,19 @@ def section(
         rows.append(
             f"| {r['batch']:,} | {r['round']} | {r['rows']:,} | {r['seconds']:.1f} | "
             f"{r['rows_per_s']:,.0f} | {harness.cell(base)} | {harness.cell(during)} | "
-            f"{r['p99_ratio']:.2f}x | {r['batch_ms'][0]:,.0f} → {r['batch_ms'][1]:,.0f} | "
+            f"{harness.times(r['p99_ratio'])} | "
+            f"{r['batch_ms'][0]:,.0f} → {r['batch_ms'][1]:,.0f} | "
             f"{r['dead_after']:,.0f} | {r['vacuum_s']:.1f} |"
         )
     for batch in args.batch_sizes:
         mine = [r for r in results if r["batch"] == batch]
-        ratio = statistics.median(r["p99_ratio"] for r in mine)
-        met = "met" if ratio <= TARGET else "NOT met"
-        each = ", ".join(f"{r['p99_ratio']:.2f}x" for r in mine)
+        known = [r["p99_ratio"] for r in mine if not math.isnan(r["p99_ratio"])]
+        ratio = statistics.median(known) if known else math.nan
+        met = "met" if ratio <= TARGET else "NOT met" if known else "not measured"
+        each = ", ".join(harness.times(r["p99_ratio"]) for r in mine)
         verdicts.append(
-            f"* batch {batch:,}: writers' p99 during cleanup {ratio:.2f}x their p99 without it "
+            f"* batch {batch:,}: writers' p99 during cleanup {harness.times(ratio)} their p99 "
+            "without it "
             f"(median over rounds; rounds: {each}): "
             f"target at most {TARGET}x {met}; "
             f"{statistics.median(r['rows_per_s'] for r in mine):,.0f} rows/s."
@@ -203,7 +207,7 @@ def section(
                 ("p99_ratio", lambda r: r["p99_ratio"]),
             )
         }
-        data[str(batch)]["ratios"] = [r["p99_ratio"] for r in mine]
+        data[str(batch)]["ratios"] = known
     return [
         "## Cleanup under load (`python -m bench.cleanup`)",
         "",

@@ -175,9 +175,26 @@ def markers(name: str) -> tuple[str, str]:
 _DATA = re.compile(r"<!-- (bench\.[a-z_]+) data: (.*?) -->")
 
 
+def times(ratio: float) -> str:
+    """``1.23x``, or ``n/a`` for a ratio without figures (NaN: say, no writer's
+    operation overlapped a cleanup shorter than the gap between them)."""
+    return "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
+
+
+def _no_nan(value: t.Any) -> t.Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def data_comment(name: str, data: dict[str, t.Any]) -> str:
-    """The section's figures, for the plot: JSON in an HTML comment (no ``--``)."""
-    text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    """The section's figures, for the plot: JSON in an HTML comment (no ``--``;
+    a figure that could not be had, NaN, is ``null``)."""
+    text = json.dumps(_no_nan(data), separators=(",", ":"), allow_nan=False)
     assert "--" not in text
     return f"<!-- {name} data: {text} -->"
 
@@ -360,6 +377,7 @@ class Phased:
 
     def figures(self) -> dict[str, t.Any]:
         base, during = summary(self.baseline), summary(self.during)
+        # NaN when no operation overlapped the action (one shorter than the gap).
         return {"baseline": base, "during": during, "p99_ratio": during["p99"] / base["p99"]}
 
 

@@ -81,6 +81,9 @@ def plot(data: dict[str, dict[str, t.Any]], path: Path) -> str | None:
         kinds.append(("retention: drop partition", retention["drop_ratios"]))
     if kinds:
         for x, (_, ratios) in enumerate(kinds):
+            ratios = [r for r in ratios if r is not None]
+            if not ratios:  # no writer's operation overlapped a cleanup that short
+                continue
             cleanup.scatter([x] * len(ratios), ratios, color="tab:blue", zorder=3)
             middle = sorted(ratios)[len(ratios) // 2]
             cleanup.hlines(middle, x - 0.25, x + 0.25, color="tab:orange", linewidth=2, zorder=2)

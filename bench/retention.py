@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import statistics
 import sys
 import time
@@ -299,12 +300,17 @@ def guard_price(url: str, args: argparse.Namespace) -> dict[str, dict[str, float
     }
 
 
+def _median_of(values: list[float]) -> float:
+    known = [v for v in values if not math.isnan(v)]
+    return statistics.median(known) if known else math.nan
+
+
 def _median(runs: list[dict[str, t.Any]]) -> dict[str, t.Any]:
     """The median over rounds of each figure the decision and the plot use."""
     return {
         "seconds": statistics.median(f["seconds"] for f in runs),
         "rows_per_s": statistics.median(f["rows_per_s"] for f in runs),
-        "p99_ratio": statistics.median(f["p99_ratio"] for f in runs),
+        "p99_ratio": _median_of([f["p99_ratio"] for f in runs]),
         "vacuum_s": statistics.median(f["vacuum_s"] for f in runs),
         "p99": [
             statistics.median(f["baseline"]["p99"] for f in runs),
@@ -324,7 +330,7 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
             rows.append(
                 f"| {label} | {i} | {f['seconds']:.2f} | {f['rows_per_s']:,.0f} | "
                 f"{harness.cell(base)} | {harness.cell(during)} | "
-                f"{f['p99_ratio']:.2f}x | {f['dead']:,} | "
+                f"{harness.times(f['p99_ratio'])} | {f['dead']:,} | "
                 f"{f['mib_before']:,.0f} → {f['mib_after']:,.0f} | "
                 f"{f['vacuum_s']:.1f} |"
             )
@@ -341,8 +347,8 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         "drop": {k: p[k] for k in ("seconds", "rows_per_s", "p99_ratio")},
         "deletes_p99": d["p99"],
         "drop_p99": p["p99"],
-        "deletes_ratios": [f["p99_ratio"] for f in r["deletes"]],
-        "drop_ratios": [f["p99_ratio"] for f in r["drop"]],
+        "deletes_ratios": [f["p99_ratio"] for f in r["deletes"] if not math.isnan(f["p99_ratio"])],
+        "drop_ratios": [f["p99_ratio"] for f in r["drop"] if not math.isnan(f["p99_ratio"])],
         "price": price,
         "boundary": b,
     }
@@ -382,10 +388,10 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
         "**Decision: one table stays.** "
         f"Medians over {len(r['deletes'])} rounds: row deletes took {d['seconds']:.0f} s "
         f"({d['rows_per_s']:,.0f} rows/s) with the "
-        f"writers' p99 at {d['p99_ratio']:.2f}x its level without them ("
-        f"{'within' if d['p99_ratio'] <= 1.5 else 'above'} the 1.5x cleanup target), then a "
+        f"writers' p99 at {harness.times(d['p99_ratio'])} its level without them ("
+        f"{'within' if d['p99_ratio'] <= 1.5 else 'not within'} the 1.5x cleanup target), then a "
         f"{d['vacuum_s']:.1f} s `VACUUM`; dropping the partition took {p['seconds']:.2f} s, "
-        f"writers' p99 {p['p99_ratio']:.2f}x, and left nothing to vacuum. Cheaper, but a "
+        f"writers' p99 {harness.times(p['p99_ratio'])}, and left nothing to vacuum. Cheaper, but a "
         "partitioned table cannot keep (scope, key) unique: the boundary case above runs twice. "
         "The guard that prevents it costs "
         f"{price['partitioned, guarded']['p50'] / base['p50']:.2f}x the record table's claim "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,14 @@ import pytest
 import sqlalchemy as sa
 
 from bench.app import OPTIMISTIC_MISSING
-from bench.harness import data_comment, kept_sections, markers, read_data, write_section
+from bench.harness import (
+    data_comment,
+    kept_sections,
+    markers,
+    read_data,
+    times,
+    write_section,
+)
 from bench.report import CLAIM_HOW
 from bench.variants import CLAIM_PATHS, VARIANTS
 from bench.wire import CountingProxy
@@ -321,3 +329,8 @@ def test_sections_are_replaced_in_place_and_kept(tmp_path: Path) -> None:
     assert kept.startswith(markers("bench.a")[0])
     assert kept.rstrip().endswith(markers("bench.b")[1])
     assert "# Benchmarks" not in kept
+    # A figure that could not be had (no writer's operation overlapped a very short
+    # cleanup) is written as null and shown as n/a, not refused.
+    assert read_data(data_comment("bench.c", {"ratio": math.nan})) == {"bench.c": {"ratio": None}}
+    assert times(math.nan) == "n/a"
+    assert times(1.234) == "1.23x"
