@@ -52,8 +52,17 @@ setup(
         "client": ["requests>=2.31"],
         # flask_idempotency.publishers.KombuPublisher: the outbox relay to a broker.
         "kombu": ["kombu>=5.3"],
-        # The benchmark's plot (python -m bench.run); the tables need nothing extra.
+        # flask_idempotency.testing's pytest plugin (the kit's fixtures).
+        "testing": ["pytest>=8.0"],
+        # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
+        # nothing extra.
         "bench": ["matplotlib>=3.7"],
+    },
+    entry_points={
+        # The testing kit's fixtures (api, db, fault, downstream), inert until a
+        # test requests one. Named as its module, so that ``-p
+        # flask_idempotency.testing.plugin`` next to it is the same plugin.
+        "pytest11": ["flask_idempotency.testing.plugin = flask_idempotency.testing.plugin"],
     },
     classifiers=[
         "Framework :: Flask",

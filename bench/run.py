@@ -326,10 +326,11 @@ def _main(argv: list[str], args: argparse.Namespace, stack: contextlib.ExitStack
         notes.append(f"worker memory measured on {engine}, with the Python load generator.")
         _say("\n" + report.memory_table(memory) + "\n")
     text = report.markdown(facts(argv, args, postgres, load, load_before), results, memory, notes)
-    # The outbox figures (python -m bench.outbox) are a section of the same file.
-    from bench.outbox import kept_section
+    # The sections other commands write (python -m bench.outbox, bench.run_more)
+    # are kept.
+    from bench.harness import kept_sections
 
-    if kept := kept_section(args.out):
+    if kept := kept_sections(args.out):
         text += "\n" + kept
     args.out.write_text(text)
     _say(f"wrote {args.out}")

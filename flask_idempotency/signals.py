@@ -4,7 +4,8 @@ Keyword arguments: ``scope`` and ``key`` always; ``record`` (a
 :class:`~flask_idempotency.models.Record`) for ``response_replayed``,
 ``request_conflict`` and ``payload_mismatch``; ``response`` for
 ``record_completed``; ``fencing_token`` for ``key_claimed`` and
-``record_completed``. The job signals carry ``name`` and ``holder``.
+``record_completed``; ``name`` and ``result`` for ``step_saved``. The job
+signals carry ``name`` and ``holder``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "record_completed",
     "request_conflict",
     "response_replayed",
+    "step_saved",
 ]
 
 _signals = Namespace()
@@ -36,6 +38,12 @@ request_conflict = _signals.signal("idempotency-request-conflict")
 payload_mismatch = _signals.signal("idempotency-payload-mismatch")
 #: The record and the business rows were committed with the stored response.
 record_completed = _signals.signal("idempotency-record-completed")
+#: A recovery point of a leased route was saved: ``idem.step(name, fn)`` called
+#: ``fn`` and its result (``result``, as a resumed attempt will get it) is
+#: committed on the record. Sent in the request, after that commit and before
+#: ``idem.step`` returns; a step answered from an earlier attempt's saved result
+#: sends nothing.
+step_saved = _signals.signal("idempotency-step-saved")
 #: A scheduled job took its lock and starts a run here (``name``, ``holder``).
 job_started = _signals.signal("idempotency-job-started")
 #: That run ended, just before its lock is freed (``name``, ``holder``, ``error``).

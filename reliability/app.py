@@ -102,9 +102,10 @@ def _log_fault(point: str) -> None:
 
 
 def _write(route: str, amount: int) -> dict[str, t.Any]:
-    row = Ledger(
-        route=route, key=request.headers.get("Idempotency-Key"), amount=amount, pid=os.getpid()
-    )
+    # The key as the extension parsed it: lease recovery re-runs a request with
+    # the key quoted (a Structured Field string), which names the same key.
+    key = idem.key if route != "unprotected" else request.headers.get("Idempotency-Key")
+    row = Ledger(route=route, key=key, amount=amount, pid=os.getpid())
     db.session.add(row)
     db.session.flush()
     g.reliability_work = True  # the next COMMIT carries the work: the fault points

@@ -38,6 +38,10 @@ from tests.support.live import LiveServer
 from tests.support.tables import recreate_tables
 from tests.support.tcp_proxy import TcpProxy, upstream_of
 
+# The testing kit's fixtures (api, db, fault, downstream) for tests/kit and
+# tests/example; inert for every other test (it loads no app, starts nothing).
+pytest_plugins = ["flask_idempotency.testing.plugin"]
+
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
 MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"
 DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/idempotency_test?charset=utf8mb4"

@@ -21,6 +21,8 @@ import json
 import logging
 import typing as t
 
+from .. import signals
+from .._context import resolve_app
 from ..errors import LeaseLostError
 from .claim_guard import Claim
 
@@ -77,6 +79,9 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     points = {**state.recovery_points, name: saved}
     _fenced(state, name, points)
     state.recovery_points = points
+    signals.step_saved.send(
+        resolve_app(), scope=state.scope, key=state.key, name=name, result=saved
+    )
     return t.cast(T, saved)
 
 

@@ -9,6 +9,8 @@ counts, and those are checked.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +21,14 @@ import pytest
 import sqlalchemy as sa
 
 from bench.app import OPTIMISTIC_MISSING
+from bench.harness import (
+    data_comment,
+    kept_sections,
+    markers,
+    read_data,
+    times,
+    write_section,
+)
 from bench.report import CLAIM_HOW
 from bench.variants import CLAIM_PATHS, VARIANTS
 from bench.wire import CountingProxy
@@ -217,3 +227,110 @@ def test_wire_counts_a_psycopg2_batch_as_one_exchange(wire: CountingProxy) -> No
         assert cursor.fetchone() == (3,)
         assert wire.exchanges == 1
         assert wire.captured == [["SELECT 1", "SELECT 1 + 1", "SELECT 1 + 2"]]
+
+
+def _table(section: str) -> dict[str, list[str]]:
+    """The rows of the Markdown tables in ``section``, by first cell."""
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [cell.strip() for cell in line.split("|")[1:-1]]
+            rows.setdefault(cells[0], cells)
+    return rows
+
+
+def _section(text: str, name: str) -> str:
+    start, end = markers(name)
+    assert text.count(start) == 1, name
+    assert text.count(end) == 1, name
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+@pytest.mark.slow
+def test_issue17_benchmarks_run_and_report(tmp_path: Path) -> None:
+    """``python -m bench.run_more --quick``: every benchmark of issue 17 runs at a
+    tiny size on a PostgreSQL of its own, writes its section (kept apart from
+    what the file held) with figures that parse, and the plot is drawn. Counts
+    are checked (answers, ledger rows, dead tuples, records per key), never
+    timings."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\nkept\n")
+    plot = tmp_path / "results-issue17.png"
+    command = [
+        sys.executable,
+        "-m",
+        "bench.run_more",
+        "--quick",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nkept\n")
+    data = read_data(text)
+    assert f"]({plot.name})" in _section(text, "bench.more")
+
+    # 2 rounds of 5 duplicates per variant: one view run per round, every loser
+    # replayed (wait) or refused with a problem (fail-fast, unless it came late).
+    duplicates = _table(_section(text, "bench.duplicates"))
+    assert duplicates["wait"][6] == "201: 2, 201 replayed: 8"
+    assert duplicates["wait"][7] == duplicates["fail-fast"][7] == "2 / 2"
+    answers = dict(a.split(": ") for a in duplicates["fail-fast"][6].split(", "))
+    assert answers["201"] == "2"
+    assert int(answers.get("409", 0)) + int(answers.get("201 replayed", 0)) == 8
+    assert len(data["bench.duplicates"]["wait"]["ratios"]) == 8
+
+    # A failed plain insert leaves its tuple dead; ON CONFLICT DO NOTHING none.
+    conflict = _table(_section(text, "bench.conflict"))
+    assert conflict["savepoint"][4] == "10,000"
+    assert conflict["on-conflict"][4] == conflict["store.claim"][4] == "0"
+    assert data["bench.conflict"]["savepoint"]["pages"] > 0
+
+    cleanup = _section(text, "bench.cleanup")
+    rows = _table(cleanup)
+    for batch in ("1,000", "10,000"):
+        assert rows[batch][2] == "5,000"  # every expired record deleted (checked in the run)
+        assert float(rows[batch][4].replace(",", "")) > 0
+        assert f"* batch {batch}: writers' p99 during cleanup" in cleanup
+
+    scale = _section(text, "bench.scale")
+    assert set(data["bench.scale"]) >= {"small_claim_p50", "large_claim_p99"}
+    assert scale.count("target within 1.2x") == 2
+
+    retention = _section(text, "bench.retention")
+    assert "* as is: **2 records** for one key" in retention
+    assert data["bench.retention"]["boundary"] == {"as is": 2, "guarded": 1}
+    rows = _table(retention)
+    assert rows["partition DETACH + DROP"][8].endswith("→ 0")  # the partition's space is back
+    assert set(data["bench.retention"]["price"]) == {
+        "record table",
+        "partitioned, as is",
+        "partitioned, guarded",
+    }
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.stat().st_size > 10_000
+
+
+def test_sections_are_replaced_in_place_and_kept(tmp_path: Path) -> None:
+    """A rerun replaces only its own section; ``bench.run`` keeps them all."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n")
+    write_section(out, "bench.a", ["first a", data_comment("bench.a", {"x": 1})])
+    write_section(out, "bench.b", ["b"])
+    write_section(out, "bench.a", ["second a", data_comment("bench.a", {"x": 2})])
+    text = out.read_text()
+    assert "first a" not in text
+    assert text.index("second a") < text.index("\nb\n")
+    assert read_data(text) == {"bench.a": {"x": 2}}
+    kept = kept_sections(out)
+    assert kept.startswith(markers("bench.a")[0])
+    assert kept.rstrip().endswith(markers("bench.b")[1])
+    assert "# Benchmarks" not in kept
+    # A figure that could not be had (no writer's operation overlapped a very short
+    # cleanup) is written as null and shown as n/a, not refused.
+    assert read_data(data_comment("bench.c", {"ratio": math.nan})) == {"bench.c": {"ratio": None}}
+    assert times(math.nan) == "n/a"
+    assert times(1.234) == "1.23x"

@@ -164,6 +164,21 @@ PUBLIC: dict[str, set[str]] = {
         "record_completed",
         "request_conflict",
         "response_replayed",
+        "step_saved",
+    },
+    "flask_idempotency.testing": {
+        "Database",
+        "Downstream",
+        "DownstreamCall",
+        "Effect",
+        "Fault",
+        "HeldRequest",
+        "KitConfig",
+        "Response",
+        "ServedApp",
+        "assert_exactly_one",
+        "concurrent_duplicates",
+        "reuse_key",
     },
     "flask_idempotency.publishers": {
         "CallablePublisher",
@@ -292,7 +307,9 @@ SQL = re.compile(
 def test_every_statement_and_engine_code_is_in_the_storage_layer() -> None:
     outside = []
     for path in sources():
-        if "_storage" in path.parts:
+        # The testing kit counts rows and makes databases for tests: SQL of a test
+        # tool against a test's database, not the extension's statements.
+        if "_storage" in path.parts or "testing" in path.parts:
             continue
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if SQL.search(line) and not line.lstrip().startswith("#"):
