@@ -255,7 +255,7 @@ def judge_cuts(
         op = by_key[key]
         for cut in key_cuts:
             kinds[f"{'work' if cut.work else 'record only'}, {cut.mode}"] += 1
-            if cut.server_said is not None:
+            if cut.mode == "answered" and cut.server_said is not None:
                 server_said[cut.server_said] += 1
         # Nothing else fails in these runs: the first attempt is the one cut first.
         first_answers[str(op.answers[0].status) if op.answers else "none"] += 1
