@@ -153,7 +153,8 @@ class Client:
             host, port = self._target()
             answer = request(host, port, "POST", op.path, body, headers, self.timeout)
             op.answers.append(answer)
-            if isinstance(answer.status, int) and answer.status not in RETRIED:
+            # A replay is the operation's stored outcome, whatever its status: final.
+            if isinstance(answer.status, int) and (answer.status not in RETRIED or answer.replayed):
                 op.settled = answer
                 return op
             if time.monotonic() + delay > deadline:

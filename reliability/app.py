@@ -6,6 +6,7 @@ Three routes write one :class:`Ledger` row per execution, carrying the request's
 * ``POST /plain``: ``@idem.idempotent()``: the record commits with the row;
 * ``POST /leased``: ``@idem.idempotent(lease=..., recover=True)``: the record
   commits first under a lease, the row commits at the end, fenced;
+* ``POST /committing``: ``@idem.idempotent()``, the view committing its row itself;
 * ``POST /unprotected``: no extension, the row committed directly: what a
   retrying proxy or client does to a route without it.
 
@@ -165,6 +166,16 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     @idem.idempotent(schema=ChargeSchema(), lease=lease, recover=True)
     def leased() -> tuple[dict[str, t.Any], int]:
         return _write("leased", idem.payload["amount"]), 201
+
+    @app.post("/committing")
+    @idem.idempotent(schema=ChargeSchema())
+    def committing() -> tuple[dict[str, t.Any], int]:
+        # The view commits its work itself: when that COMMIT's answer is lost, the
+        # extension settles whether it landed (and then keeps the failure, since
+        # the work stays) or not (and frees the key for the retry).
+        answer = _write("committing", idem.payload["amount"])
+        db.session.commit()
+        return answer, 201
 
     @app.post("/unprotected")
     def unprotected() -> tuple[dict[str, t.Any], int]:

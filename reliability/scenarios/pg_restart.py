@@ -46,6 +46,9 @@ cut attempts, how each cut operation settled (a replay of its stored response, o
 once more), and checked against the database: an operation whose commit the server confirmed
 must be answered with its replay, never run again; one whose COMMIT was withheld must run again;
 every cut operation that succeeded has exactly one ledger row, and its answer names that row.
+The last two runs use a route whose view commits its row itself: there the extension settles
+a cut COMMIT on a new connection, and when it landed keeps the failure (`failed-after-commit`,
+replayed to every retry: the work stays and must not run again).
 """
 
 #: (label, route, halt mode)
@@ -62,6 +65,8 @@ DOUBT_RUNS: list[tuple[str, str, str]] = [
     ("leased, commits in doubt, psycopg2", "/leased", "psycopg2"),
     ("plain, commits in doubt, psycopg 3", "/plain", "psycopg"),
     ("leased, commits in doubt, psycopg 3", "/leased", "psycopg"),
+    ("view commits itself, commits in doubt, psycopg2", "/committing", "psycopg2"),
+    ("view commits itself, commits in doubt, psycopg 3", "/committing", "psycopg"),
 ]
 #: The share of keyed COMMITs the proxy cuts.
 CUT_RATE = 0.07
@@ -120,7 +125,7 @@ def run(ctx: Context) -> list[h.Result]:
     times = ctx.scale.pick(3, 2)
     warm = ctx.scale.pick(3.0, 1.5)
     rng = random.Random(5432)
-    for label, route, mode in RUNS:
+    for label, route, mode in RUNS if not ctx.scale.short else RUNS[0::3]:
         url = ctx.database(f"pg_restart_{len(results)}")
         h.reset_tables(url)
         result = h.Result(f"{NAME}: {label}", label)
@@ -155,7 +160,9 @@ def run(ctx: Context) -> list[h.Result]:
             result.notes.append("no 503 while the database was down: the outage was not seen")
         ctx.show(result)
         results.append(result)
-    for label, route, driver in DOUBT_RUNS:
+    # The short run (CI) takes each route once, the drivers alternating.
+    doubt = DOUBT_RUNS if not ctx.scale.short else DOUBT_RUNS[0::3] + DOUBT_RUNS[5:]
+    for label, route, driver in doubt:
         result = run_in_doubt(ctx, label, route, driver, len(results))
         ctx.show(result)
         results.append(result)
@@ -275,6 +282,13 @@ def judge_cuts(
         how = "replayed" if op.settled.replayed else "ran again"
         settled[f"work commit {fate}: {how}" if fate else f"record-only commit: {how}"] += 1
         wrong = {"landed": "ran again", "not landed": "replayed"}.get(fate)
+        if fate == "not landed" and len(key_cuts) == 1 and len(op.answers) > 1:
+            # A commit that never happened may still end in a replay: a later attempt
+            # ran the work and its own answer was lost (a 503, a dropped connection)
+            # after storing it. Only the attempt right after the cut must not replay.
+            wrong = "replayed" if op.answers[1].replayed else None
+        elif fate == "not landed":
+            wrong = None  # several cuts: the later ones decide; the ledger check stands
         if wrong == how:
             modes = [(c.mode, c.server_said) for c in work_cuts]
             result.failures.append(
