@@ -98,7 +98,9 @@ class CommitCutter:
     of the keyed ``COMMIT`` s (see the module docstring), at most ``limit`` of
     them; ``modes`` drawn from, seeded by ``seed``. ``table``: the table whose
     ``INSERT`` marks a transaction as carrying the work (:attr:`Cut.work`);
-    ``work_only``: cut only those."""
+    ``work_only``: cut only those; ``record_only``: only the others (a
+    completion after the view committed its work itself). ``skip``: the first
+    ``skip`` candidates pass uncut."""
 
     def __init__(
         self,
@@ -110,11 +112,14 @@ class CommitCutter:
         limit: int | None = None,
         table: str = "reliability_ledger",
         work_only: bool = False,
+        record_only: bool = False,
+        skip: int = 0,
     ) -> None:
         self.database_url = database_url
         self.rate, self.modes, self.limit = rate, modes, limit
         self._drawn = 0
-        self.work_only = work_only
+        self.work_only, self.record_only = work_only, record_only
+        self._skip = skip
         self._table = table.encode()
         self._rng = random.Random(seed)
         self._upstream = upstream_of(database_url)
@@ -298,7 +303,12 @@ class CommitCutter:
                 if link.keys:
                     self.commits["keyed"] += 1
                     room = self.limit is None or self._drawn < self.limit
-                    wanted = link.work or not self.work_only
+                    wanted = not (self.work_only and not link.work) and not (
+                        self.record_only and link.work
+                    )
+                    if wanted and self._skip > 0:
+                        self._skip -= 1
+                        wanted = False
                     if room and wanted and self._rng.random() < self.rate:
                         self._drawn += 1
                         link.cut = self._rng.choice(self.modes)

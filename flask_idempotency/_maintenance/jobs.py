@@ -132,7 +132,9 @@ def purge_expired(
 class RecoveryReport:
     """What one run of :func:`recover_abandoned` did, by record."""
 
-    completed: int = 0  #: driven to completion from the stored request
+    #: driven to completion from the stored request, or (a view that committed
+    #: work of its own, then never finished) with the failure its commit stored
+    completed: int = 0
     released: int = 0  #: deleted, so the client's next retry runs again
     skipped: int = 0  #: finished or reclaimed by someone else meanwhile
     kept: int = 0  #: left for the client's retry (finished steps, or derived keys handed out)
@@ -187,11 +189,13 @@ def recover_abandoned(
     A record of a route declared with ``recover=True`` is driven to completion:
     its stored request is re-run through the app with the same key and scope,
     resuming from its recovery points, and the response is stored for the
-    client's retry. Any other abandoned record, or one whose re-run fails, is
-    released (deleted), so the client's next retry runs the view again, unless
-    it holds recovery points: then it is kept (its lease has ended), and the
-    client's retry resumes after its finished steps. At most ``limit`` records
-    per call.
+    client's retry. A record whose view committed work of its own is completed
+    with the answer that commit stored (500 ``failed-after-commit``): the
+    operation happened and never runs again. Any other abandoned record, or
+    one whose re-run fails, is released (deleted), so the client's next retry
+    runs the view again, unless it holds recovery points: then it is kept (its
+    lease has ended), and the client's retry resumes after its finished steps.
+    At most ``limit`` records per call.
     """
     app = resolve_app(app)
     report = RecoveryReport()
@@ -203,6 +207,18 @@ def recover_abandoned(
         for record in abandoned:
             if not keep_going():
                 break
+            if record.view_committed:
+                # The operation happened: never re-run nor released, but
+                # completed with the answer the view's commit stored.
+                with engine.begin() as conn:
+                    settled = state.store.settle_committed(
+                        conn, record.scope, record.key, record.fencing_token, state.clock()
+                    )
+                if settled:
+                    report.completed += 1
+                else:
+                    report.skipped += 1
+                continue
             outcome = _rerun(app, record) if record.recoverable else False
             if outcome is True:
                 report.completed += 1

@@ -201,7 +201,8 @@ def answer_existing(
     flow: Flow, record: Record, fingerprint: str, now: dt.datetime
 ) -> Response | Record | None:
     """Replay (or, in manual mode, the record for the view), 422 or 409 for an
-    unexpired record; ``None`` means "reclaim it"."""
+    unexpired record; ``None`` means "reclaim it". A record whose view
+    committed is never reclaimed: it is settled (:func:`settle_view_committed`)."""
     app = resolve_app()
     if record.request_hash != fingerprint:
         signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
@@ -220,4 +221,30 @@ def answer_existing(
             "A request with this idempotency key is in progress; retry later.",
             retry_after=record.locked_until - now,
         )
+    if record.view_committed:
+        return settle_view_committed(flow, record, now)
     return None
+
+
+def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Response | Record | None:
+    """The record's view committed work of its own and its request never
+    finished (its worker died, or the database took the completion and the
+    failure's recording with it), and its lease is over: complete it with the
+    answer its view's commit stored (500 ``failed-after-commit``) and replay
+    that, since the operation happened and may not run again. ``None``: the
+    record changed meanwhile (claim again)."""
+    session, token = flow.session, record.fencing_token
+    if not flow.store.settle_committed(session, record.scope, record.key, token, now):
+        session.rollback()
+        return None
+    session.commit()
+    logger.warning(
+        "%r in scope %r: its view had committed and its request never finished; "
+        "completed with the failure its commit stored",
+        record.key,
+        record.scope,
+    )
+    settled = dataclasses.replace(record, status=COMPLETED, locked_until=None, completed_at=now)
+    app = resolve_app()
+    signals.response_replayed.send(app, scope=record.scope, key=record.key, record=settled)
+    return settled if flow.route.manual else replay(settled)

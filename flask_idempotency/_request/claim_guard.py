@@ -18,7 +18,13 @@ the session. Session events follow it while the view runs:
   :class:`LeaseLostError` and nothing the view writes afterwards can commit;
 * every **commit** renews the lease in the committing transaction, fenced by the
   token and locking the row until the commit: a holder that lost the key cannot
-  commit business rows (it gets :class:`LeaseLostError` from ``commit()``).
+  commit business rows (it gets :class:`LeaseLostError` from ``commit()``). It
+  also stores, the record staying in progress, the answer that is the
+  operation's outcome should this request never finish (500
+  ``failed-after-commit``): a worker killed after the view's commit, or a
+  completion lost with the database, leaves a record that says the view
+  committed, which the next claim after its lease (or the recovery job)
+  completes with that answer instead of running the view again.
 
 Savepoints need nothing: the claim was made before them, in the transaction
 they belong to. The session events come from :mod:`.session_guard`.
@@ -98,6 +104,7 @@ class ClaimGuard(SessionWatcher):
         clock: t.Callable[[], dt.datetime],
         durable: bool = False,
         lease_end: dt.datetime | None = None,
+        failure_answer: t.Callable[[], t.Mapping[str, t.Any]] | None = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -108,6 +115,10 @@ class ClaimGuard(SessionWatcher):
         self._wait = wait
         self._lease = lease
         self._clock = clock
+        #: The stored answer's columns (``answer_values``) each commit of the
+        #: view writes; built at the first commit, when there is one.
+        self._failure_answer = failure_answer
+        self._answer: t.Mapping[str, t.Any] | None = None
         self.claim = Claim.DURABLE if durable else Claim.IN_TRANSACTION
         #: The view committed a transaction of its own: what it wrote then stays,
         #: whatever happens next, so the operation may not run a second time.
@@ -197,8 +208,10 @@ class ClaimGuard(SessionWatcher):
             locked_until = self._clock() + self._lease
             self.pending_lease = locked_until
             self.pending_transaction = None  # not an earlier commit's, should this one fail
+            if self._answer is None and self._failure_answer is not None:
+                self._answer = self._failure_answer()
             renewed, self.pending_transaction = self.store.renew_lease_before_commit(
-                session, self.scope, self.key, self.token, locked_until
+                session, self.scope, self.key, self.token, locked_until, self._answer
             )
             if not renewed:
                 self.claim = Claim.LOST

@@ -15,7 +15,7 @@ from flask import Response
 
 from .. import signals
 from .._context import RequestState
-from .._storage import dberrors
+from .._storage import answer_values, dberrors
 from ..errors import FailedAfterCommitError, LeaseLostError
 from .claim_guard import Claim, lost_error
 from .responses import capture
@@ -37,12 +37,24 @@ def settle_commit(flow: Flow, state: RequestState) -> None:
     state.guard.settle_commit()
 
 
+def failure_answer(flow: Flow) -> dict[str, t.Any]:
+    """The columns of the 500 ``failed-after-commit`` answer, as stored: what
+    each commit of the view writes on the record, still in progress (see
+    :mod:`.claim_guard`)."""
+    response = t.cast(Response, FailedAfterCommitError().get_response())
+    captured = capture(response, flow.settings.replayed_header_names, flow.settings.max_body)
+    return answer_values(captured.status, captured.headers, captured.body, captured.body_omitted)
+
+
 def record_failure_after_commit(flow: Flow, state: RequestState, app: t.Any) -> None:
     """Record a 500 ``failed-after-commit`` for an operation whose view
     committed work of its own and then did not finish: what the view had not
     committed is rolled back, and every retry gets this answer (the
     operation may not run again). If even that cannot be stored (the
-    database is gone too), the record stays in progress under its lease."""
+    database is gone too), the record stays in progress under its lease,
+    holding that answer since the view's commit: once the lease ends, the
+    next claim (or the recovery job) completes it with that answer, and the
+    view never runs again (:func:`.claim.settle_view_committed`)."""
     failure = FailedAfterCommitError()
     complete(flow, state, app, t.cast(Response, failure.get_response()), failure=True)
 

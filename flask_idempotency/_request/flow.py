@@ -33,7 +33,13 @@ from ..scope import resolve_scope
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
 from .fingerprint import load_payload, request_fingerprint
-from .finish import complete, record_failure_after_commit, release, settle_commit
+from .finish import (
+    complete,
+    failure_answer,
+    record_failure_after_commit,
+    release,
+    settle_commit,
+)
 from .optimistic import run_optimistic
 from .route import RouteOptions
 from .session_guard import NoCommitGuard
@@ -154,6 +160,7 @@ class Flow:
             # What the record holds as committed: nothing yet, unless the
             # claim commits before the view (a leased route).
             lease_end=outcome.stamped_at + settings.lease if route.commit_claim else None,
+            failure_answer=lambda: failure_answer(self),
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 

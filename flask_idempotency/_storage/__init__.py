@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from . import dberrors
 from .dialects import Executor, idle_bound
+from .held import answer_values
 from .locks import JobLocks, new_holder_id
 from .schema import (
     COMPLETED,
@@ -77,6 +78,7 @@ __all__ = [
     "JobLocks",
     "Record",
     "Store",
+    "answer_values",
     "as_utc",
     "changed_one",
     "database_now",

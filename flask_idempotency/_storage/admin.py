@@ -58,6 +58,8 @@ class OperatorQueries(Statements):
             c.status == IN_PROGRESS,
             lease_over(c, now),
             c.recovery_points.is_(None),
+            # A view that committed work of its own: settled, never released.
+            c.response_code.is_(None),
         )
         return self._deleted_one(conn, stmt)
 

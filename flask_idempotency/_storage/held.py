@@ -16,7 +16,22 @@ import sqlalchemy as sa
 from .dialects import Executor, dialect_for, dialect_of
 from .execute import Statements
 from .schema import COMPLETED, IN_PROGRESS
-from .sql import text_param
+from .sql import lease_over, text_param
+
+
+def answer_values(
+    response_code: int,
+    response_headers: list[tuple[str, str]],
+    response_body: bytes | None,
+    body_omitted: bool,
+) -> dict[str, t.Any]:
+    """The columns of a stored answer, as :meth:`HeldRecord.complete` writes them."""
+    return {
+        "response_code": response_code,
+        "response_headers": json.dumps(response_headers),
+        "response_body": response_body,
+        "body_omitted": body_omitted,
+    }
 
 
 class HeldRecord(Statements):
@@ -39,6 +54,20 @@ class HeldRecord(Statements):
         self._update_held = sa.update(table).where(*still_held)
         # The same, naming the transaction it runs in, per engine that can.
         self._update_held_naming: dict[str, t.Any] = {}
+        # The completion of a record whose view committed and whose holder never
+        # finished: the answer stored at the view's commit becomes its outcome.
+        self._settle_committed = (
+            sa.update(table)
+            .where(
+                c.scope == text_param("w_scope"),
+                c.key == text_param("w_key"),
+                c.fencing_token == sa.bindparam("w_token"),
+                c.status == IN_PROGRESS,
+                c.response_code.is_not(None),
+                lease_over(c, sa.bindparam("w_now")),
+            )
+            .values(status=COMPLETED, locked_until=None)
+        )
 
     def complete(
         self,
@@ -62,13 +91,23 @@ class HeldRecord(Statements):
             "w_scope": scope,
             "w_key": key,
             "w_token": token,
-            "response_code": response_code,
-            "response_headers": json.dumps(response_headers),
-            "response_body": response_body,
-            "body_omitted": body_omitted,
+            **answer_values(response_code, response_headers, response_body, body_omitted),
             "completed_at": now,
         }
         return self._changed_one(executor, self._complete, params)
+
+    def settle_committed(
+        self, executor: Executor, scope: str, key: str, token: int, now: dt.datetime
+    ) -> bool:
+        """Complete, with the answer it already holds, an in-progress record whose
+        view committed work of its own (:attr:`.Record.view_committed`) and
+        whose lease ended with its holder gone: that answer (500
+        ``failed-after-commit``, stored with the view's commit) is the
+        operation's outcome, since it happened and may not run again. Fenced
+        by the ``token`` read; ``False``: the record changed meanwhile (its
+        holder completed or renewed it, someone else settled it)."""
+        params = {"w_scope": scope, "w_key": key, "w_token": token, "w_now": now}
+        return self._changed_one(executor, self._settle_committed, {**params, "completed_at": now})
 
     def release(
         self,
@@ -130,22 +169,40 @@ class HeldRecord(Statements):
         return self._set_held(executor, scope, key, token, {"locked_until": locked_until})
 
     def renew_lease_before_commit(
-        self, executor: Executor, scope: str, key: str, token: int, locked_until: dt.datetime
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        locked_until: dt.datetime,
+        answer: t.Mapping[str, t.Any] | None = None,
     ) -> tuple[bool, int | None]:
         """:meth:`renew_lease` in a transaction about to commit, and, on
         PostgreSQL, that transaction's id: should the ``COMMIT`` be interrupted
         with no answer, :meth:`commit_outcome` tells from the id whether it
-        landed (``None`` elsewhere)."""
+        landed (``None`` elsewhere).
+
+        ``answer`` (columns from :func:`answer_values`) is stored with it, the
+        record staying in progress: the outcome of an operation whose view
+        commits work of its own, should its holder never complete it
+        (:meth:`settle_committed`)."""
         connection = self._connection(executor)
         dialect = dialect_for(connection.dialect.name)
         naming = dialect.transaction_id()
         if naming is None:
-            return self.renew_lease(connection, scope, key, token, locked_until), None
+            values = {"locked_until": locked_until, **(answer or {})}
+            return self._set_held(connection, scope, key, token, values), None
         stmt = self._update_held_naming.get(dialect.name)
         if stmt is None:
             stmt = self._update_held.returning(self.table.c.fencing_token, naming)
             self._update_held_naming[dialect.name] = stmt
-        params = {"w_scope": scope, "w_key": key, "w_token": token, "locked_until": locked_until}
+        params = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "locked_until": locked_until,
+            **(answer or {}),
+        }
         row: t.Any = self._execute(connection, stmt, params).first()
         if row is None:
             return False, None

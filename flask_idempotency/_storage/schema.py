@@ -204,6 +204,14 @@ class Record:
     request_body: bytes | None = None
 
     @property
+    def view_committed(self) -> bool:
+        """In progress with an answer already stored: the view committed work of
+        its own, and its commit stored the answer (500 ``failed-after-commit``)
+        that is the operation's outcome should the request never finish. The
+        operation has happened: it may not run again, even after its lease."""
+        return self.status == IN_PROGRESS and self.response_code is not None
+
+    @property
     def recoverable(self) -> bool:
         """The request was stored, so the recovery job can run it without the client."""
         return self.request_method is not None and self.request_path is not None

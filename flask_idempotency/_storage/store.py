@@ -99,6 +99,9 @@ class Store(HeldRecord, OperatorQueries):
             c.status == IN_PROGRESS,
             c.request_hash == sa.bindparam("w_request_hash"),
             lease_over(c, sa.bindparam("w_now")),
+            # Never the operation of a view that committed work of its own: it
+            # happened, and is settled with its stored answer instead.
+            c.response_code.is_(None),
         )
 
     def _insert_for(self, name: str) -> t.Any | None:
