@@ -362,8 +362,18 @@ def test_a_core_charge_made_twice_fails_the_assertion(
             break
         time.sleep(0.25)
     assert retry is not None
-    assert retry.status_code == 201, retry
-    assert db.count("SELECT count(*) FROM charges") == 2  # the bug the kit must see
+    # The view had committed: the operation happened, and is not run again
+    # after the lease; the failure its commit stored is the answer.
+    assert retry.status_code == 500, retry
+    assert retry.json()["type"].endswith("failed-after-commit")
+    assert db.count("SELECT count(*) FROM charges") == 1
+    assert_exactly_one(db, downstream, key)
+    # An operator deletes the record (a forced release): the next retry charges
+    # again, the duplicate the kit must see.
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM idempotency_keys"))
+    assert api.post("/pay", json={"amount": 5}, key=key).status_code == 201
+    assert db.count("SELECT count(*) FROM charges") == 2
     with pytest.raises(AssertionError) as failed:
         assert_exactly_one(db, downstream, key)
     message = str(failed.value)
