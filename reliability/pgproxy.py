@@ -46,6 +46,7 @@ import socket
 import struct
 import threading
 import time
+import typing as t
 
 import sqlalchemy as sa
 
@@ -100,7 +101,8 @@ class CommitCutter:
     ``INSERT`` marks a transaction as carrying the work (:attr:`Cut.work`);
     ``work_only``: cut only those; ``record_only``: only the others (a
     completion after the view committed its work itself). ``skip``: the first
-    ``skip`` candidates pass uncut."""
+    ``skip`` candidates pass uncut. ``plan``: instead of drawing, the mode for
+    each candidate in turn (``None``: it passes); past its end none is cut."""
 
     def __init__(
         self,
@@ -114,12 +116,14 @@ class CommitCutter:
         work_only: bool = False,
         record_only: bool = False,
         skip: int = 0,
+        plan: t.Sequence[str | None] | None = None,
     ) -> None:
         self.database_url = database_url
         self.rate, self.modes, self.limit = rate, modes, limit
         self._drawn = 0
         self.work_only, self.record_only = work_only, record_only
         self._skip = skip
+        self._plan = list(plan) if plan is not None else None
         self._table = table.encode()
         self._rng = random.Random(seed)
         self._upstream = upstream_of(database_url)
@@ -309,7 +313,10 @@ class CommitCutter:
                     if wanted and self._skip > 0:
                         self._skip -= 1
                         wanted = False
-                    if room and wanted and self._rng.random() < self.rate:
+                    if wanted and self._plan is not None:
+                        link.cut = self._plan.pop(0) if self._plan else None
+                        self._drawn += link.cut is not None
+                    elif room and wanted and self._rng.random() < self.rate:
                         self._drawn += 1
                         link.cut = self._rng.choice(self.modes)
             return

@@ -140,3 +140,40 @@ def test_a_lost_completion_and_failure_leave_a_record_settled_after_its_lease(
     assert (record["status"], record["response_code"]) == ("completed", 500)
     with app.app_context():
         testapp.db.engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_withheld_view_commit_then_a_landed_completion_replays_the_second_attempt(
+    driver: str,
+) -> None:
+    """The first attempt's view COMMIT never reaches the server (nothing
+    happened); the second attempt runs the work, and its completion lands but
+    its answer is cut: the third attempt replays the second's answer. A replay
+    after a withheld commit, with the work run exactly once."""
+    url = postgres_url(driver)
+    reset_tables(url)
+    # Keyed COMMITs in order: attempt 1's view commit; attempt 2's view commit
+    # and its completion.
+    plan = ["withheld", None, "answered"]
+    with CommitCutter(url, rate=1.0, seed=0, table="ledger", plan=plan) as proxy:
+        app = testapp.create_app(proxy.url(), IDEMPOTENCY_LEASE=LEASE)
+        client = app.test_client()
+        key = str(uuid.uuid4())
+        first = post(client, ROUTE, {"delay": 0}, key=key)
+        assert_problem(first, 503)
+        assert ledger_count(app) == 0  # withheld: nothing happened
+        second = post(client, ROUTE, {"delay": 0}, key=key)
+        assert_problem(second, 503)  # the work committed; its answer was lost
+        assert ledger_count(app) == 1
+        third = post(client, ROUTE, {"delay": 0}, key=key)
+        assert third.status_code == 201
+        assert third.headers.get("Idempotent-Replayed") == "true"
+        assert ledger_count(app) == 1
+        [record] = record_rows(app)
+        assert (record["status"], record["response_code"]) == ("completed", 201)
+        assert [(c.mode, c.work, c.server_said) for c in proxy.cuts] == [
+            ("withheld", True, "not sent"),
+            ("answered", False, "COMMIT"),
+        ]
+        with app.app_context():
+            testapp.db.engine.dispose()
