@@ -6,7 +6,8 @@ Three routes write one :class:`Ledger` row per execution, carrying the request's
 * ``POST /plain``: ``@idem.idempotent()``: the record commits with the row;
 * ``POST /leased``: ``@idem.idempotent(lease=..., recover=True)``: the record
   commits first under a lease, the row commits at the end, fenced;
-* ``POST /committing``: ``@idem.idempotent()``, the view committing its row itself;
+* ``POST /committing``: ``@idem.idempotent()``, the view committing its row itself
+  (``IDEMPOTENCY_LEASE`` is ``RELIABILITY_LEASE`` too);
 * ``POST /unprotected``: no extension, the row committed directly: what a
   retrying proxy or client does to a route without it.
 
@@ -153,9 +154,13 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
         app.config.update(config)
     _faults.update({k: float(v) for k, v in json.loads(os.environ.get(FAULTS_ENV, "{}")).items()})
     _reseed()
+    lease = dt.timedelta(seconds=float(os.environ.get(LEASE_ENV, "3")))
+    # The lease of a record whose view committed itself (/committing): short, so
+    # that an operation whose request never finished settles within the
+    # clients' retries (with failed-after-commit) instead of outlasting them.
+    app.config.setdefault("IDEMPOTENCY_LEASE", lease)
     db.init_app(app)
     idem.init_app(app, db)
-    lease = dt.timedelta(seconds=float(os.environ.get(LEASE_ENV, "3")))
 
     @app.post("/plain")
     @idem.idempotent(schema=ChargeSchema())
