@@ -96,13 +96,18 @@ def purge_expired(
                     )
             return report
         going = True
+        # Where the previous batch ended (its latest expires_at): the next one
+        # starts there, not at the oldest entry of the expires_at index, which
+        # still holds those of the records deleted so far until vacuum.
+        after: dt.datetime | None = None
         while True:
             with engine.begin() as conn:
-                deleted = state.store.purge_batch(conn, state.clock(), size)
+                batch = state.store.purge_batch(conn, state.clock(), size, after=after)
             report.batches += 1
-            report.deleted += deleted
-            if deleted < size:
+            report.deleted += batch.count
+            if batch.count < size:
                 break
+            after = batch.last
             if not keep_going():
                 going = False
                 break
