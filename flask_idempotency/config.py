@@ -122,6 +122,13 @@ SETTINGS: tuple[Setting, ...] = (
         " see [Scope](scope.md).",
     ),
     Setting("PURGE_BATCH", 1000, "Expired rows deleted per transaction by cleanup."),
+    Setting(
+        "PURGE_PAUSE",
+        1.0,
+        "How long cleanup rests after each batch, as a multiple of the batch's own time (at"
+        " most 5 s): 1 gives the database's writers half its time, so their commits do not"
+        " queue behind an unbroken stream of deletes. 0: no rest (fastest); up to 100.",
+    ),
     Setting("SCHEDULER", False, "Run the jobs in each serving process, from its first request."),
     Setting("PURGE_EVERY", timedelta(minutes=5), "The interval of the cleanup job."),
     Setting("RECOVER_EVERY", timedelta(seconds=30), "The interval of the lease recovery job."),
