@@ -138,7 +138,7 @@ def purge_expired(
             with engine.begin() as conn:
                 batch = state.store.purge_batch(conn, state.clock(), size, after=after[0])
             after[0] = batch.last
-            return batch.count
+            return batch.rows
 
         def inbox_ids() -> int:
             with engine.begin() as conn:

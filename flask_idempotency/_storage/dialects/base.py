@@ -42,7 +42,7 @@ READY = Verdict()
 class Deleted(t.NamedTuple):
     """What one batch of :meth:`Dialect.delete_batch` deleted."""
 
-    count: int
+    rows: int
     #: The largest value of the batch's ``last`` column among the rows it
     #: deleted (or, where the batch is read first, chose); ``None`` when none,
     #: when not asked, or where the engine cannot say.

@@ -28,10 +28,10 @@ from flask_idempotency._storage import (
     COMPLETED,
     IN_PROGRESS,
     Store,
+    as_utc,
     database_now,
     drivers,
     new_fencing_token,
-    as_utc,
     open_transaction,
 )
 from flask_idempotency._storage.dialects import Dialect, MySQL, PostgreSQL, dialect_of
@@ -235,9 +235,9 @@ def test_purge_deletes_expired_records_and_nothing_else(impl: Impl) -> None:
         claimed(impl, values)
     with impl.engine.begin() as conn:
         assert impl.store.count_expired(conn, now) == 3
-        assert impl.store.purge_batch(conn, now, limit=2).count == 2
-        assert impl.store.purge_batch(conn, now, limit=2).count == 1
-        assert impl.store.purge_batch(conn, now, limit=2).count == 0
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 2
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 1
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 0
     assert set(impl.rows()) == {still_leased["key"], live["key"]}
 
 
@@ -262,9 +262,9 @@ def test_purge_batches_resume_at_the_last_expiry_without_skipping_ties(impl: Imp
     with impl.engine.begin() as conn:
         for _ in range(5):  # bounded: 5 records to delete, 2 a batch
             batch = impl.store.purge_batch(conn, now, 2, after=after)
-            counts.append(batch.count)
+            counts.append(batch.rows)
             lasts.append(as_utc(batch.last))
-            if batch.count < 2:
+            if batch.rows < 2:
                 break
             after = batch.last
     assert counts == [2, 2, 1]  # the first and a tie, two ties, the last tie
@@ -274,10 +274,10 @@ def test_purge_batches_resume_at_the_last_expiry_without_skipping_ties(impl: Imp
     claimed(impl, late)
     with impl.engine.begin() as conn:
         # A batch bounded past a record's expiry leaves it (the next run finds it).
-        assert impl.store.purge_batch(conn, now, 2, after=tied).count == 0
-        assert impl.store.purge_batch(conn, now, 2).count == 1
+        assert impl.store.purge_batch(conn, now, 2, after=tied).rows == 0
+        assert impl.store.purge_batch(conn, now, 2).rows == 1
         empty = impl.store.purge_batch(conn, now, 2)
-    assert (empty.count, empty.last) == (0, None)
+    assert (empty.rows, empty.last) == (0, None)
     assert set(impl.rows()) == {leased["key"], live["key"]}
 
 
