@@ -11,6 +11,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
+from .._config import pause_ratio
 from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
@@ -128,7 +129,7 @@ def purge_expired(
                         conn, outbox, outbox_cutoff()
                     )
             return report
-        rest = state.settings.purge_pause if pause is None else pause
+        rest = state.settings.purge_pause if pause is None else pause_ratio(pause, "pause")
         # Where the previous batch ended (its latest expires_at): the next one
         # starts there, not at the oldest entry of the expires_at index, which
         # still holds those of the records deleted so far until vacuum.

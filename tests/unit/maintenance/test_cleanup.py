@@ -100,6 +100,14 @@ def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(
     assert keys(app) == {"live"}
 
 
+def test_purge_refuses_a_pause_out_of_range_and_deletes_nothing(app: Flask, clock: Clock) -> None:
+    make_records(app, clock, 3, expired=True)
+    for pause in (-1, 101, float("nan")):
+        with pytest.raises(ValueError, match="pause must be a number from 0 to 100"):
+            purge_expired(app, pause=pause)
+    assert len(record_rows(app)) == 3
+
+
 def test_purge_dry_run_counts_and_deletes_nothing(app: Flask, clock: Clock) -> None:
     make_records(app, clock, 7, expired=True)
     assert purge_expired(app, dry_run=True).deleted == 7
