@@ -232,7 +232,7 @@ class Settings:
     skip: t.Callable[[], bool] | None = None
     stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
-    purge_pause: float = 3.0
+    purge_pause: float = 0.0
     scheduler: bool = False
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
@@ -284,7 +284,7 @@ class Settings:
                 values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
             ),
             purge_batch=positive_int(values["PURGE_BATCH"], "IDEMPOTENCY_PURGE_BATCH"),
-            purge_pause=pause_ratio(values.get("PURGE_PAUSE", 3.0), "IDEMPOTENCY_PURGE_PAUSE"),
+            purge_pause=pause_ratio(values.get("PURGE_PAUSE", 0.0), "IDEMPOTENCY_PURGE_PAUSE"),
             scheduler=as_bool(values["SCHEDULER"], "IDEMPOTENCY_SCHEDULER"),
             purge_every=positive_duration(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
             recover_every=positive_duration(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),
