@@ -8,9 +8,8 @@ claim new keys through the extension (``--writers`` processes, each a
 ``POST /charges`` of the test app with a new key every ``--gap`` seconds: the
 claim, a ledger row, the completion, one commit, in the same table).
 
-Reported per variant (``--variants BATCH[:PAUSE]``, default the default
-settings, ``IDEMPOTENCY_PURGE_BATCH`` 1000 with ``IDEMPOTENCY_PURGE_PAUSE`` 0,
-and the same batch resting 3 times each batch's time): rows deleted per second, and the
+Reported per batch size (``--batch-sizes``, default 1000, the default
+``IDEMPOTENCY_PURGE_BATCH``, and 10000): rows deleted per second, and the
 writers' latency (p50, p99, max) while the cleanup runs against the same
 writers before it, ``--quiet`` seconds (and, shown apart, as long after it), in the same run
 (target: p99 at most 1.5 times); dead tuples left for vacuum (autovacuum is
@@ -91,7 +90,7 @@ def vacuum_seconds(url: str) -> float:
         engine.dispose()
 
 
-def purge(url: str, batch: int, pause: float, batch_times: list[float]) -> t.Callable[[], int]:
+def purge(url: str, batch: int, batch_times: list[float]) -> t.Callable[[], int]:
     """The extension's cleanup on a connection named :data:`PURGER` (so its
     backend's counts can be waited for); each batch's statement time is
     appended to ``batch_times`` (the store's method, timed from outside)."""
@@ -113,7 +112,7 @@ def purge(url: str, batch: int, pause: float, batch_times: list[float]) -> t.Cal
     store.purge_batch = timed  # type: ignore[method-assign]
 
     def run() -> int:
-        report = purge_expired(app, batch_size=batch, pause=pause)
+        report = purge_expired(app, batch_size=batch)
         with app.app_context():
             testapp.db.engine.dispose()
         return report.deleted
@@ -129,39 +128,19 @@ def first_and_last(times: t.Sequence[float]) -> tuple[float, float]:
     return sum(full[:k]) / k * 1000, sum(full[-k:]) / k * 1000
 
 
-class Variant(t.NamedTuple):
-    """A batch size and a pause (a multiple of each batch's time) to purge with."""
-
-    batch: int
-    pause: float
-
-    @classmethod
-    def parse(cls, text: str) -> Variant:
-        """``BATCH`` (with the default pause) or ``BATCH:PAUSE``."""
-        from flask_idempotency.config import DEFAULTS
-
-        batch, _, pause = text.partition(":")
-        return cls(int(batch), float(pause) if pause else float(DEFAULTS["PURGE_PAUSE"]))
-
-    @property
-    def label(self) -> str:
-        return f"batch {self.batch:,}, pause {self.pause:g}"
-
-
-def one_variant(
-    url: str, variant: Variant, round_no: int, args: argparse.Namespace
+def one_batch_size(
+    url: str, batch: int, round_no: int, args: argparse.Namespace
 ) -> dict[str, t.Any]:
     from tests.conftest import reset_tables
 
-    batch = variant.label
     reset_tables(url)
-    say(f"round {round_no}, {batch}: seeding {args.rows:,} expired records")
+    say(f"round {round_no}, batch {batch}: seeding {args.rows:,} expired records")
     seed(url, args.rows)
     seeded = table_facts(url)
     writers = harness.Writers(url, count=args.writers, gap=args.gap, mode=harness.WRITER_EXT)
-    say(f"{batch}: writers alone {args.quiet:g} s, the purge, writers alone {args.quiet:g} s")
+    say(f"batch {batch}: writers alone {args.quiet:g} s, the purge, writers alone {args.quiet:g} s")
     batch_times: list[float] = []
-    action = purge(url, variant.batch, variant.pause, batch_times)
+    action = purge(url, batch, batch_times)
     phased = harness.under_writers(writers, action, args.quiet)
     if phased.result != args.rows:
         raise RuntimeError(f"the purge deleted {phased.result} of {args.rows}")
@@ -181,9 +160,7 @@ def one_variant(
         "p99_ratio": during["p99"] / before["p99"],
     }
     figures.update(
-        variant=batch,
-        batch=variant.batch,
-        pause=variant.pause,
+        batch=batch,
         round=round_no,
         rows=args.rows,
         seconds=phased.seconds,
@@ -196,7 +173,7 @@ def one_variant(
         batch_ms=first_and_last(batch_times),
     )
     say(
-        f"{batch}: {figures['rows_per_s']:,.0f} rows/s; writers p99 "
+        f"batch {batch}: {figures['rows_per_s']:,.0f} rows/s; writers p99 "
         f"{figures['baseline']['p99']:.1f} ms before, {figures['during']['p99']:.1f} ms during "
         f"({harness.times(figures['p99_ratio'])})"
     )
@@ -210,26 +187,26 @@ def section(
     for r in results:
         base, during = r["baseline"], r["during"]
         rows.append(
-            f"| {r['variant']} | {r['round']} | {r['rows']:,} | {r['seconds']:.1f} | "
+            f"| {r['batch']:,} | {r['round']} | {r['rows']:,} | {r['seconds']:.1f} | "
             f"{r['rows_per_s']:,.0f} | {harness.cell(base)} | {harness.cell(during)} | "
             f"{harness.times(r['p99_ratio'])} | {harness.cell(r['after'])} | "
             f"{r['batch_ms'][0]:,.0f} → {r['batch_ms'][1]:,.0f} | "
             f"{r['dead_after']:,.0f} | {r['vacuum_s']:.1f} |"
         )
-    for variant in args.variants:
-        mine = [r for r in results if r["variant"] == variant.label]
+    for batch in args.batch_sizes:
+        mine = [r for r in results if r["batch"] == batch]
         known = [r["p99_ratio"] for r in mine if not math.isnan(r["p99_ratio"])]
         ratio = statistics.median(known) if known else math.nan
         met = "met" if ratio <= TARGET else "NOT met" if known else "not measured"
         each = ", ".join(harness.times(r["p99_ratio"]) for r in mine)
         verdicts.append(
-            f"* {variant.label}: writers' p99 during cleanup {harness.times(ratio)} their p99 "
+            f"* batch {batch:,}: writers' p99 during cleanup {harness.times(ratio)} their p99 "
             "before it "
             f"(median over rounds; rounds: {each}): "
             f"target at most {TARGET}x {met}; "
             f"{statistics.median(r['rows_per_s'] for r in mine):,.0f} rows/s."
         )
-        data[variant.label] = {
+        data[str(batch)] = {
             key: statistics.median(pick(r) for r in mine)
             for key, pick in (
                 ("rows_per_s", lambda r: r["rows_per_s"]),
@@ -241,25 +218,24 @@ def section(
                 ("p99_ratio", lambda r: r["p99_ratio"]),
             )
         }
-        data[variant.label]["ratios"] = known
+        data[str(batch)]["ratios"] = known
     return [
         "## Cleanup under load (`python -m bench.cleanup`)",
         "",
         *facts.lines(),
         f"* {args.rows:,} expired records (200-byte bodies, "
         f"{results[0]['mib_seeded']:,.0f} MiB with indexes) deleted by `purge_expired` (the "
-        f"`flask idempotency purge` path) per batch size and pause (a rest after each batch, "
-        f"a multiple of its time: `IDEMPOTENCY_PURGE_PAUSE`); {args.writers} writer processes, "
+        f"`flask idempotency purge` path) per batch size; {args.writers} writer processes, "
         f"each `POST /charges` through the extension with a new key every {args.gap * 1000:g} ms, "
         f"alone for {args.quiet:g} s before the cleanup (the baseline), during it, and alone "
         f"{args.quiet:g} s after it (shown apart); "
-        f"{args.rounds} rounds, the variants in alternating order",
+        f"{args.rounds} rounds, the batch sizes in alternating order",
         "",
-        "| variant | round | rows | seconds | rows/s | writers before cleanup: p50 / p99 / max ms "
+        "| batch | round | rows | seconds | rows/s | writers before cleanup: p50 / p99 / max ms "
         "(ops) | during cleanup: p50 / p99 / max ms (ops) | p99 during / before | after cleanup: "
         "p50 / p99 / max ms (ops) | ms per batch, first → last tenth | dead tuples after | "
         "VACUUM after, s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         *verdicts,
@@ -269,15 +245,14 @@ def section(
         "UPDATE SKIP LOCKED)`), so a writer never waits for more than one batch, and the",
         "writers' keys are never among the rows locked. Each batch starts where the previous",
         "one ended, so it does not walk the index entries of the rows deleted before it",
-        "(they stay until vacuum); the first and last tenth of the batches show it. After",
-        "each batch the cleanup rests `pause` times the batch's own time. A writer's latency",
-        "counts from when its request was due (a stalled writer owes the requests that fell",
-        "due meanwhile). The baseline is the writers before the cleanup: in the seconds after",
-        "it, what it leaves behind (dirty pages written back, autovacuum of its dead tuples)",
-        "lands on the writers, the sooner the faster it went, so the after column is shown",
-        "apart rather than counted as the cleanup's absence. The dead tuples are left for",
-        "(auto)vacuum, which was on during the run; the last column is a manual `VACUUM`",
-        "right after.",
+        "(they stay until vacuum); the first and last tenth of the batches show it. A",
+        "writer's latency counts from when its request was due (a stalled writer owes the",
+        "requests that fell due meanwhile). The baseline is the writers before the cleanup:",
+        "in the seconds after it, what it leaves behind (dirty pages written back, autovacuum",
+        "of its dead tuples) lands on the writers, the sooner the faster it went, so the after",
+        "column is shown apart rather than counted as the cleanup's absence. The dead tuples",
+        "are left for (auto)vacuum, which was on during the run; the last column is a manual",
+        "`VACUUM` right after.",
         "",
         harness.data_comment(NAME, data),
     ]
@@ -288,19 +263,12 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
     harness.common_options(parser)
     parser.add_argument("--rows", type=int, help="expired records (default 1,000,000)")
-    parser.add_argument(
-        "--variants",
-        type=Variant.parse,
-        nargs="+",
-        default=None,
-        help="BATCH[:PAUSE] each (default: the default settings, and the same batch, pause 3)",
-    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--writers", type=int, default=3, help="writer processes")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between a writer's claims")
     parser.add_argument("--quiet", type=float, help="seconds of writers alone before and after")
     parser.add_argument("--rounds", type=int, help="rounds (default 3; quick 1)")
     args = parser.parse_args(argv)
-    args.variants = args.variants or [Variant.parse("1000"), Variant.parse("1000:3")]
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.rows = args.rows or (5_000 if args.quick else 1_000_000)
     args.quiet = args.quiet or (1.0 if args.quick else 10.0)
@@ -313,8 +281,8 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         testapp.create_app(url)  # the extension's tables on the metadata
         results = []
         for i in range(args.rounds):
-            order = args.variants if i % 2 == 0 else list(reversed(args.variants))
-            results += [one_variant(url, variant, i + 1, args) for variant in order]
+            order = args.batch_sizes if i % 2 == 0 else list(reversed(args.batch_sizes))
+            results += [one_batch_size(url, batch, i + 1, args) for batch in order]
         facts.end()
     text = harness.write_section(args.out, NAME, section(results, facts, args))
     print(text)

@@ -74,8 +74,7 @@ def plot(data: dict[str, dict[str, t.Any]], path: Path) -> str | None:
     # the target judges; a median of each side would pair different rounds).
     kinds: list[tuple[str, list[float]]] = []
     for batch, figures in data.get("bench.cleanup", {}).items():
-        name = batch if batch.startswith("batch") else f"batch {batch}"  # older sections
-        kinds.append((f"purge, {name}", figures.get("ratios", [figures["p99_ratio"]])))
+        kinds.append((f"purge, batch {batch}", figures.get("ratios", [figures["p99_ratio"]])))
     retention = data.get("bench.retention")
     if retention:
         kinds.append(("retention: purge", retention["deletes_ratios"]))

@@ -200,21 +200,6 @@ def positive_int(value: t.Any, name: str, *, maximum: int = MAX_COUNT) -> int:
     return value
 
 
-#: The largest :func:`pause_ratio`.
-MAX_PAUSE_RATIO = 100.0
-
-
-def pause_ratio(value: t.Any, name: str) -> float:
-    """A number from 0 to :data:`MAX_PAUSE_RATIO` (bools and NaN refused), as a float."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 <= value <= MAX_PAUSE_RATIO
-    ):
-        raise ValueError(f"{name} must be a number from 0 to {MAX_PAUSE_RATIO:g}, got {value!r}")
-    return float(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The resolved settings for one app (or one route, after its overrides)."""
@@ -232,7 +217,6 @@ class Settings:
     skip: t.Callable[[], bool] | None = None
     stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
-    purge_pause: float = 0.0
     scheduler: bool = False
     purge_every: timedelta = timedelta(minutes=5)
     recover_every: timedelta = timedelta(seconds=30)
@@ -284,7 +268,6 @@ class Settings:
                 values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
             ),
             purge_batch=positive_int(values["PURGE_BATCH"], "IDEMPOTENCY_PURGE_BATCH"),
-            purge_pause=pause_ratio(values.get("PURGE_PAUSE", 0.0), "IDEMPOTENCY_PURGE_PAUSE"),
             scheduler=as_bool(values["SCHEDULER"], "IDEMPOTENCY_SCHEDULER"),
             purge_every=positive_duration(values["PURGE_EVERY"], "IDEMPOTENCY_PURGE_EVERY"),
             recover_every=positive_duration(values["RECOVER_EVERY"], "IDEMPOTENCY_RECOVER_EVERY"),

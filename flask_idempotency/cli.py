@@ -112,18 +112,11 @@ def create_tables() -> None:
     default=None,
     help="Records deleted per transaction (default IDEMPOTENCY_PURGE_BATCH).",
 )
-@click.option(
-    "--pause",
-    type=click.FloatRange(min=0, max=100),
-    default=None,
-    help="Rest after each batch, as a multiple of its time (default IDEMPOTENCY_PURGE_PAUSE; "
-    "0: none).",
-)
 @click.option("--dry-run", is_flag=True, help="Count the expired records; delete nothing.")
-def purge(batch_size: int | None, pause: float | None, dry_run: bool) -> None:
+def purge(batch_size: int | None, dry_run: bool) -> None:
     """Delete expired records in small batches, each its own transaction."""
     _cli.require_tables(_cli.current_state().store.table)
-    report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run, pause=pause)
+    report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run)
     if dry_run:
         _cli.report(f"{report.deleted} expired record(s) would be deleted")
     else:

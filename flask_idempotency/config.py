@@ -122,13 +122,6 @@ SETTINGS: tuple[Setting, ...] = (
         " see [Scope](scope.md).",
     ),
     Setting("PURGE_BATCH", 1000, "Expired rows deleted per transaction by cleanup."),
-    Setting(
-        "PURGE_PAUSE",
-        0.0,
-        "How long cleanup rests after each batch, as a multiple of the batch's own time (at"
-        " most 5 s), from 0 (no rest, fastest) to 100: at 3 it deletes a quarter of the time,"
-        " leaving the database's CPU and WAL flushes to the writers the rest.",
-    ),
     Setting("SCHEDULER", False, "Run the jobs in each serving process, from its first request."),
     Setting("PURGE_EVERY", timedelta(minutes=5), "The interval of the cleanup job."),
     Setting("RECOVER_EVERY", timedelta(seconds=30), "The interval of the lease recovery job."),

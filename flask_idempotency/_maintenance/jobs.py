@@ -5,13 +5,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import time
 import typing as t
 
 import sqlalchemy as sa
 from flask import Flask
 
-from .._config import pause_ratio
 from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
@@ -53,30 +51,19 @@ class PurgeReport:
         return text
 
 
-#: The longest rest between two batches, however long a batch took.
-MAX_PAUSE = 5.0
-
-
 def _in_batches(
-    delete: t.Callable[[], int], size: int, pause: float, keep_going: KeepGoing
+    delete: t.Callable[[], int], size: int, keep_going: KeepGoing
 ) -> tuple[int, int, bool]:
     """Run ``delete`` (one batch in its own transaction; the number it deleted)
-    until a batch comes back short or ``keep_going()`` says stop, resting
-    ``pause`` times each full batch's own time (at most :data:`MAX_PAUSE`)
-    before the next: rows deleted, batches, and whether to go on."""
+    until a batch comes back short or ``keep_going()`` says stop: rows deleted,
+    batches, and whether to go on."""
     deleted = batches = 0
     while True:
-        start = time.monotonic()
         count = delete()
         batches += 1
         deleted += count
         if count < size:
             return deleted, batches, True
-        if pause:
-            # A rest proportional to the batch's time: while the database is
-            # busy (longer batches) cleanup backs off further, and writers'
-            # commits are not queued behind an unbroken stream of its WAL.
-            time.sleep(min(MAX_PAUSE, pause * (time.monotonic() - start)))
         if not keep_going():
             return deleted, batches, False
 
@@ -87,7 +74,6 @@ def purge_expired(
     batch_size: int | None = None,
     dry_run: bool = False,
     keep_going: KeepGoing = _always,
-    pause: float | None = None,
 ) -> PurgeReport:
     """Delete expired records in batches, each its own short transaction.
 
@@ -95,10 +81,8 @@ def purge_expired(
     run at once: on PostgreSQL each skips the rows another holds. Stops when a
     batch comes back short, or when ``keep_going()`` says so (the scheduler's
     lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
-    ``IDEMPOTENCY_PURGE_BATCH``. After each full batch it rests ``pause``
-    times the batch's own time (at most 5 s; ``pause`` defaults to
-    ``IDEMPOTENCY_PURGE_PAUSE``, 0: no rest), so that its deletes take a
-    bounded share of the database's write capacity. Expired ids of the inbox
+    ``IDEMPOTENCY_PURGE_BATCH``. Each batch starts at the latest expiry the
+    previous one deleted. Expired ids of the inbox
     (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
     records, and then outbox events published more than
     ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
@@ -129,7 +113,6 @@ def purge_expired(
                         conn, outbox, outbox_cutoff()
                     )
             return report
-        rest = state.settings.purge_pause if pause is None else pause_ratio(pause, "pause")
         # Where the previous batch ended (its latest expires_at): the next one
         # starts there, not at the oldest entry of the expires_at index, which
         # still holds those of the records deleted so far until vacuum.
@@ -149,14 +132,14 @@ def purge_expired(
             with engine.begin() as conn:
                 return outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(), size)
 
-        report.deleted, report.batches, going = _in_batches(records, size, rest, keep_going)
+        report.deleted, report.batches, going = _in_batches(records, size, keep_going)
         if has_inbox and going:
             report.inbox_deleted, report.inbox_batches, going = _in_batches(
-                inbox_ids, size, rest, keep_going
+                inbox_ids, size, keep_going
             )
         if has_outbox and going:
             report.outbox_deleted, report.outbox_batches, going = _in_batches(
-                published, size, rest, keep_going
+                published, size, keep_going
             )
     if report.deleted or report.inbox_deleted or report.outbox_deleted:
         logger.info("cleanup: %s", report)

@@ -50,15 +50,11 @@ def test_purge_works_in_batches_and_keeps_live_records(app: Flask, clock: Clock)
     assert keys(app) == {"new0", "new1", "new2"}
 
 
-@pytest.mark.parametrize("pause", [0, 0.5])
-def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(
-    app: Flask, clock: Clock, pause: float
-) -> None:
+def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(app: Flask, clock: Clock) -> None:
     """Each batch starts at the previous one's latest ``expires_at`` (``>=``):
     records sharing an expiry across a batch boundary are all deleted, a record
     past its retention whose lease still runs and a live one are kept, and the
-    next run starts from the oldest again (the bound lasts one run). The rest
-    between batches changes what is deleted in no way."""
+    next run starts from the oldest again (the bound lasts one run)."""
     early, tied = clock.now - dt.timedelta(hours=3), clock.now - dt.timedelta(hours=2)
 
     def row(key: str, expires: dt.datetime, **columns: t.Any) -> dict[str, t.Any]:
@@ -91,21 +87,13 @@ def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(
     ]
     with app.app_context(), testapp.db.engine.begin() as conn:
         insert_records(conn, rows)
-    report = purge_expired(app, batch_size=4, pause=pause)
+    report = purge_expired(app, batch_size=4)
     # Batches of 4: three early and a tie, four ties, the last two ties.
     assert (report.deleted, report.batches) == (10, 3)
     assert keys(app) == {"leased", "live"}
     clock.advance(minutes=11)  # the lease ended: the next run, from the oldest, finds it
-    assert purge_expired(app, batch_size=4, pause=pause).deleted == 1
+    assert purge_expired(app, batch_size=4).deleted == 1
     assert keys(app) == {"live"}
-
-
-def test_purge_refuses_a_pause_out_of_range_and_deletes_nothing(app: Flask, clock: Clock) -> None:
-    make_records(app, clock, 3, expired=True)
-    for pause in (-1, 101, float("nan")):
-        with pytest.raises(ValueError, match="pause must be a number from 0 to 100"):
-            purge_expired(app, pause=pause)
-    assert len(record_rows(app)) == 3
 
 
 def test_purge_dry_run_counts_and_deletes_nothing(app: Flask, clock: Clock) -> None:
