@@ -31,6 +31,9 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["flask_idempotency", "flask_idempotency.*"]),
+    # The testing kit's pytest plugin: a module of its own, which the entry point
+    # loads in every pytest run without importing the package.
+    py_modules=["flask_idempotency_pytest"],
     package_data={"flask_idempotency": ["py.typed"]},
     include_package_data=True,
     zip_safe=False,
@@ -60,9 +63,10 @@ setup(
     },
     entry_points={
         # The testing kit's fixtures (api, db, fault, downstream), inert until a
-        # test requests one. Named as its module, so that ``-p
-        # flask_idempotency.testing.plugin`` next to it is the same plugin.
-        "pytest11": ["flask_idempotency.testing.plugin = flask_idempotency.testing.plugin"],
+        # test requests one; loading it imports pytest only. Named as its module,
+        # so that ``-p flask_idempotency_pytest`` (or the package's
+        # ``flask_idempotency.testing.plugin``, which loads it) is the same plugin.
+        "pytest11": ["flask_idempotency_pytest = flask_idempotency_pytest"],
     },
     classifiers=[
         "Framework :: Flask",

@@ -1,4 +1,4 @@
-"""``python -m reliability [--short] [--only a,b] [--out RELIABILITY.md]``: the fault suite.
+"""The fault suite: ``python -m reliability [--short] [--only a,b] [--out PATH] [--update]``.
 
 Runs every scenario (or those named) against processes it starts on this machine,
 prints a line per run as it ends, writes the report, and exits 1 when any scenario
@@ -15,6 +15,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="report path (default RELIABILITY.md; --short: none)"
     )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only the sections of the scenarios run; keep the others' from the report",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or scenarios.ALL
     unknown = set(names) - set(scenarios.ALL)
@@ -44,13 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else (None if args.short else h.ROOT / "RELIABILITY.md")
     start = time.monotonic()
     done: list[tuple[types.ModuleType, list[h.Result]]] = []
+    took: dict[str, float] = {}
     settings = {"max_connections": 300}
     with h.postgres(settings) as cluster:
         ctx = Context(h.Scale(args.short), cluster, settings)
         for name in names:
             module = scenarios.load(name)
             print(f"== {name}: {module.TITLE}", flush=True)
-            results = module.run(ctx)
+            began = time.monotonic()
+            try:
+                results = module.run(ctx)
+            except Exception as exc:  # one scenario's crash is its failure, not the run's end
+                crash = h.Result(f"{name}: crashed", "the scenario crashed")
+                crash.failures.append("".join(traceback.format_exception_only(exc)).strip())
+                traceback.print_exc()
+                results = [crash]
+            took[name] = time.monotonic() - began
             done.append((module, results))
     seconds = time.monotonic() - start
     results = [r for _, rs in done for r in rs]
@@ -60,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {r.line()}", flush=True)
     if out is not None:
         command = "python -m reliability " + shlex.join(argv if argv is not None else sys.argv[1:])
-        _report.write(out, command.strip(), done, short=args.short, seconds=seconds)
+        sections = _report.load(out) if args.update else {}
+        for section in _report.sections_of(command.strip(), done, short=args.short, seconds=took):
+            sections[section.name] = section
+        _report.write(out, list(sections.values()), scenarios.ALL)
         print(f"report: {out}", flush=True)
     return 1 if failed else 0
 

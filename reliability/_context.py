@@ -38,6 +38,8 @@ class Context:
 
     def show(self, result: h.Result) -> None:
         print(result.line(), flush=True)
+        for key, value in result.extra.items():
+            print(f"    {key}: {value}", flush=True)
         for note in result.notes:
             print(f"    {note}", flush=True)
 

@@ -153,7 +153,8 @@ class Client:
             host, port = self._target()
             answer = request(host, port, "POST", op.path, body, headers, self.timeout)
             op.answers.append(answer)
-            if isinstance(answer.status, int) and answer.status not in RETRIED:
+            # A replay is the operation's stored outcome, whatever its status: final.
+            if isinstance(answer.status, int) and (answer.status not in RETRIED or answer.replayed):
                 op.settled = answer
                 return op
             if time.monotonic() + delay > deadline:
@@ -342,8 +343,10 @@ class Gunicorn:
         host: str = "127.0.0.1",
         port: int | None = None,
         prefix: t.Sequence[str] = (),
+        options: t.Sequence[str] = (),
     ) -> None:
         self.app, self.env = app, dict(env)
+        self.options = list(options)  # more command-line options, such as --preload
         self.workers, self.threads, self.timeout = workers, threads, timeout
         self.host, self.port = host, port or free_port()
         self.prefix = list(prefix)
@@ -377,6 +380,7 @@ class Gunicorn:
             "--log-level",
             "warning",
             *gunicorn_options(),
+            *self.options,
             self.app,
         ]
         with self.log.open("ab") as log:

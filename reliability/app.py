@@ -6,6 +6,7 @@ Three routes write one :class:`Ledger` row per execution, carrying the request's
 * ``POST /plain``: ``@idem.idempotent()``: the record commits with the row;
 * ``POST /leased``: ``@idem.idempotent(lease=..., recover=True)``: the record
   commits first under a lease, the row commits at the end, fenced;
+* ``POST /committing``: ``@idem.idempotent()``, the view committing its row itself;
 * ``POST /unprotected``: no extension, the row committed directly: what a
   retrying proxy or client does to a route without it.
 
@@ -38,7 +39,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask, g, has_request_context, request
 from flask_sqlalchemy import SQLAlchemy
-from marshmallow import Schema, fields
+from marshmallow import Schema, fields, validate
 from sqlalchemy import event, orm
 from werkzeug.exceptions import HTTPException
 
@@ -65,7 +66,9 @@ class Ledger(db.Model):  # type: ignore[name-defined,misc]
 
 
 class ChargeSchema(Schema):
-    amount = fields.Integer(required=True, strict=True)
+    # Held to what the ledger's INTEGER column stores: a larger number is the
+    # client's error (422), not a database error in the view (500).
+    amount = fields.Integer(required=True, strict=True, validate=validate.Range(1, 2**31 - 1))
     currency = fields.String(required=True)
     note = fields.String(load_default=None)
 
@@ -77,6 +80,15 @@ _faults: dict[str, float] = {}
 def _draw(point: str) -> bool:
     rate = _faults.get(point, 0.0)
     return rate > 0 and _rng.random() < rate
+
+
+def _reseed() -> None:
+    _rng.seed(f"{os.environ.get('RELIABILITY_SEED', '0')}:{os.getpid()}:{time.time_ns()}")
+
+
+# A worker forked from a master that loaded the app (gunicorn --preload) draws
+# its own faults, not a copy of the master's sequence.
+os.register_at_fork(after_in_child=_reseed)
 
 
 def _log_fault(point: str) -> None:
@@ -140,7 +152,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     if config:
         app.config.update(config)
     _faults.update({k: float(v) for k, v in json.loads(os.environ.get(FAULTS_ENV, "{}")).items()})
-    _rng.seed(f"{os.environ.get('RELIABILITY_SEED', '0')}:{os.getpid()}:{time.time_ns()}")
+    _reseed()
     db.init_app(app)
     idem.init_app(app, db)
     lease = dt.timedelta(seconds=float(os.environ.get(LEASE_ENV, "3")))
@@ -154,6 +166,16 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     @idem.idempotent(schema=ChargeSchema(), lease=lease, recover=True)
     def leased() -> tuple[dict[str, t.Any], int]:
         return _write("leased", idem.payload["amount"]), 201
+
+    @app.post("/committing")
+    @idem.idempotent(schema=ChargeSchema())
+    def committing() -> tuple[dict[str, t.Any], int]:
+        # The view commits its work itself: when that COMMIT's answer is lost, the
+        # extension settles whether it landed (and then keeps the failure, since
+        # the work stays) or not (and frees the key for the retry).
+        answer = _write("committing", idem.payload["amount"])
+        db.session.commit()
+        return answer, 201
 
     @app.post("/unprotected")
     def unprotected() -> tuple[dict[str, t.Any], int]:

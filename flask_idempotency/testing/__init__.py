@@ -1,8 +1,9 @@
 """The testing kit: prove, against your own app and its real database, that a
 retried request takes effect once.
 
-The pytest plugin (:mod:`flask_idempotency.testing.plugin`, registered by
-``pip install flask-idempotency[testing]``) gives a test four fixtures: ``api``
+The pytest plugin (the module ``flask_idempotency_pytest``, registered by
+``pip install flask-idempotency[testing]``; ``flask_idempotency.testing.plugin``
+loads it too) gives a test four fixtures: ``api``
 (your app served by a real WSGI server in a subprocess, restartable), ``db``
 (a database of the test's own on your database server), ``fault`` (one-shot
 fault points: kills after and before a commit, after a recovery point or an

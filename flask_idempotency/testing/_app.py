@@ -9,6 +9,9 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
+#: The extension's config keys start so.
+_PREFIX = "IDEMPOTENCY_"
+
 
 def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
     """The app ``spec`` names (``"package.module:create_app"``), with ``config``.
@@ -16,7 +19,10 @@ def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
     A factory is called with ``config`` as its one argument (a ``dict``); a
     factory that takes no argument is called bare and ``config`` applied after.
     A :class:`~flask.Flask` instance gets ``config`` applied, and its default
-    Flask-SQLAlchemy engine is pointed at ``SQLALCHEMY_DATABASE_URI``.
+    Flask-SQLAlchemy engine is pointed at ``SQLALCHEMY_DATABASE_URI``. Applied
+    after, ``IDEMPOTENCY_*`` settings would be ignored (the extension read them
+    at ``init_app``): ``config`` naming one with another value than the app
+    already has is refused (``RuntimeError``).
     Without ``:name``, ``create_app`` then ``app`` are tried, as ``flask --app`` does.
 
     When ``config`` names ``SQLALCHEMY_DATABASE_URI``, the app built must use
@@ -36,6 +42,7 @@ def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
     else:
         raise ValueError(f"idempotency_app {spec!r}: {module_name} has no {' or '.join(names)}")
     if isinstance(target, Flask):
+        _refuse_settings_after_init(spec, target, config, "a Flask instance")
         _reconfigure(target, config)
         return target
     if not callable(target):
@@ -44,11 +51,44 @@ def load_app(spec: str, config: t.Mapping[str, t.Any]) -> Flask:
         app = target(dict(config))
     else:
         app = target()
-        _reconfigure(app, config)
+        if isinstance(app, Flask):
+            _refuse_settings_after_init(spec, app, config, "a factory without parameters")
+            _reconfigure(app, config)
     if not isinstance(app, Flask):
         raise TypeError(f"idempotency_app {spec!r} returned {type(app).__name__}, not a Flask app")
     _check_database(spec, app, config.get("SQLALCHEMY_DATABASE_URI"))
     return app
+
+
+def _refuse_settings_after_init(
+    spec: str, app: Flask, config: t.Mapping[str, t.Any], what: str
+) -> None:
+    """``IDEMPOTENCY_*`` in ``config`` that the app built without it has another
+    value for: applied now, the app's config would say one thing and the
+    extension (which read its settings at ``init_app``) do another."""
+    missing = object()
+    differ = sorted(
+        name
+        for name, value in config.items()
+        if name.startswith(_PREFIX) and app.config.get(name, missing) != value
+    )
+    if differ:
+        given = ", ".join(f"{name}={config[name]!r}" for name in differ)
+        raise RuntimeError(
+            f"idempotency_app {spec!r} is {what}: the app is built before the kit's "
+            f"config can reach it, and the extension read its IDEMPOTENCY_* settings "
+            f"in init_app, so {given} from the kit's app_config would be ignored. "
+            "Name a factory that takes a config mapping and applies it before "
+            "idem.init_app (myshop.app:create_app(config)), or leave these keys out "
+            "of app_config."
+        )
+
+
+def key_header(app: Flask) -> str:
+    """The header the app's extension reads the key from: ``IDEMPOTENCY_HEADER``
+    (``init_app`` sets its default in the config; the kit refuses to change it
+    after)."""
+    return str(app.config.get("IDEMPOTENCY_HEADER") or "Idempotency-Key")
 
 
 def _where(url: t.Any) -> tuple[t.Any, ...]:

@@ -3,14 +3,17 @@
 Faults are armed by the test as files in ``armed/``; the served process
 consumes one by renaming it into ``fired/`` (``os.rename`` is atomic, so among
 several workers and threads exactly one takes an armed fault). The served
-process appends what its requests inserted to ``trace.jsonl``, one JSON object a
+process appends what its requests committed to ``trace.jsonl``, one JSON object a
 line, each batch in one ``write`` to a file opened with ``O_APPEND`` (so lines of
 concurrent workers never interleave). Nothing here imports Flask or SQLAlchemy.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime as dt
+import decimal
 import json
 import os
 import typing as t
@@ -23,6 +26,8 @@ APP_ENV = "IDEMPOTENCY_KIT_APP"
 CONFIG_ENV = "IDEMPOTENCY_KIT_CONFIG"
 DOWNSTREAM_ENV = "IDEMPOTENCY_KIT_DOWNSTREAM"
 PORT_ENV = "IDEMPOTENCY_KIT_PORT"
+#: The test process's pid: the served app dies with it.
+PARENT_ENV = "IDEMPOTENCY_KIT_PARENT"
 
 #: The header the served process adds to its calls to the fake downstream: the
 #: incoming request's Idempotency-Key, so calls can be counted per client key.
@@ -34,21 +39,77 @@ TRACE_FILE = "trace.jsonl"
 LOG_FILE = "server.log"
 
 
+def _encode(value: t.Any) -> t.Any:
+    """A primary key's value as JSON that keeps its type (a UUID must come back
+    a UUID: compared as text with a uuid column, PostgreSQL refuses, SQLite's
+    CHAR(32) form never matches)."""
+    if isinstance(value, uuid.UUID):
+        return {"$uuid": str(value)}
+    if isinstance(value, dt.datetime):
+        return {"$datetime": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {"$date": value.isoformat()}
+    if isinstance(value, dt.time):
+        return {"$time": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"$decimal": str(value)}
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return {"$str": str(value)}  # an enum, a custom type: its text
+
+
+_DECODERS: dict[str, t.Callable[[str], t.Any]] = {
+    "$uuid": uuid.UUID,
+    "$datetime": dt.datetime.fromisoformat,
+    "$date": dt.date.fromisoformat,
+    "$time": dt.time.fromisoformat,
+    "$decimal": decimal.Decimal,
+    "$bytes": base64.b64decode,
+    "$str": str,
+}
+
+
+def _decode(value: t.Any) -> t.Any:
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, text),) = value.items()
+        if tag in _DECODERS:
+            return _DECODERS[tag](text)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceEntry:
-    """One row a request inserted and committed: ``kind`` is ``"row"`` (an ORM
-    insert) or ``"event"`` (an outbox event; ``pk`` is its event id)."""
+    """What a request committed, one line of the trace. ``kind``:
+
+    * ``"row"``: a row inserted (through the ORM, or a Core insert whose primary
+      key SQLAlchemy knows), named by ``table``, ``columns`` and ``pk``;
+    * ``"event"``: an outbox event (``pk`` is its event id);
+    * ``"write"``: a statement that changed rows without naming them (an UPDATE,
+      a DELETE, an insert without a known key, SQL text), ``verb`` and
+      ``rowcount`` (-1: unknown);
+    * ``"retract"``: the commit of ``batch`` failed, its lines do not count.
+
+    ``key`` is ``None`` for a write made outside any request while a keyed
+    request was in flight (a thread the view started): not attributable.
+    ``batch`` names the commit a line was written at.
+    """
 
     request: str
-    key: str
+    key: str | None
     kind: str
     table: str
     columns: tuple[str, ...]
     pk: tuple[t.Any, ...]
     pid: int
+    verb: str = ""
+    rowcount: int = -1
+    batch: str = ""
 
     def as_json(self) -> str:
         data = dataclasses.asdict(self)
+        data["pk"] = [_encode(v) for v in self.pk]
         return json.dumps(data, default=str)
 
     @classmethod
@@ -60,8 +121,11 @@ class TraceEntry:
             kind=data["kind"],
             table=data["table"],
             columns=tuple(data["columns"]),
-            pk=tuple(data["pk"]),
+            pk=tuple(_decode(v) for v in data["pk"]),
             pid=data["pid"],
+            verb=data.get("verb", ""),
+            rowcount=data.get("rowcount", -1),
+            batch=data.get("batch", ""),
         )
 
 
@@ -149,7 +213,10 @@ class Control:
                 entries.append(TraceEntry.from_json(line))
             except (ValueError, KeyError):
                 continue
-        return entries
+        retracted = {e.batch for e in entries if e.kind == "retract"}
+        return [
+            e for e in entries if e.kind != "retract" and (e.batch not in retracted or not e.batch)
+        ]
 
     @property
     def log_path(self) -> Path:

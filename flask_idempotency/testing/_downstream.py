@@ -3,8 +3,11 @@
 It behaves like an idempotent downstream (a card processor): the first
 successful call with an ``Idempotency-Key`` makes an effect, later calls with
 that key get the same answer and make nothing; a call without a key makes an
-effect each time. Calls the served app makes for a client request carry
-``Idempotency-Kit-Origin`` (the client's key), so effects count per client key.
+effect each time. The key is read from the header the served app forwards it in
+(its ``IDEMPOTENCY_HEADER``; ``Idempotency-Key`` too). Calls the served app makes
+for a client request, on the request's thread over ``http.client``, carry
+``Idempotency-Kit-Origin`` (the client's key), so effects count per client key;
+a call without it cannot be attributed to a key.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class DownstreamCall:
     status: int
     #: The effect it made or repeated (see :class:`Effect`), ``None`` when it failed.
     effect: int | None
+    #: The header ``key`` is read from (the served app's ``IDEMPOTENCY_HEADER``).
+    key_header: str = "Idempotency-Key"
 
     def json(self) -> t.Any:
         return json.loads(self.body)
@@ -62,9 +67,15 @@ Answer = t.Mapping[str, t.Any] | t.Callable[[Effect], t.Any]
 
 class Downstream:
     """The fake service on ``url`` (127.0.0.1, a free port). Every hold is
-    bounded and ends when the service closes."""
+    bounded and ends when the service closes.
 
-    def __init__(self) -> None:
+    ``key_header`` names the header a call's key is read from (then
+    ``Idempotency-Key``); the ``api`` fixture sets it to the app's
+    ``IDEMPOTENCY_HEADER``, the header ``idem.forward_headers()`` uses.
+    """
+
+    def __init__(self, key_header: str = "Idempotency-Key") -> None:
+        self.key_header = key_header
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._calls: list[DownstreamCall] = []
@@ -157,7 +168,10 @@ class Downstream:
     def _handle(
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, bytes, float]:
-        key = _header(headers, "Idempotency-Key")
+        key_header = self.key_header
+        key = _header(headers, key_header)
+        if key is None and key_header.lower() != "idempotency-key":
+            key = _header(headers, "Idempotency-Key")
         origin = _header(headers, ORIGIN_HEADER)
         with self._lock:
             stall = self._stalls.popleft() if self._stalls else 0.0
@@ -184,6 +198,7 @@ class Downstream:
                     time=arrived,
                     status=status,
                     effect=effect.number if effect is not None else None,
+                    key_header=key_header,
                 )
             )
         data = json.dumps(answer).encode("utf-8")
@@ -244,6 +259,7 @@ def _header(headers: t.Mapping[str, str], name: str) -> str | None:
         if k.lower() == name.lower():
             value = v.strip()
             if len(value) >= 2 and value.startswith('"') and value.endswith('"'):
-                value = value[1:-1]
+                # An RFC 8941 string (idem.forward_headers() sends that form).
+                value = value[1:-1].replace('\\"', '"').replace("\\\\", "\\")
             return value or None
     return None

@@ -8,6 +8,7 @@ import threading
 import typing as t
 
 from .. import models
+from ._control import ORIGIN_HEADER
 from ._database import Database
 from ._downstream import Downstream
 from ._server import Response, ServedApp
@@ -78,20 +79,32 @@ def assert_exactly_one(
     *,
     rows: t.Mapping[t.Any, t.Mapping[str, t.Any]] | None = None,
     events: t.Mapping[str, int] | None = None,
+    unattributed_ok: bool = False,
 ) -> None:
     """Assert that the operation of ``key`` took effect exactly once, by counting
     its side effects (never status codes):
 
     1. exactly one completed idempotency record for ``key``;
-    2. exactly one committed execution of the view: the rows the served app's
-       requests with ``key`` inserted through the ORM that are in the database
-       now all come from one request, and there is at least one; ``rows``
-       (``{Model: {column: value}}``) adds explicit counts, each must be 1, for
-       writes the trace cannot see (Core inserts);
+    2. exactly one committed execution of the view: what the served app's
+       requests with ``key`` committed to the app's tables comes from one
+       request, and there is something. Rows inserted (through the ORM, or by a
+       Core insert whose primary key SQLAlchemy reports) count if they are in
+       the database now; other writes (UPDATE, DELETE, SQL text, inserts of
+       unknown key) count when their commit went through. ``rows``
+       (``{Model: {column: value}}``) adds explicit counts, each must be 1;
     3. the outbox events those requests emitted and committed come from that one
        execution (``events``: ``{topic: count}`` to check how many);
     4. at the fake downstream, for every path called for ``key``, exactly one
-       effect (one distinct Idempotency-Key; an unkeyed call is an effect each).
+       effect (one distinct key, read from the app's key header; an unkeyed
+       call is an effect each).
+
+    What the kit cannot attribute to a key fails the assertion, since it may be
+    this operation's second effect: calls the downstream received without the
+    kit's origin header (made off the request's thread, or by a client not over
+    ``http.client``, such as httpx), and database writes made outside any
+    request while requests were in flight (a thread the view started).
+    ``unattributed_ok=True`` says they are none of this operation's (say, the
+    test called the downstream itself).
 
     The failure message says what was counted, and where.
     """
@@ -113,14 +126,26 @@ def assert_exactly_one(
         if len(completed) != 1:
             problems.append(f"{len(completed)} completed idempotency records for the key, not 1")
 
-    # 2. The view's rows, by the request that committed them.
-    traced = [e for e in db.traced(key, "row") if db.exists(e)]
+    # 2. The view's writes, by the request that committed them.
     executions: dict[str, list[str]] = collections.defaultdict(list)
-    for entry in traced:
+    seen_rows: set[tuple[str, str, tuple[t.Any, ...]]] = set()
+    n_rows = 0
+    for entry in db.traced(key, "row"):
+        # A flush's insert is traced by the mapper and by the engine: one row.
+        identity = (entry.request, entry.table, entry.pk)
+        if identity in seen_rows or not db.exists(entry):
+            continue
+        seen_rows.add(identity)
+        n_rows += 1
         executions[entry.request].append(f"{entry.table} {_pk(entry.columns, entry.pk)}")
+    writes = db.traced(key, "write")
+    for entry in writes:
+        executions[entry.request].append(
+            f"{entry.verb} {entry.table} ({_rowcount(entry.rowcount)})"
+        )
     counted.append(
-        f"rows inserted by requests with the key, in the database now: {len(traced)}, from "
-        f"{len(executions)} execution(s): "
+        f"rows inserted by requests with the key, in the database now: {n_rows}; other "
+        f"committed writes: {len(writes)}; from {len(executions)} execution(s): "
         + "; ".join(f"request {rid}: {', '.join(found)}" for rid, found in executions.items())
     )
     if len(executions) > 1:
@@ -130,8 +155,8 @@ def assert_exactly_one(
         )
     elif not executions and not rows:
         problems.append(
-            "no committed row inserted through the ORM by a request with this key: "
-            "the view did not take effect, or writes with Core (pass rows={Model: {...}})"
+            "no committed write by a request with this key: the view did not take "
+            "effect (or pass rows={Model: {...}} for what it writes)"
         )
     for model, filters in (rows or {}).items():
         n = db.count(model, **filters)
@@ -140,6 +165,19 @@ def assert_exactly_one(
         counted.append(f"{name} rows where {where or 'any'}: {n}")
         if n != 1:
             problems.append(f"{n} {name} rows where {where or 'any'}, not 1")
+    stray = [e for e in db.unattributed() if e.kind != "row" or db.exists(e)]
+    if stray:
+        found = ", ".join(
+            f"{e.verb} {e.table}" + (f" {_pk(e.columns, e.pk)}" if e.pk else "") for e in stray
+        )
+        counted.append(f"writes outside any request, while requests were served: {found}")
+        if not unattributed_ok:
+            problems.append(
+                f"{len(stray)} committed write(s) made outside any request while requests "
+                "were in flight (a thread the view started?): the kit cannot tell which key "
+                "they were for, so it cannot say the operation took effect once (pass "
+                "unattributed_ok=True if they are not this operation's)"
+            )
 
     # 3. Outbox events.
     emitted = [e for e in db.traced(key, "event") if db.exists(e)]
@@ -163,6 +201,7 @@ def assert_exactly_one(
 
     # 4. The downstream.
     if downstream is not None:
+        header = downstream.key_header
         calls = downstream.calls(origin=key)
         by_path: dict[str, set[int]] = collections.defaultdict(set)
         attempts: collections.Counter[str] = collections.Counter()
@@ -174,16 +213,39 @@ def assert_exactly_one(
                 by_path.setdefault(call.path, set())
         for path, effects in sorted(by_path.items()):
             counted.append(
-                f"downstream {path}: {attempts[path]} call(s) for the key, {len(effects)} effect(s)"
+                f"downstream {path}: {attempts[path]} call(s) for the key, {len(effects)} "
+                f"effect(s) (one per distinct {header} value; a call without one is an effect)"
             )
             if len(effects) != 1:
-                problems.append(f"downstream {path}: {len(effects)} effects for the key, not 1")
+                problems.append(
+                    f"downstream {path}: {len(effects)} effects for the key (distinct {header} "
+                    "values), not 1"
+                )
+        orphans = [c for c in downstream.calls() if c.origin is None]
+        if orphans:
+            paths = collections.Counter(c.path for c in orphans)
+            counted.append(
+                "downstream calls without an origin: "
+                + ", ".join(f"{path}: {n}" for path, n in sorted(paths.items()))
+            )
+            if not unattributed_ok:
+                problems.append(
+                    f"the downstream received {len(orphans)} call(s) without {ORIGIN_HEADER} "
+                    "(made off the request's thread, or by a client not over http.client, "
+                    "such as httpx): the kit cannot tell which key they were for, so it "
+                    "cannot say the operation took effect once (pass unattributed_ok=True "
+                    "if they are not this operation's)"
+                )
 
     if problems:
         lines = [f"not exactly one effect for Idempotency-Key {key!r}:"]
         lines += [f"  - {p}" for p in problems]
         lines += ["counted:"] + [f"  {c}" for c in counted]
         raise AssertionError("\n".join(lines))
+
+
+def _rowcount(n: int) -> str:
+    return "rows: unknown" if n < 0 else f"{n} row" + ("" if n == 1 else "s")
 
 
 def _pk(columns: t.Sequence[str], values: t.Sequence[t.Any]) -> str:

@@ -1,11 +1,13 @@
-"""What the served process does for the kit: fault points, the insert trace, and
-the origin header on calls to the fake downstream.
+"""What the served process does for the kit: fault points, the trace of what
+requests commit, and the origin header on calls to the fake downstream.
 
-Everything is installed once per process, globally (SQLAlchemy's ``Session``
-and ``Mapper`` classes, the extension's signals, ``http.client``), so it sees
-whatever sessions and HTTP clients the app uses. No request content drives a
-fault: the test arms it in the control directory, so the fingerprint of the
-request under test is the client's own.
+Everything is installed once per process, globally (SQLAlchemy's ``Engine``,
+``Session`` and ``Mapper`` classes, the extension's signals, ``http.client``),
+so it sees whatever engines, sessions and HTTP clients the app uses. No request
+content drives a fault: the test arms it in the control directory, so the
+fingerprint of the request under test is the client's own.
+
+The trace of writes is :mod:`._trace`'s; this module installs its listeners.
 """
 
 from __future__ import annotations
@@ -16,41 +18,45 @@ import signal
 import sys
 import time
 import typing as t
-import uuid
 
-from flask import current_app, has_request_context, request
+import sqlalchemy as sa
 from sqlalchemy import event, orm
 
 from .. import models, signals
+from . import _trace
 from ._control import ORIGIN_HEADER, Control, TraceEntry
+from ._trace import request_ended, request_started, request_state
 
-#: Where a request keeps its kit state in the WSGI environ.
-_ENVIRON_KEY = "idempotency_kit"
-#: Where a session keeps what it inserted until its transaction ends.
+__all__ = ["install", "request_ended", "request_started"]
+
+#: Where a session keeps the outbox events it inserted until its transaction ends.
 _INFO_KEY = "idempotency_kit.inserted"
-#: The extension's own tables: never the view's side effects.
-_OWN_TABLES = {
-    models.TABLE_NAME,
-    models.JOB_LOCK_TABLE_NAME,
-    models.INBOX_TABLE_NAME,
-}
 #: How long a held request waits to be released, at most.
 _HOLD_LIMIT = 30.0
 
 _control: Control | None = None
 _downstream: tuple[str, int] | None = None
+_installed = False
 
 
 def install(control: Control, downstream: tuple[str, int] | None) -> None:
     """Install the hooks in this process (once; later calls change the targets)."""
-    global _control, _downstream
-    first = _control is None
+    global _control, _downstream, _installed
     _control, _downstream = control, downstream
-    if not first:
+    _trace.use(control)
+    if _installed:
         return
+    _installed = True
     # Registered before anything else of the kit on these events: the trace is
     # written before a kill at the same commit.
-    event.listen(orm.Mapper, "after_insert", _after_insert)
+    event.listen(orm.Mapper, "after_insert", _trace._after_insert)
+    event.listen(sa.Engine, "after_execute", _trace._after_execute)
+    event.listen(sa.Engine, "begin", _trace._forget)
+    event.listen(sa.Engine, "rollback", _trace._forget)
+    event.listen(sa.Engine, "savepoint", _trace._savepoint)
+    event.listen(sa.Engine, "rollback_savepoint", _trace._rollback_savepoint)
+    event.listen(sa.Engine, "commit", _trace._commit)
+    event.listen(sa.Engine, "handle_error", _trace._handle_error)
     event.listen(orm.Session, "do_orm_execute", _orm_execute)
     event.listen(orm.Session, "after_commit", _after_commit)
     event.listen(orm.Session, "after_rollback", _after_rollback)
@@ -60,69 +66,14 @@ def install(control: Control, downstream: tuple[str, int] | None) -> None:
     _patch_http_client()
 
 
-# -- the request ---------------------------------------------------------------
-
-
-def _state() -> dict[str, t.Any] | None:
-    """This request's kit state (its id, key and commit counts), or ``None``
-    outside a request."""
-    if not has_request_context():
-        return None
-    environ = request.environ
-    state = environ.get(_ENVIRON_KEY)
-    if state is None:
-        state = {"id": uuid.uuid4().hex[:12], "key": _request_key(), "commits": 0, "before": 0}
-        environ[_ENVIRON_KEY] = state
-    return t.cast(dict[str, t.Any], state)
-
-
-def _request_key() -> str | None:
-    """The request's Idempotency-Key as the extension reads it: the bare form
-    or an RFC 8941 string (``"..."``), both naming the same key."""
-    header = current_app.config.get("IDEMPOTENCY_HEADER") or "Idempotency-Key"
-    raw = request.headers.get(header)
-    if raw is None:
-        return None
-    raw = raw.strip()
-    if len(raw) >= 2 and raw.startswith('"') and raw.endswith('"'):
-        raw = raw[1:-1].replace('\\"', '"').replace("\\\\", "\\")
-    return raw or None
-
-
 def _kill(fault: str) -> None:
     sys.stderr.write(f"idempotency kit: fault {fault} fired, SIGKILL pid {os.getpid()}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-# -- the trace of inserts ------------------------------------------------------
-
-
-def _pending(session: orm.Session) -> list[TraceEntry]:
+def _pending_events(session: orm.Session) -> list[TraceEntry]:
     return t.cast(list[TraceEntry], session.info.setdefault(_INFO_KEY, []))
-
-
-def _after_insert(mapper: orm.Mapper[t.Any], connection: t.Any, target: t.Any) -> None:
-    state = _state()
-    session = orm.object_session(target)
-    if state is None or state["key"] is None or session is None:
-        return
-    columns = list(mapper.primary_key)
-    table = columns[0].table
-    name = getattr(table, "fullname", getattr(table, "name", ""))
-    if name in _OWN_TABLES or name == models.OUTBOX_TABLE_NAME:
-        return
-    _pending(session).append(
-        TraceEntry(
-            request=state["id"],
-            key=state["key"],
-            kind="row",
-            table=name,
-            columns=tuple(c.name for c in columns),
-            pk=tuple(mapper.primary_key_from_instance(target)),
-            pid=os.getpid(),
-        )
-    )
 
 
 def _orm_execute(execute_state: orm.ORMExecuteState) -> None:
@@ -133,7 +84,7 @@ def _orm_execute(execute_state: orm.ORMExecuteState) -> None:
     table = getattr(statement, "table", None)
     if getattr(table, "name", None) != models.OUTBOX_TABLE_NAME:
         return
-    state = _state()
+    state = request_state()
     if state is None or state["key"] is None:
         return
     session = execute_state.session
@@ -141,7 +92,7 @@ def _orm_execute(execute_state: orm.ORMExecuteState) -> None:
     event_id = next((v for k, v in params.items() if k.startswith("event_id")), None)
     if event_id is None:
         return
-    _pending(session).append(
+    _pending_events(session).append(
         TraceEntry(
             request=state["id"],
             key=state["key"],
@@ -158,7 +109,7 @@ def _after_commit(session: orm.Session) -> None:
     entries = session.info.pop(_INFO_KEY, None)
     if entries and _control is not None:
         _control.append_trace(entries)
-    state = _state()
+    state = request_state()
     if state is None or _control is None:
         return
     state["commits"] += 1
@@ -176,7 +127,7 @@ def _after_rollback(session: orm.Session) -> None:
 
 
 def _before_commit(session: orm.Session) -> None:
-    state = _state()
+    state = request_state()
     if state is None or _control is None:
         return
     state["before"] += 1
@@ -243,7 +194,7 @@ def _patch_http_client() -> None:
     def putrequest(self: http.client.HTTPConnection, *args: t.Any, **kwargs: t.Any) -> None:
         original_putrequest(self, *args, **kwargs)
         if _aimed_at_downstream(self):
-            state = _state()
+            state = request_state()
             if state is not None and state["key"] is not None:
                 self.putheader(ORIGIN_HEADER, state["key"])
 

@@ -5,7 +5,9 @@ It stands between an app and its real database, so a test can produce the
 failures a network or a database restart produces, on real sockets:
 
 * :meth:`TcpProxy.cut`: every connection is closed and new ones are refused
-  (the database restarting, or a firewall rejecting);
+  (the database restarting, or a firewall rejecting); the port stays the
+  proxy's meanwhile (bound, not listening), so nothing else can take it and
+  the database always comes back on it;
 * :meth:`TcpProxy.blackhole`: connections are accepted and kept, but nothing is
   forwarded either way (a network partition: requests hang, nothing fails);
 * :meth:`TcpProxy.heal`: forwarding resumes; connections held by the blackhole
@@ -76,6 +78,8 @@ class TcpProxy:
         self._hold: float | None = None
         self._listener: socket.socket | None = self._listen(0)
         self.port: int = self._listener.getsockname()[1]
+        # While cut: the port, bound and not listening (connects are refused).
+        self._placeholder: socket.socket | None = None
         self.accepted = 0  # connections accepted, ever
         self.cuts = 0  # times cut() ran
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="proxy")
@@ -97,6 +101,10 @@ class TcpProxy:
             self.cuts += 1
             self._flowing.clear()
             if self._listener is not None:
+                # Hold the port before the listener goes: no moment where
+                # another socket could bind it (SO_REUSEPORT lets the two share).
+                if self._placeholder is None and not self._stopped:
+                    self._placeholder = self._hold_port()
                 self._listener.close()  # a connect now gets ECONNREFUSED
                 self._listener = None
             connections, self._connections = self._connections, []
@@ -148,6 +156,8 @@ class TcpProxy:
     def close(self) -> None:
         self._stopped = True
         self.cut()
+        with self._lock:
+            self._release_port()
         self._flowing.set()  # release threads still waiting to forward
         self._acceptor.join(5)
 
@@ -159,16 +169,50 @@ class TcpProxy:
 
     # -- machinery -------------------------------------------------------------
 
-    def _listen(self, port: int) -> socket.socket:
+    @staticmethod
+    def _socket() -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(128)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        return sock
+
+    def _listen(self, port: int) -> socket.socket:
+        sock = self._socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
         sock.settimeout(0.05)
         return sock
 
+    def _hold_port(self) -> socket.socket | None:
+        """A socket bound to the proxy's port, not listening; ``None`` where the
+        platform cannot share a port (no SO_REUSEPORT): the port is free then."""
+        if not hasattr(socket, "SO_REUSEPORT"):
+            return None
+        sock = self._socket()
+        try:
+            sock.bind(("127.0.0.1", self.port))
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _release_port(self) -> None:
+        placeholder, self._placeholder = self._placeholder, None
+        if placeholder is not None:
+            placeholder.close()
+
     def _ensure_listening(self) -> None:
         if self._listener is not None:
+            return
+        if self._placeholder is not None:
+            # Listen next to the placeholder, then let it go.
+            self._listener = self._listen(self.port)
+            self._release_port()
             return
         # The same port again: the app's URL names it. SO_REUSEADDR lets the
         # bind through while closed connections linger in TIME_WAIT.

@@ -2,7 +2,8 @@
 installs the kit's hooks, and serves it.
 
 gunicorn: ``gunicorn 'flask_idempotency.testing._serve:create()'``; werkzeug's
-threaded server: ``python -m flask_idempotency.testing._serve``. The kit sets
+threaded server: ``python -m flask_idempotency.testing._serve`` (the kit starts
+both through :mod:`._launch`, which ties the server to the test process). The kit sets
 ``IDEMPOTENCY_KIT_APP`` (the import string), ``IDEMPOTENCY_KIT_CONFIG`` (the app's
 config as JSON), ``IDEMPOTENCY_KIT_CONTROL`` (the control directory),
 ``IDEMPOTENCY_KIT_DOWNSTREAM`` (``host:port`` of the fake downstream) and, for
@@ -18,7 +19,7 @@ import typing as t
 
 from flask import Flask
 
-from . import _hooks
+from . import _hooks, _lifeline
 from ._app import load_app
 from ._control import (
     APP_ENV,
@@ -34,7 +35,9 @@ WSGIApp = t.Callable[[dict[str, t.Any], t.Callable[..., t.Any]], t.Iterable[byte
 
 
 class _ReadyProbe:
-    """Answers the kit's readiness probe itself, never reaching the app."""
+    """Answers the kit's readiness probe itself, never reaching the app; counts
+    the requests in flight (a write off any request's thread meanwhile is one
+    the kit cannot attribute)."""
 
     def __init__(self, app: WSGIApp) -> None:
         self.app = app
@@ -43,11 +46,18 @@ class _ReadyProbe:
         if environ.get("PATH_INFO") == READY_PATH:
             start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "5")])
             return [b"ready"]
-        return self.app(environ, start_response)
+        _hooks.request_started()
+        try:
+            return self.app(environ, start_response)
+        finally:
+            _hooks.request_ended()
 
 
 def create() -> Flask:
     """The app, built from the environment, with the kit's hooks installed."""
+    # A gunicorn worker dies with its main process (which dies with the test
+    # process); under werkzeug this is the main process, tied already.
+    _lifeline.die_with_parent()
     control = Control(os.environ[CONTROL_ENV])
     downstream = None
     if os.environ.get(DOWNSTREAM_ENV):

@@ -22,6 +22,7 @@ from ._control import (
     CONFIG_ENV,
     CONTROL_ENV,
     DOWNSTREAM_ENV,
+    PARENT_ENV,
     PORT_ENV,
     READY_PATH,
     Control,
@@ -90,7 +91,10 @@ class ServedApp:
 
     ``server`` is ``"gunicorn"`` (gthread workers: ``workers`` x ``threads``) or
     ``"werkzeug"`` (one threaded process). Its output goes to the control
-    directory's ``server.log`` (:meth:`logs`), across restarts.
+    directory's ``server.log`` (:meth:`logs`), across restarts. On Linux the
+    server dies with the thread that started it (:meth:`start`, :meth:`restart`:
+    call them from the test's thread), so a test process killed before its
+    teardown leaves no server behind.
     """
 
     def __init__(
@@ -125,11 +129,11 @@ class ServedApp:
     # -- the process -----------------------------------------------------------
 
     def _command(self) -> list[str]:
+        launch = [sys.executable, "-m", "flask_idempotency.testing._launch"]
         if self.server == "werkzeug":
-            return [sys.executable, "-m", "flask_idempotency.testing._serve"]
+            return [*launch, "werkzeug"]
         return [
-            sys.executable,
-            "-m",
+            *launch,
             "gunicorn",
             "--bind",
             f"127.0.0.1:{self.port}",
@@ -165,6 +169,7 @@ class ServedApp:
             CONFIG_ENV: jsonlib.dumps(self.config),
             CONTROL_ENV: str(self.control.root),
             PORT_ENV: str(self.port),
+            PARENT_ENV: str(os.getpid()),
         }
         if self.downstream:
             env[DOWNSTREAM_ENV] = self.downstream
@@ -186,7 +191,9 @@ class ServedApp:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # one process group: stopped as a whole
+                # One process group: stopped as a whole. Killed with the test
+                # process too (_lifeline), which a session of its own escapes.
+                start_new_session=True,
             )
         deadline = time.monotonic() + START_TIMEOUT
         while True:

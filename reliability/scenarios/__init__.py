@@ -10,7 +10,7 @@ import importlib
 import types
 
 #: Module names under ``reliability.scenarios``, in run order.
-ALL = ["kills", "soak", "hosts", "chain"]
+ALL = ["kills", "nginx", "pg_restart", "soak", "hosts", "chain", "badinput", "memory"]
 
 
 def load(name: str) -> types.ModuleType:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+import flask_idempotency_pytest as kit_plugin
 from flask_idempotency.testing import Database
-from flask_idempotency.testing import plugin as kit_plugin
 from flask_idempotency.testing._control import Control
 
 APP = """
