@@ -374,6 +374,10 @@ class Phased:
     during: list[Op]
     seconds: float  # the action's time
     result: t.Any  # what the action returned
+    #: The baseline's two halves: before the action, and after it (where its
+    #: aftermath, say vacuum of what it deleted, lands).
+    before: list[Op] = dataclasses.field(default_factory=list)
+    after: list[Op] = dataclasses.field(default_factory=list)
 
     def figures(self) -> dict[str, t.Any]:
         base, during = summary(self.baseline), summary(self.during)
@@ -401,8 +405,9 @@ def under_writers(writers: Writers, action: t.Callable[[], t.Any], quiet: float)
         raise RuntimeError(f"{len(failed)} writers' operations failed")
     hit = during.ops(ops)
     hit_ids = {id(op) for op in hit}
-    baseline = [op for op in before.ops(ops) + after.ops(ops) if id(op) not in hit_ids]
-    return Phased(baseline, hit, during.end - during.start, result)
+    first = [op for op in before.ops(ops) if id(op) not in hit_ids]
+    last = [op for op in after.ops(ops) if id(op) not in hit_ids]
+    return Phased(first + last, hit, during.end - during.start, result, first, last)
 
 
 def wait_backends_gone(url: str, application_name: str, within: float = 30) -> None:

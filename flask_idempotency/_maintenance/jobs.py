@@ -51,6 +51,23 @@ class PurgeReport:
         return text
 
 
+def _in_batches(
+    delete: t.Callable[[], int], size: int, keep_going: KeepGoing
+) -> tuple[int, int, bool]:
+    """Run ``delete`` (one batch in its own transaction; the number it deleted)
+    until a batch comes back short or ``keep_going()`` says stop: rows deleted,
+    batches, and whether to go on."""
+    deleted = batches = 0
+    while True:
+        count = delete()
+        batches += 1
+        deleted += count
+        if count < size:
+            return deleted, batches, True
+        if not keep_going():
+            return deleted, batches, False
+
+
 def purge_expired(
     app: Flask | None = None,
     *,
@@ -64,7 +81,8 @@ def purge_expired(
     run at once: on PostgreSQL each skips the rows another holds. Stops when a
     batch comes back short, or when ``keep_going()`` says so (the scheduler's
     lock renewal). ``dry_run`` only counts. ``batch_size`` defaults to
-    ``IDEMPOTENCY_PURGE_BATCH``. Expired ids of the inbox
+    ``IDEMPOTENCY_PURGE_BATCH``. Each batch starts at the latest expiry the
+    previous one deleted. Expired ids of the inbox
     (:mod:`flask_idempotency.inbox`) are deleted the same way, after the
     records, and then outbox events published more than
     ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
@@ -95,34 +113,34 @@ def purge_expired(
                         conn, outbox, outbox_cutoff()
                     )
             return report
-        going = True
-        while True:
+        # Where the previous batch ended (its latest expires_at): the next one
+        # starts there, not at the oldest entry of the expires_at index, which
+        # still holds those of the records deleted so far until vacuum.
+        after: list[dt.datetime | None] = [None]
+
+        def records() -> int:
             with engine.begin() as conn:
-                deleted = state.store.purge_batch(conn, state.clock(), size)
-            report.batches += 1
-            report.deleted += deleted
-            if deleted < size:
-                break
-            if not keep_going():
-                going = False
-                break
-        while has_inbox and going:
+                batch = state.store.purge_batch(conn, state.clock(), size, after=after[0])
+            after[0] = batch.last
+            return batch.rows
+
+        def inbox_ids() -> int:
             with engine.begin() as conn:
-                deleted = inbox.purge_batch(conn, state.clock(), size)
-            report.inbox_batches += 1
-            report.inbox_deleted += deleted
-            if deleted < size:
-                break
-            if not keep_going():
-                going = False
-                break
-        while has_outbox and going:
+                return inbox.purge_batch(conn, state.clock(), size)
+
+        def published() -> int:
             with engine.begin() as conn:
-                deleted = outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(), size)
-            report.outbox_batches += 1
-            report.outbox_deleted += deleted
-            if deleted < size or not keep_going():
-                break
+                return outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(), size)
+
+        report.deleted, report.batches, going = _in_batches(records, size, keep_going)
+        if has_inbox and going:
+            report.inbox_deleted, report.inbox_batches, going = _in_batches(
+                inbox_ids, size, keep_going
+            )
+        if has_outbox and going:
+            report.outbox_deleted, report.outbox_batches, going = _in_batches(
+                published, size, keep_going
+            )
     if report.deleted or report.inbox_deleted or report.outbox_deleted:
         logger.info("cleanup: %s", report)
     return report

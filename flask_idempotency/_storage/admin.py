@@ -14,7 +14,7 @@ import typing as t
 
 import sqlalchemy as sa
 
-from .dialects import dialect_for
+from .dialects import Deleted, dialect_for
 from .execute import Statements
 from .schema import IN_PROGRESS, Record, as_utc
 from .sql import changed_one, expired, lease_over, returning, text_param
@@ -63,8 +63,25 @@ class OperatorQueries(Statements):
         )
         return self._deleted_one(conn, stmt)
 
-    def purge_batch(self, conn: sa.Connection, now: dt.datetime, limit: int) -> int:
-        """Delete up to ``limit`` expired records in one statement; the number deleted.
+    def purge_batch(
+        self,
+        conn: sa.Connection,
+        now: dt.datetime,
+        limit: int,
+        *,
+        after: dt.datetime | None = None,
+    ) -> Deleted:
+        """Delete up to ``limit`` expired records in one statement, oldest
+        ``expires_at`` first; the number deleted and the latest ``expires_at``
+        among them (``None`` where the engine cannot say, see
+        :meth:`.Dialect.delete_batch`).
+
+        ``after``: only records expiring at or after it, the previous batch's
+        latest (``>=``: records sharing that time, left over by the batch's
+        limit, are still found). The batch's index scan then starts where the
+        previous one ended instead of walking, on PostgreSQL, the index
+        entries of every record the run's earlier batches deleted (they stay
+        until vacuum) from the oldest on.
 
         Where the engine has it (PostgreSQL, MySQL 8, MariaDB 10.6), the batch is
         chosen ``FOR UPDATE SKIP LOCKED``: rows another cleaner (or a request
@@ -79,7 +96,9 @@ class OperatorQueries(Statements):
         gone = expired(c, now)
         key = [c.scope, c.key]
         batch = sa.select(*key).where(*gone).order_by(c.expires_at).limit(limit)
-        return dialect.delete_batch(conn, self.table, key, batch, *gone)
+        if after is not None:
+            batch = batch.where(c.expires_at >= after)
+        return dialect.delete_batch(conn, self.table, key, batch, *gone, last=c.expires_at)
 
     def count_expired(self, conn: sa.Connection, now: dt.datetime) -> int:
         """How many records are past their retention and await cleanup."""

@@ -115,7 +115,7 @@ def purge_batch(conn: sa.Connection, now: dt.datetime, limit: int) -> int:
     gone = _C.expires_at <= now
     key = [_C.consumer, _C.event_id]
     batch = sa.select(*key).where(gone).order_by(_C.expires_at).limit(limit)
-    return dialect_of(conn).delete_batch(conn, _TABLE, key, batch, gone)
+    return dialect_of(conn).delete_batch(conn, _TABLE, key, batch, gone).rows
 
 
 def count_expired(conn: sa.Connection, now: dt.datetime) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from .base import READY, Dialect, Executor, Verdict, millis
+from .base import READY, Deleted, Dialect, Executor, Verdict, millis
 from .mysql import MySQL
 from .postgresql import PostgreSQL, idle_bound
 from .sqlite import SQLite
@@ -22,6 +22,7 @@ from .sqlite import SQLite
 __all__ = [
     "DIALECTS",
     "READY",
+    "Deleted",
     "Dialect",
     "Executor",
     "MySQL",

@@ -39,6 +39,20 @@ class Verdict(t.NamedTuple):
 READY = Verdict()
 
 
+class Deleted(t.NamedTuple):
+    """What one batch of :meth:`Dialect.delete_batch` deleted."""
+
+    rows: int
+    #: The largest value of the batch's ``last`` column among the rows it
+    #: deleted (or, where the batch is read first, chose); ``None`` when none,
+    #: when not asked, or where the engine cannot say.
+    last: t.Any = None
+
+
+def _listed(column: sa.ColumnElement[t.Any] | None) -> list[sa.ColumnElement[t.Any]]:
+    return [] if column is None else [column]
+
+
 def write_nothing(conn: sa.Connection, table: sa.Table) -> Verdict:
     """The server's own verdict on the claim's write: it refuses this write
     exactly as it would refuse the claim (so a user allowed to write on a
@@ -120,26 +134,38 @@ class Dialect:
         key: t.Sequence[sa.ColumnElement[t.Any]],
         batch: sa.Select[t.Any],
         *conditions: sa.ColumnElement[bool],
-    ) -> int:
+        last: sa.ColumnElement[t.Any] | None = None,
+    ) -> Deleted:
         """Delete the rows ``batch`` chooses (a select of the ``key`` columns,
         ordered and limited) that still meet ``conditions``, in ``conn``'s
-        transaction; the number deleted.
+        transaction; the number deleted and, with ``last`` (the column
+        ``batch`` is ordered by), its largest value among them.
 
         Where :attr:`skip_locked`, the batch is chosen ``FOR UPDATE SKIP
         LOCKED``: rows another deleter (or a writer) holds are skipped, so
         deleters never wait on each other. Where :attr:`limit_in_subquery`,
-        one ``DELETE ... WHERE (key) IN (batch)``; elsewhere the batch is read
-        (and locked) first, then deleted by its keys.
+        one ``DELETE ... WHERE (key) IN (batch)``, ``RETURNING last`` where the
+        engine returns rows from a ``DELETE`` (elsewhere ``last`` is not known:
+        ``None``); elsewhere the batch, with ``last``, is read (and locked)
+        first, then deleted by its keys (``last``: the largest read).
         """
         if self.skip_locked:
             batch = batch.with_for_update(skip_locked=True)
         pair = sa.tuple_(*key)
         if self.limit_in_subquery:
-            return int(conn.execute(sa.delete(table).where(pair.in_(batch), *conditions)).rowcount)
-        keys = [tuple(row) for row in conn.execute(batch)]
-        if not keys:
-            return 0
-        return int(conn.execute(sa.delete(table).where(pair.in_(keys), *conditions)).rowcount)
+            stmt = sa.delete(table).where(pair.in_(batch), *conditions)
+            if last is None or not self.returns_rows(conn.dialect, stmt):
+                return Deleted(int(conn.execute(stmt).rowcount))
+            values = conn.execute(stmt.returning(last)).scalars().all()
+            return Deleted(len(values), max(values, default=None))
+        rows = [tuple(row) for row in conn.execute(batch.add_columns(*_listed(last)))]
+        if not rows:
+            return Deleted(0)
+        width = len(key)
+        keys = [row[:width] for row in rows]
+        largest = max((row[width] for row in rows), default=None) if last is not None else None
+        deleted = conn.execute(sa.delete(table).where(pair.in_(keys), *conditions)).rowcount
+        return Deleted(int(deleted), largest)
 
     def lock_writers(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
         """Take the database's one write lock now, where the engine has one for

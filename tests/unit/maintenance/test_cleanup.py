@@ -15,7 +15,7 @@ from flask import Flask
 from flask_idempotency import signals
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._maintenance.scheduler import JobScheduler
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
 from tests.support import testapp
 from tests.support.flow import abandon, post
 from tests.support.records import cli, keys, make_records
@@ -48,6 +48,52 @@ def test_purge_works_in_batches_and_keeps_live_records(app: Flask, clock: Clock)
     assert report.deleted == 31  # 25 + 5 + the stuck one: all past expiry now
     assert report.batches == 4
     assert keys(app) == {"new0", "new1", "new2"}
+
+
+def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(app: Flask, clock: Clock) -> None:
+    """Each batch starts at the previous one's latest ``expires_at`` (``>=``):
+    records sharing an expiry across a batch boundary are all deleted, a record
+    past its retention whose lease still runs and a live one are kept, and the
+    next run starts from the oldest again (the bound lasts one run)."""
+    early, tied = clock.now - dt.timedelta(hours=3), clock.now - dt.timedelta(hours=2)
+
+    def row(key: str, expires: dt.datetime, **columns: t.Any) -> dict[str, t.Any]:
+        values = {
+            "scope": "bulk",
+            "key": key,
+            "request_hash": "h",
+            "status": "completed",
+            "fencing_token": 1,
+            "response_code": 201,
+            "body_omitted": False,
+            "created_at": clock.now - dt.timedelta(days=1),
+            "expires_at": expires,
+            "locked_until": None,
+        }
+        return {**values, **columns}  # the same columns in every row (one executemany)
+
+    leased = row(
+        "leased",
+        tied,
+        status="in_progress",
+        response_code=None,
+        locked_until=clock.now + dt.timedelta(minutes=10),
+    )
+    rows = [
+        *(row(f"early{i}", early) for i in range(3)),
+        *(row(f"tied{i}", tied) for i in range(7)),
+        leased,
+        row("live", clock.now + dt.timedelta(hours=1)),
+    ]
+    with app.app_context(), testapp.db.engine.begin() as conn:
+        insert_records(conn, rows)
+    report = purge_expired(app, batch_size=4)
+    # Batches of 4: three early and a tie, four ties, the last two ties.
+    assert (report.deleted, report.batches) == (10, 3)
+    assert keys(app) == {"leased", "live"}
+    clock.advance(minutes=11)  # the lease ended: the next run, from the oldest, finds it
+    assert purge_expired(app, batch_size=4).deleted == 1
+    assert keys(app) == {"live"}
 
 
 def test_purge_dry_run_counts_and_deletes_nothing(app: Flask, clock: Clock) -> None:

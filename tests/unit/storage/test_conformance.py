@@ -28,6 +28,7 @@ from flask_idempotency._storage import (
     COMPLETED,
     IN_PROGRESS,
     Store,
+    as_utc,
     database_now,
     drivers,
     new_fencing_token,
@@ -234,10 +235,50 @@ def test_purge_deletes_expired_records_and_nothing_else(impl: Impl) -> None:
         claimed(impl, values)
     with impl.engine.begin() as conn:
         assert impl.store.count_expired(conn, now) == 3
-        assert impl.store.purge_batch(conn, now, limit=2) == 2
-        assert impl.store.purge_batch(conn, now, limit=2) == 1
-        assert impl.store.purge_batch(conn, now, limit=2) == 0
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 2
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 1
+        assert impl.store.purge_batch(conn, now, limit=2).rows == 0
     assert set(impl.rows()) == {still_leased["key"], live["key"]}
+
+
+def test_purge_batches_resume_at_the_last_expiry_without_skipping_ties(impl: Impl) -> None:
+    """Each batch reports the latest ``expires_at`` it deleted; the next, given it
+    as ``after``, starts there (``>=``), so records sharing that time that the
+    limit left over are still deleted, and nothing live or leased is."""
+    now = now_ms()
+    early, tied = now - 72 * HOUR, now - 48 * HOUR
+
+    def expiring(at: dt.datetime, lease_ends: dt.datetime) -> dict[str, t.Any]:
+        created = at - 24 * HOUR  # record_values keeps records a day
+        return record_values(new_key(), created, lease=lease_ends - created)
+
+    first = expiring(early, now - HOUR)
+    ties = [expiring(tied, now - HOUR) for _ in range(4)]
+    leased = expiring(tied, now + HOUR)  # past its retention, its lease runs
+    live = record_values(new_key(), now)  # expires in a day
+    for values in (first, *ties, leased, live):
+        claimed(impl, values)
+    counts, lasts, after = [], [], None
+    with impl.engine.begin() as conn:
+        for _ in range(5):  # bounded: 5 records to delete, 2 a batch
+            batch = impl.store.purge_batch(conn, now, 2, after=after)
+            counts.append(batch.rows)
+            lasts.append(as_utc(batch.last))
+            if batch.rows < 2:
+                break
+            after = batch.last
+    assert counts == [2, 2, 1]  # the first and a tie, two ties, the last tie
+    assert lasts == [tied, tied, tied]
+    assert set(impl.rows()) == {leased["key"], live["key"]}
+    late = expiring(early, now - HOUR)
+    claimed(impl, late)
+    with impl.engine.begin() as conn:
+        # A batch bounded past a record's expiry leaves it (the next run finds it).
+        assert impl.store.purge_batch(conn, now, 2, after=tied).rows == 0
+        assert impl.store.purge_batch(conn, now, 2).rows == 1
+        empty = impl.store.purge_batch(conn, now, 2)
+    assert (empty.rows, empty.last) == (0, None)
+    assert set(impl.rows()) == {leased["key"], live["key"]}
 
 
 def test_abandoned_records_are_found_and_released(impl: Impl) -> None:
