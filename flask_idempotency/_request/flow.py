@@ -160,7 +160,11 @@ class Flow:
             # What the record holds as committed: nothing yet, unless the
             # claim commits before the view (a leased route).
             lease_end=outcome.stamped_at + settings.lease if route.commit_claim else None,
-            failure_answer=lambda: failure_answer(self),
+            # A view's commit on a route whose claim rides in its transaction makes
+            # the operation happened: it stores the failure that settles the record
+            # should the request never finish. A leased route's view is written to
+            # resume after a crash (steps), so its record is reclaimed instead.
+            failure_answer=None if route.commit_claim else (lambda: failure_answer(self)),
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
 
