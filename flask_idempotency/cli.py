@@ -62,7 +62,7 @@ from ._context import resolve_app
 from ._maintenance import runner
 from ._maintenance.jobs import purge_expired, recover_abandoned
 from ._messaging.admin import outbox_stats, purge_published, retry_parked
-from ._storage import inbox
+from ._storage import OVERRIDABLE, Hold, inbox, release_verdict
 from ._storage.schema import OUTBOX_TABLE_NAME, inbox_table, outbox_table
 
 __all__ = ["idempotency_cli"]
@@ -187,47 +187,79 @@ def show(scope: str, key: str) -> None:
     )
 
 
+def _refuse_force(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        raise click.BadParameter(
+            "--force is gone: a completed record, or one whose view committed, is a "
+            "committed outcome and is never released; name what to override instead "
+            "(--override live-lease, --override recovery-points)",
+            ctx,
+            param,
+        )
+    return value
+
+
 @_command("release")
 @click.argument("scope", callback=scope_argument)
 @click.argument("key", callback=key_argument)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--force", is_flag=True, help="Also release a completed record.")
-def release(scope: str, key: str, yes: bool, force: bool) -> None:
-    """Delete a stuck record so the next retry with this key runs the view again."""
+@click.option(
+    "--override",
+    "overrides",
+    multiple=True,
+    type=click.Choice(sorted(hold.value for hold in OVERRIDABLE)),
+    help=(
+        "Release the record although this holds it (repeat for both): live-lease (the "
+        "operation is running now: its holder is cut off and a retry runs it again) or "
+        "recovery-points (the retry starts afresh instead of resuming after its "
+        "finished steps). A committed outcome is never overridden."
+    ),
+)
+@click.option("--force", is_flag=True, hidden=True, expose_value=False, callback=_refuse_force)
+def release(scope: str, key: str, yes: bool, overrides: tuple[str, ...]) -> None:
+    """Delete a stuck record so the next retry with this key runs the view again.
+
+    Refused (exit 1, saying why) for what the lease-recovery job refuses too: a
+    record under a live lease, one holding recovery points (unless you
+    --override them), and a committed outcome: a completed record, or one
+    whose view committed work of its own (never). An expired record is
+    released whatever it holds: requests already treat it as absent.
+    """
     record = _load(scope, key)
-    if record.status != "in_progress" and not force:
-        raise CommandError(
-            f"the record is {record.status}: releasing it lets the operation run again. "
-            "Use --force if that is what you want."
-        )
+    state = _cli.current_state()
+    held = frozenset(Hold(value) for value in overrides)
+    verdict = release_verdict(record, state.clock(), held)
+    if not verdict.allowed:
+        raise CommandError(f"not released: {verdict.reason}")
     if not yes:
+        overriding = f", {verdict.reason}" if verdict.overridden else ""
         click.confirm(
-            f"Release {record.status} record {key!r} in scope {scope!r}? "
+            f"Release {record.status} record {key!r} in scope {scope!r}{overriding}? "
             "A retry with this key will run the view again",
             abort=True,
         )
-    state = _cli.current_state()
     with state.db.engine.begin() as conn:
-        # Only the record shown: if it completed, or a new operation took the key,
-        # while the operator read the prompt, it is left alone.
-        deleted = state.store.delete_record(
-            conn,
-            scope,
-            key,
-            token=record.fencing_token,
-            status=None if force else record.status,
-        )
+        # Only the record shown, and only if the rule still lets it go: if it
+        # completed, a step was saved, or a new operation took the key while
+        # the operator read the prompt, it is left alone.
+        deleted = state.store.delete_releasable(conn, record, state.clock(), held)
     if deleted:
-        _cli.report("released")
+        _cli.report(f"released, {verdict.reason}" if verdict.overridden else "released")
         return
     now = state.store.load_committed(state.db.engine, scope, key)
     if now is None:
         _cli.report("already gone")
-    else:
-        raise CommandError(
-            f"the record changed while you confirmed (now {now.status}); nothing was "
-            "released. Look again with 'show'."
-        )
+        return
+    if now.fencing_token == record.fencing_token:
+        again = release_verdict(now, state.clock(), held)
+        if not again.allowed:
+            raise CommandError(
+                f"the record changed while you confirmed; not released: {again.reason}"
+            )
+    raise CommandError(
+        f"the record changed while you confirmed (now {now.status}); nothing was "
+        "released. Look again with 'show'."
+    )
 
 
 @_command("list")

@@ -13,7 +13,14 @@ from flask import Flask
 from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
-from .._storage import IN_PROGRESS, OUTBOX_TABLE_NAME, Record, inbox, outbox_table
+from .._storage import (
+    IN_PROGRESS,
+    OUTBOX_TABLE_NAME,
+    Record,
+    inbox,
+    outbox_table,
+    release_verdict,
+)
 from .._storage import outbox as outbox_sql
 
 logger = logging.getLogger("flask_idempotency")
@@ -252,8 +259,13 @@ def recover_abandoned(
                     if record.recoverable
                     else record
                 )
-                released = current is not None and state.store.release_abandoned(
-                    conn, current, state.clock()
+                # The rule every entry point follows (the CLI's release too):
+                # never a live lease, recovery points or a committed outcome.
+                now = state.clock()
+                released = (
+                    current is not None
+                    and release_verdict(current, now).allowed
+                    and state.store.delete_releasable(conn, current, now)
                 )
             if released:
                 report.released += 1

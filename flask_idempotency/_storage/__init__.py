@@ -23,7 +23,8 @@ What the layers above may rely on:
   portable statements.
 
 Inside: :mod:`.store` (a request's claim), :mod:`.held` (a holder's fenced
-statements), :mod:`.admin` (the jobs' and the operator's), :mod:`.locks` (job
+statements), :mod:`.admin` (the jobs' and the operator's), :mod:`.holds` (what keeps a
+record from being released: the one rule every entry point follows), :mod:`.locks` (job
 locks), :mod:`.outbox`, :mod:`.inbox` and :mod:`.notify` (the messaging
 tables' statements, the relay's wake-up channel), :mod:`.readiness` (the
 readiness probe's), :mod:`.schema` (the tables and the record as read),
@@ -38,6 +39,7 @@ from __future__ import annotations
 from . import dberrors
 from .dialects import Executor, idle_bound
 from .held import answer_values
+from .holds import OVERRIDABLE, Hold, Verdict, release_verdict
 from .locks import JobLocks, new_holder_id
 from .schema import (
     COMPLETED,
@@ -73,11 +75,14 @@ __all__ = [
     "JOB_LOCK_TABLE_NAME",
     "MYSQL_DIALECTS",
     "OUTBOX_TABLE_NAME",
+    "OVERRIDABLE",
     "TABLE_NAME",
     "Executor",
+    "Hold",
     "JobLocks",
     "Record",
     "Store",
+    "Verdict",
     "answer_values",
     "as_utc",
     "changed_one",
@@ -93,6 +98,7 @@ __all__ = [
     "outbox_table",
     "record_table",
     "refuse_autocommit",
+    "release_verdict",
     "returning",
     "text_param",
 ]

@@ -2,9 +2,10 @@
 
 Cleanup (:meth:`OperatorQueries.purge_batch`), the lease recovery job's
 (:meth:`~OperatorQueries.find_abandoned`,
-:meth:`~OperatorQueries.release_abandoned`), and what the CLI shows and
-deletes. Each runs on a connection of its caller's, in its transaction; none
-holds locks longer than its one statement's batch.
+:meth:`~OperatorQueries.delete_releasable`), and what the CLI shows and
+deletes: a record is deleted only as :mod:`.holds` allows. Each runs on a
+connection of its caller's, in its transaction; none holds locks longer than
+its one statement's batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sqlalchemy as sa
 
 from .dialects import Deleted, dialect_for
 from .execute import Statements
+from .holds import Hold, releasable
 from .schema import IN_PROGRESS, Record, as_utc
 from .sql import changed_one, expired, lease_over, returning, text_param
 
@@ -47,19 +49,25 @@ class OperatorQueries(Statements):
         )
         return [Record.from_row(row) for row in conn.execute(stmt)]
 
-    def release_abandoned(self, conn: sa.Connection, record: Record, now: dt.datetime) -> bool:
-        """Delete an abandoned record, unless someone reclaimed it since it was read
-        or it holds recovery points (a retry resumes after its finished steps)."""
+    def delete_releasable(
+        self,
+        conn: sa.Connection,
+        record: Record,
+        now: dt.datetime,
+        overrides: t.Collection[Hold] = (),
+    ) -> bool:
+        """Delete ``record`` (as read: its fencing token) if it may still be
+        released at ``now`` (:func:`.holds.releasable`, overriding only
+        ``overrides``); whether it did. A record that a request reclaimed or
+        replaced since it was read (a new token), or that a hold took since
+        (it completed, its view committed, a lease was renewed, a step was
+        saved), is left alone: the statement re-checks the rule itself."""
         c = self.table.c
         stmt = sa.delete(self.table).where(
             c.scope == text_param("w_scope", record.scope),
             c.key == text_param("w_key", record.key),
             c.fencing_token == record.fencing_token,
-            c.status == IN_PROGRESS,
-            lease_over(c, now),
-            c.recovery_points.is_(None),
-            # A view that committed work of its own: settled, never released.
-            c.response_code.is_(None),
+            releasable(c, now, overrides),
         )
         return self._deleted_one(conn, stmt)
 
@@ -151,26 +159,3 @@ class OperatorQueries(Statements):
             stmt = stmt.where(c.status == status)
         stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
         return [Record.from_row(row) for row in conn.execute(stmt)]
-
-    def delete_record(
-        self,
-        conn: sa.Connection,
-        scope: str,
-        key: str,
-        *,
-        token: int | None = None,
-        status: str | None = None,
-    ) -> bool:
-        """Delete one record (the operator's ``release``): only while it still has
-        the fencing ``token`` and ``status`` the operator was shown, when given, so
-        that a record that completed, or was replaced by a new operation, in the
-        meantime is left alone."""
-        c = self.table.c
-        stmt = sa.delete(self.table).where(
-            c.scope == text_param("w_scope", scope), c.key == text_param("w_key", key)
-        )
-        if token is not None:
-            stmt = stmt.where(c.fencing_token == token)
-        if status is not None:
-            stmt = stmt.where(c.status == status)
-        return self._deleted_one(conn, stmt)

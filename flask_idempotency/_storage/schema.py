@@ -202,6 +202,9 @@ class Record:
     request_path: str | None = None
     request_content_type: str | None = None
     request_body: bytes | None = None
+    #: Recovery points are written, an empty set included (a kept operation whose
+    #: derived keys were handed out): the client's retry resumes this operation.
+    holds_recovery_points: bool = False
 
     @property
     def view_committed(self) -> bool:
@@ -241,6 +244,7 @@ class Record:
             completed_at=as_utc(m["completed_at"]),
             expires_at=t.cast(dt.datetime, as_utc(m["expires_at"])),
             recovery_points=json.loads(m["recovery_points"]) if m["recovery_points"] else {},
+            holds_recovery_points=m["recovery_points"] is not None,
             # A request reads the record without the stored request (store.load).
             request_method=m.get("request_method"),
             request_path=m.get("request_path"),

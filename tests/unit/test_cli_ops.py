@@ -303,7 +303,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "stats": ("stats",),
     "show": ("show", "s", "k"),
     "list": ("list",),
-    "release": ("release", "s", "old-0", "--yes", "--force"),
+    "release": ("release", "s", "old-0", "--yes"),
     "recover": ("recover",),
     "relay --once": ("relay", "--once"),
     "relay": ("relay",),

@@ -48,27 +48,27 @@ def test_show_takes_the_key_as_sent_and_the_documented_basic_scope(
     assert shown["response_code"] == 201
 
 
-def test_release_takes_a_quoted_key_and_the_retry_runs_again(app: Flask, client: t.Any) -> None:
+def test_release_takes_a_quoted_key_and_keeps_a_completed_record(app: Flask, client: t.Any) -> None:
     charge(client, "order-42", headers={"Authorization": "Bearer tok"})
     scope = f"{ENDPOINT}|bearer:{hashlib.sha256(b'tok').hexdigest()}"
 
-    result = cli(app, "release", scope, '"order-42"', "--yes", "--force")
+    result = cli(app, "release", scope, '"order-42"', "--yes")
 
-    assert result.exit_code == 0, result.output
-    assert "released" in result.output
-    assert record_rows(app) == []
+    assert result.exit_code == 1, result.output
+    assert "not released: it is completed" in result.output
+    assert len(record_rows(app)) == 1
     again = charge(client, "order-42", headers={"Authorization": "Bearer tok"})
-    assert again.headers.get("Idempotent-Replayed") is None
-    assert ledger_count(app, "scope/charge") == 2
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert ledger_count(app, "scope/charge") == 1
 
 
 @pytest.mark.parametrize(
     ("command", "args", "complaint"),
     [
         ("show", [f"{ENDPOINT}|basic:alice", '"order-42'], "no closing quote"),
-        ("release", [f"{ENDPOINT}|basic:alice", "a,b", "--yes", "--force"], "comma"),
-        ("release", [f"{ENDPOINT}|basic:alice", "k" * 256, "--yes", "--force"], "at most 255"),
-        ("release", ["", "order-42", "--yes", "--force"], "must not be empty"),
+        ("release", [f"{ENDPOINT}|basic:alice", "a,b", "--yes"], "comma"),
+        ("release", [f"{ENDPOINT}|basic:alice", "k" * 256, "--yes"], "at most 255"),
+        ("release", ["", "order-42", "--yes"], "must not be empty"),
         ("show", ["s" * 513, "order-42"], "at most 512"),
         ("list", ["--key", '""'], "must not be empty"),
     ],
@@ -102,11 +102,9 @@ def test_list_finds_a_record_by_the_clients_key(app: Flask, client: t.Any, clock
     ]
     assert all(r["status"] == "completed" and r["expired"] is False for r in found)
     bearer_scope = found[1]["scope"]
-    assert cli(app, "release", bearer_scope, "order-42", "--yes", "--force").exit_code == 0
-    assert {(r["scope"], r["key"]) for r in record_rows(app)} == {
-        (basic_scope(app, "alice", "pw"), "order-42"),
-        (basic_scope(app, "alice", "pw"), "order-43"),
-    }
+    shown = cli(app, "show", bearer_scope, "order-42")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["scope"] == bearer_scope
 
 
 def test_list_by_scope_prefix_compares_byte_for_byte(app: Flask, client: t.Any) -> None:
@@ -138,7 +136,7 @@ def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
     database_url: str, clock: Clock
 ) -> None:
     """The operator is shown an in-progress record and asked to confirm; meanwhile
-    the slow request completes. Without --force nothing is deleted: the completed
+    the slow request completes. Even overriding its live lease nothing is deleted: the completed
     record stays, and the client's retry replays instead of charging again."""
     from tests.conftest import reset_tables
     from tests.support import testapp
@@ -180,7 +178,9 @@ def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
             "click.confirm",
             lambda *a, **k: confirm_after_completion(str(a)) and True,
         )
-        result = runner.invoke(args=["idempotency", "release", record["scope"], "stuck"])
+        result = runner.invoke(
+            args=["idempotency", "release", record["scope"], "stuck", "--override", "live-lease"]
+        )
     assert result.exit_code != 0
     assert "changed while you confirmed" in result.output
     [kept] = record_rows(app)

@@ -169,27 +169,34 @@ def test_cli_show(app: Flask, client: t.Any) -> None:
 
 
 def test_cli_release_asks_and_unsticks(app: Flask, client: t.Any, clock: Clock) -> None:
-    abandon(app, clock, key="stuck")
-    declined = cli(app, "release", "t.status", "stuck", input="n\n")
+    abandon(app, clock, key="stuck")  # its worker died; its lease runs another minute
+    refused = cli(app, "release", "t.status", "stuck", "--yes")
+    assert refused.exit_code == 1
+    assert "its lease is live" in refused.output
+    override = ("--override", "live-lease")
+    declined = cli(app, "release", "t.status", "stuck", *override, input="n\n")
     assert declined.exit_code == 1
+    assert "overriding live-lease" in declined.output  # the prompt says what it overrides
     assert len(record_rows(app)) == 1
-    accepted = cli(app, "release", "t.status", "stuck", input="y\n")
+    accepted = cli(app, "release", "t.status", "stuck", *override, input="y\n")
     assert accepted.exit_code == 0, accepted.output
-    assert "released" in accepted.output
+    assert "released, overriding live-lease" in accepted.output
     assert record_rows(app) == []
     # The stuck key now runs at once instead of answering 409 until the lease ends.
     assert post(client, "/status/201", {}, key="stuck").status_code == 201
 
 
-def test_cli_release_refuses_completed_without_force(app: Flask, client: t.Any) -> None:
+def test_cli_release_never_releases_a_completed_record(app: Flask, client: t.Any) -> None:
     post(client, "/status/201", {}, key="done")
     refused = cli(app, "release", "t.status", "done", "--yes")
     assert refused.exit_code == 1
-    assert "--force" in refused.output
+    assert "it is completed (201)" in refused.output
+    assert "sends a new key" in refused.output
     assert len(record_rows(app)) == 1
     forced = cli(app, "release", "t.status", "done", "--yes", "--force")
-    assert forced.exit_code == 0
-    assert record_rows(app) == []
+    assert forced.exit_code == 2
+    assert len(record_rows(app)) == 1
+    assert post(client, "/status/201", {}, key="done").headers["Idempotent-Replayed"] == "true"
 
 
 def test_cli_create_tables_creates_both(database_url: str) -> None:

@@ -409,7 +409,17 @@ class Harness:
             assert job.target is not None
             scope, key = job.target
             result = app.test_cli_runner().invoke(
-                args=["idempotency", "release", scope, key, "--yes", "--force"]
+                args=[
+                    "idempotency",
+                    "release",
+                    scope,
+                    key,
+                    "--yes",
+                    "--override",
+                    "live-lease",
+                    "--override",
+                    "recovery-points",
+                ]
             )
             return (result.exit_code, result.output, result.exception)
 
@@ -1200,7 +1210,8 @@ class Lifecycles(RuleBasedStateMachine):
     )
     @rule(which=st.integers(0, 15))
     def cli_release(self, which: int) -> None:
-        """``flask idempotency release SCOPE KEY --yes --force`` on a record that exists."""
+        """``flask idempotency release SCOPE KEY --yes`` on a record that exists, overriding
+        what may be overridden (a live lease, recovery points): a committed outcome stays."""
         self.begin_rule()
         target = sorted(self.rows)[which % len(self.rows)]
         self.launch_job("cli", target)

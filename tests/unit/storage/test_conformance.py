@@ -17,6 +17,7 @@ connection of its own), never a mock.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import typing as t
 
@@ -27,6 +28,8 @@ from sqlalchemy.orm import Session
 from flask_idempotency._storage import (
     COMPLETED,
     IN_PROGRESS,
+    OVERRIDABLE,
+    Hold,
     Store,
     as_utc,
     database_now,
@@ -293,8 +296,13 @@ def test_abandoned_records_are_found_and_released(impl: Impl) -> None:
     with impl.engine.begin() as conn:
         found = impl.store.find_abandoned(conn, now, limit=10)
         assert [record.key for record in found] == [abandoned["key"]]
-        assert impl.store.release_abandoned(conn, found[0], now)
-        assert not impl.store.release_abandoned(conn, found[0], now)  # already gone
+        assert impl.store.delete_releasable(conn, found[0], now)
+        assert not impl.store.delete_releasable(conn, found[0], now)  # already gone
+        # What the rule keeps: recovery points, a live lease (unless overridden).
+        [kept] = [r for r in impl.store.find(conn, key=resumable["key"])]
+        assert not impl.store.delete_releasable(conn, kept, now)
+        [live] = [r for r in impl.store.find(conn, key=held["key"])]
+        assert not impl.store.delete_releasable(conn, live, now)
     assert set(impl.rows()) == {resumable["key"], held["key"]}
 
 
@@ -313,12 +321,11 @@ def test_the_operators_queries_compare_scope_and_key_exactly(impl: Impl) -> None
         stats = impl.store.stats(conn, now)
         assert stats["by_status"] == {IN_PROGRESS: 2}
         assert stats["table_bytes"] is None or stats["table_bytes"] > 0
-        token = ours["fencing_token"]
-        assert not impl.store.delete_record(
-            conn, "tenant-é:1", "Kéy", token=new_fencing_token(token)
-        )
-        assert not impl.store.delete_record(conn, "tenant-é:1", "Kéy", status=COMPLETED)
-        assert impl.store.delete_record(conn, "tenant-é:1", "Kéy", token=token)
+        [record] = impl.store.find(conn, key="Kéy")
+        stale = dataclasses.replace(record, fencing_token=new_fencing_token(record.fencing_token))
+        assert not impl.store.delete_releasable(conn, stale, now, OVERRIDABLE)
+        assert not impl.store.delete_releasable(conn, record, now)  # its lease is live
+        assert impl.store.delete_releasable(conn, record, now, {Hold.LIVE_LEASE})
     assert set(impl.rows()) == {"kéy"}
 
 

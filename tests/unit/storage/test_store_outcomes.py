@@ -16,6 +16,7 @@ off on the engine's dialect, the path MySQL takes; and once more with every
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 import typing as t
@@ -28,7 +29,14 @@ from sqlalchemy.orm import Session
 
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
-from flask_idempotency._storage import COMPLETED, Record, Store, new_fencing_token
+from flask_idempotency._storage import (
+    COMPLETED,
+    IN_PROGRESS,
+    OVERRIDABLE,
+    Record,
+    Store,
+    new_fencing_token,
+)
 from tests.conftest import reset_tables
 from tests.support import testapp
 from tests.support.claims import HOUR, claim_values, claimed_in_one_round_trip_each
@@ -123,11 +131,13 @@ def test_claim_takeover_completion_and_release_outcomes(outcome_app: Flask) -> N
         done = store.load_committed(engine, "outcomes", key)
         assert done is not None
         assert (done.status, done.fencing_token, done.response_code) == (COMPLETED, holder, 201)
-        # An operator's delete on a token it was not shown changes nothing.
+        # An operator's delete on a token it was not shown changes nothing, and a
+        # completed record (a committed outcome) is never released.
         with engine.begin() as conn:
-            assert not store.delete_record(conn, "outcomes", key, token=old)
-            assert store.delete_record(conn, "outcomes", key, token=holder, status=COMPLETED)
-        assert store.load_committed(engine, "outcomes", key) is None
+            stale = dataclasses.replace(done, fencing_token=old, status=IN_PROGRESS)
+            assert not store.delete_releasable(conn, stale, now, OVERRIDABLE)
+            assert not store.delete_releasable(conn, done, now, OVERRIDABLE)
+        assert store.load_committed(engine, "outcomes", key) == done
 
 
 def test_release_of_a_held_record_frees_it(outcome_app: Flask) -> None:
