@@ -290,8 +290,15 @@ class StalledMessage(IdempotencyError):
 
 
 class ClaimWaitExceeded(IdempotencyError):
-    """The database gave up on this transaction while it waited for another on the
-    same key (lock timeout, deadlock victim, serialization failure)."""
+    """The database gave up on this transaction while the claim waited (lock
+    timeout, deadlock victim, serialization failure): on another request with
+    the same key, or on an unrelated writer (``on_record``)."""
+
+    def __init__(self, message: str, *, on_record: bool | None = None) -> None:
+        super().__init__(message)
+        #: The wait was on the key's own record (``True``), not on it
+        #: (``False``), or the database's error does not say (``None``).
+        self.on_record = on_record
 
 
 class TooLargeToStore(IdempotencyError):

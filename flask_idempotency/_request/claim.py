@@ -20,12 +20,20 @@ from flask import Response, request
 
 from .. import signals
 from .._context import resolve_app
-from .._storage import COMPLETED, IN_PROGRESS, Record, new_fencing_token, operation_values
+from .._storage import (
+    COMPLETED,
+    IN_PROGRESS,
+    Record,
+    dberrors,
+    new_fencing_token,
+    operation_values,
+)
 from ..errors import (
     ClaimWaitExceeded,
     ConflictError,
     KeyReusedError,
     PayloadTooLargeError,
+    ProblemError,
     RecordGone,
     TooLargeToStore,
 )
@@ -155,18 +163,29 @@ def claim_key(
             "The request is larger than the database accepts to keep for the recovery "
             f"job ({exc}); nothing was stored. Send a smaller body."
         ) from None
-    except ClaimWaitExceeded:
+    except ClaimWaitExceeded as exc:
         session.rollback()
-        signal_conflict(scope, key, None)
-        raise ConflictError(
-            "Another request with this idempotency key is still running; retry after it finishes.",
-            retry_after=dt.timedelta(seconds=1),
-        ) from None
+        raise wait_answer(flow, scope, key, exc) from None
     signal_conflict(scope, key, None)
     raise ConflictError(
         "The record for this idempotency key kept changing; retry.",
         retry_after=dt.timedelta(seconds=1),
     )
+
+
+def wait_answer(flow: Flow, scope: str, key: str, exc: ClaimWaitExceeded) -> ProblemError:
+    """The answer when the database gave up on a claim's wait (its transaction
+    rolled back): 409 ``request-in-progress`` only for a running duplicate;
+    a wait on anything else (an unrelated writer's lock, SQLite's one lock for
+    the whole database) is the database's 409 ``transaction-conflict``."""
+    if flow.store.waited_on_duplicate(flow.session, scope, key, exc, flow.now()):
+        signal_conflict(scope, key, None)
+        return ConflictError(
+            "Another request with this idempotency key is still running; retry after it finishes.",
+            retry_after=dt.timedelta(seconds=1),
+        )
+    logger.info("the claim of %r in scope %r waited on a busy database: %s", key, scope, exc)
+    return dberrors.problem_for(dberrors.CONFLICT)
 
 
 def restamp_if_waited(flow: Flow, scope: str, key: str, claimed: Claimed) -> Claimed:

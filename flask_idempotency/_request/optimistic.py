@@ -36,6 +36,7 @@ from .._context import OPTIMISTIC_WHY as WHY
 from .._context import resolve_app
 from .._storage import COMPLETED, Record, new_fencing_token, open_transaction, operation_values
 from ..errors import ClaimWaitExceeded, ConflictError
+from .claim import wait_answer
 from .responses import capture
 from .session_guard import SessionWatcher
 
@@ -163,13 +164,9 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                 "Another request with this idempotency key did not finish; retry later.",
                 retry_after=dt.timedelta(seconds=1),
             )
-    except ClaimWaitExceeded:
+    except ClaimWaitExceeded as exc:
         session.rollback()
-        _signal_conflict(scope, key, None)
-        raise ConflictError(
-            "Another request with this idempotency key is still running; retry after it finishes.",
-            retry_after=dt.timedelta(seconds=1),
-        ) from None
+        raise wait_answer(flow, scope, key, exc) from None
     session.rollback()
     _signal_conflict(scope, key, None)
     raise _changed()

@@ -270,6 +270,21 @@ def sqlstate(exc: BaseException) -> str | None:
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
 
 
+def waited_on_row(exc: BaseException, table: str) -> bool | None:
+    """Whether the wait the database gave up on was on a row of ``table`` (the
+    key's own record: a duplicate's uncommitted claim, or a lock on that row),
+    as the error says: ``True``/``False`` on PostgreSQL, whose error context
+    names the tuple it waited for ("while inserting index tuple (0,1) in
+    relation ..."), or nothing for a lock on the table; ``None`` where the
+    error does not tell (MySQL/MariaDB's lock wait timeout names nothing;
+    SQLite's "database is locked" is the whole database's write lock)."""
+    orig = _driver_error(exc)
+    if _module(orig) not in _PG_MODULES:
+        return None
+    context = getattr(getattr(orig, "diag", None), "context", None) or ""
+    return "tuple (" in context and f'in relation "{table}"' in context
+
+
 # query_canceled: what a statement_timeout raises.
 _PG_QUERY_CANCELED = "57014"
 

@@ -141,7 +141,7 @@ class Store(HeldRecord, OperatorQueries):
         except sa_exc.DBAPIError as exc:
             failed = True
             if dberrors.stopped_waiting(exc):
-                raise ClaimWaitExceeded(str(exc.orig)) from exc
+                raise self._wait_exceeded(exc) from exc
             raise
         finally:
             if wait is not None:
@@ -152,6 +152,40 @@ class Store(HeldRecord, OperatorQueries):
                         raise
                     # The failure took the connection with it: the pool discards
                     # it, and the original error is the one to report.
+
+    def _wait_exceeded(self, exc: sa_exc.DBAPIError) -> ClaimWaitExceeded:
+        on_record = dberrors.waited_on_row(exc, self.table.name)
+        return ClaimWaitExceeded(str(exc.orig), on_record=on_record)
+
+    def waited_on_duplicate(
+        self, session: Session, scope: str, key: str, exc: ClaimWaitExceeded, now: dt.datetime
+    ) -> bool:
+        """After the database gave up on a claim's wait (``exc``, the claim's
+        transaction rolled back): whether the wait was on another request with
+        this key, so that "in progress" is answered only for a running
+        duplicate, never for a busy database.
+
+        The database's own word where it gives one (PostgreSQL's error
+        context); otherwise, on a connection of its own, whether the key's
+        record is locked now (the engine's no-wait probe, MySQL/MariaDB) or
+        committed in progress under a live lease. SQLite's lock is the whole
+        database's: a wait on it is a busy database unless the key's record
+        says otherwise. A probe that fails says "not a duplicate"."""
+        if exc.on_record is not None:
+            return exc.on_record
+        bind = session.get_bind(clause=self.table)
+        engine = bind.engine if isinstance(bind, sa.Connection) else bind
+        params = {"w_scope": scope, "w_key": key}
+        try:
+            with engine.connect() as conn:
+                locked = dialect_of(conn).record_locked(conn, self._load_head, params)
+                if locked:
+                    return True
+                row = conn.execute(self._load_head, params).first()
+                conn.rollback()
+        except sa_exc.DBAPIError:
+            return False
+        return row is not None and Record.from_row(row).lease_live(now)
 
     def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists.
@@ -269,7 +303,7 @@ class Store(HeldRecord, OperatorQueries):
             found = path.send_batch(connection, statements, params)
         except sa_exc.DBAPIError as exc:
             if dberrors.stopped_waiting(exc):
-                raise ClaimWaitExceeded(str(exc.orig)) from exc
+                raise self._wait_exceeded(exc) from exc
             raise
         if found is None:
             return False, None  # deleted since it blocked our insert

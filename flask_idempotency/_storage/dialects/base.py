@@ -209,6 +209,15 @@ class Dialect:
         value = conn.execute(sa.select(sa.func.current_timestamp())).scalar_one()
         return t.cast(dt.datetime, as_utc(value))
 
+    def record_locked(
+        self, conn: sa.Connection, query: sa.Select[t.Any], params: dict[str, t.Any]
+    ) -> bool | None:
+        """Whether another transaction holds a lock on the row ``query`` reads,
+        asked without waiting, on ``conn`` (its own transaction, ended after);
+        ``None`` where the engine needs no such probe (PostgreSQL's error
+        already says) or has none (SQLite: one lock for the whole database)."""
+        return None
+
     def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
         """Bound how long the next statements wait on another transaction's locks;
         what :meth:`restore_wait` needs to put the connection's own bound back."""

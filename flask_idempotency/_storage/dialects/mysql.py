@@ -31,6 +31,7 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from .. import dberrors
 from ..schema import as_utc
 from .base import Dialect, Executor, Verdict, millis, write_nothing
 
@@ -80,6 +81,22 @@ class MySQL(Dialect):
     def now(self, conn: sa.Connection) -> dt.datetime:
         """``UTC_TIMESTAMP(6)``: microseconds, whatever the session's time zone."""
         return t.cast(dt.datetime, as_utc(conn.execute(_NOW).scalar_one()))
+
+    def record_locked(
+        self, conn: sa.Connection, query: sa.Select[t.Any], params: dict[str, t.Any]
+    ) -> bool | None:
+        """``FOR UPDATE NOWAIT`` (MySQL 8, MariaDB 10.3): its lock error at once
+        when a transaction holds the row (a duplicate's uncommitted claim
+        included), since a lock wait timeout does not say what it waited on."""
+        try:
+            conn.execute(query.with_for_update(nowait=True), params)
+        except sa.exc.DBAPIError as exc:
+            conn.rollback()
+            if dberrors.classify(exc) is dberrors.CONFLICT:
+                return True
+            raise
+        conn.rollback()
+        return False
 
     def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
         executor.execute(_SET_WAIT, {"v": max(1, math.ceil(millis(wait) / 1000))})
