@@ -13,7 +13,7 @@ Every error of the extension is an :class:`IdempotencyError`::
     |   |   ValidationProblem, KeyReusedError, NothingToRecoverError (4xx)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
-    |   +-- FailedAfterCommitError, DatabaseUnavailableError (5xx)
+    |   +-- FailedAfterCommitError, StepNotStoredError, DatabaseUnavailableError (5xx)
     +-- EventIdConflictError: an outbox event id already names another event
     +-- BrokerUnavailable: a publisher cannot reach the broker (the relay retries)
     +-- StalledMessage: one event's publish stalled again and again (its failure)
@@ -51,6 +51,7 @@ __all__ = [
     "PayloadTooLargeError",
     "ProblemError",
     "StalledMessage",
+    "StepNotStoredError",
     "TransactionConflictError",
     "UnsupportedMediaTypeError",
     "ValidationProblem",
@@ -222,6 +223,18 @@ class FailedAfterCommitError(ProblemError):
         ),
     ) -> None:
         super().__init__(detail)
+
+
+class StepNotStoredError(ProblemError):
+    """A step (``idem.step``) ran but its result could not be saved: it is not
+    JSON-serializable, a programming error of the view (500). The step is
+    marked done without a result, so no retry runs it again: every retry with
+    the key gets this answer until an operator releases the record
+    (``flask idempotency release --override recovery-points``) or it expires."""
+
+    slug = "step-not-stored"
+    title = "A step of the operation ran but its result could not be saved"
+    code = 500
 
 
 class NothingToRecoverError(ProblemError):

@@ -23,7 +23,7 @@ import typing as t
 
 from .. import signals
 from .._context import resolve_app
-from ..errors import LeaseLostError
+from ..errors import LeaseLostError, StepNotStoredError
 from .claim_guard import Claim
 
 if t.TYPE_CHECKING:
@@ -44,6 +44,23 @@ class RecoveryRun:
 
 
 logger = logging.getLogger("flask_idempotency")
+
+#: The recovery point of a step that ran but whose result could not be saved.
+UNSTORED = "flask_idempotency:result-not-stored"
+
+
+def _unstored(saved: t.Any) -> bool:
+    return isinstance(saved, dict) and len(saved) == 1 and UNSTORED in saved
+
+
+def _not_stored(name: str) -> StepNotStoredError:
+    return StepNotStoredError(
+        f"Step {name!r} of this operation ran, but the server could not save its result "
+        "(a programming error); the operation stopped there and will not run that step "
+        "again with this idempotency key. Retrying with the same key gives this answer "
+        "until the server is fixed; the step's effect may have happened: check the "
+        "resource's state before you start a new operation with a new key."
+    )
 
 
 def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
@@ -68,14 +85,33 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     if not name:
         raise ValueError("a step needs a non-empty name")
     if name in state.recovery_points:
+        saved = state.recovery_points[name]
+        if _unstored(saved):
+            raise _not_stored(name)
         logger.debug("step %r of %r already done; reusing its result", name, state.key)
-        return t.cast(T, state.recovery_points[name])
+        return t.cast(T, saved)
     _fenced(state, name, None)
     result = fn()
     try:
         saved = json.loads(json.dumps(result))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"the result of step {name!r} must be JSON-serializable") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        # fn ran: its side effect happened. A marker takes the result's place,
+        # so no retry runs fn again (the record keeps it, as any recovery
+        # point); the client gets a problem, the developer an error line.
+        logger.error(
+            "the result of step %r of %r in scope %r (a %s) is not JSON-serializable: "
+            "the step ran but nothing could be saved, so the key answers step-not-stored "
+            "until the view is fixed and the record released",
+            name,
+            state.key,
+            state.scope,
+            type(result).__name__,
+            exc_info=exc,
+        )
+        points = {**state.recovery_points, name: {UNSTORED: type(result).__name__}}
+        _fenced(state, name, points)
+        state.recovery_points = points
+        raise _not_stored(name) from exc
     points = {**state.recovery_points, name: saved}
     _fenced(state, name, points)
     state.recovery_points = points

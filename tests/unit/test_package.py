@@ -149,6 +149,7 @@ PUBLIC: dict[str, set[str]] = {
         "PayloadTooLargeError",
         "ProblemError",
         "StalledMessage",
+        "StepNotStoredError",
         "TransactionConflictError",
         "UnsupportedMediaTypeError",
         "ValidationProblem",
