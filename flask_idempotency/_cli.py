@@ -286,10 +286,21 @@ def key_argument(ctx: click.Context, param: click.Parameter, value: str | None) 
         raise click.BadParameter(exc.detail) from None
 
 
+def _utf8(value: str, what: str) -> None:
+    """Refuse text that is not UTF-8: bytes of the command line that are not
+    (Python keeps them as lone surrogates) can name no stored scope, and the
+    driver would fail to send them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise click.BadParameter(f"{what} must be UTF-8 text") from None
+
+
 def scope_argument(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """A scope exactly as stored: byte for byte, so no trimming or case folding."""
     if not value:
         raise click.BadParameter("the scope must not be empty")
+    _utf8(value, "the scope")
     if "\x00" in value:
         raise click.BadParameter("the scope must not contain NUL")
     if len(value) > MAX_SCOPE_LENGTH:
@@ -328,4 +339,5 @@ def scope_prefix_argument(
         return None
     if "\x00" in value:
         raise click.BadParameter("the scope prefix must not contain NUL")
+    _utf8(value, "the scope prefix")
     return value

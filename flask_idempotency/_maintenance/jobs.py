@@ -33,6 +33,13 @@ def _always() -> bool:
     return True
 
 
+def positive(name: str, value: int) -> None:
+    """Refuse a count below 1 (or not an int), which an engine would read as no
+    limit (SQLite's ``LIMIT -1``) or refuse mid-run, and a batch loop as never done."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
+
+
 @dataclasses.dataclass
 class PurgeReport:
     """What one run of :func:`purge_expired` did."""
@@ -94,8 +101,11 @@ def purge_expired(
     records, and then outbox events published more than
     ``IDEMPOTENCY_OUTBOX_RETENTION`` ago
     (:func:`flask_idempotency.relay.purge_published`; pending and parked
-    events stay), each when its table exists.
+    events stay), each when its table exists. A ``batch_size`` below 1 raises
+    :class:`ValueError` (before anything is deleted).
     """
+    if batch_size is not None:
+        positive("batch_size", batch_size)
     app = resolve_app(app)
     report = PurgeReport()
     with app.app_context():
@@ -220,8 +230,12 @@ def recover_abandoned(
     one whose re-run fails, is released (deleted), so the client's next retry
     runs the view again, unless it holds recovery points: then it is kept (its
     lease has ended), and the client's retry resumes after its finished steps.
-    At most ``limit`` records per call.
+    What it releases, it releases by the one rule every entry point follows
+    (the CLI's ``release`` too): never a live lease, recovery points or a
+    committed outcome. At most ``limit`` records per call (below 1:
+    :class:`ValueError`).
     """
+    positive("limit", limit)
     app = resolve_app(app)
     report = RecoveryReport()
     with app.app_context():

@@ -28,7 +28,12 @@ def purge_published(
     ``IDEMPOTENCY_OUTBOX_RETENTION``), ``batch`` rows per transaction; the number
     deleted. Pending and parked events are never deleted. (Consumers that
     deduplicate on ``event_id`` do not need the rows.) The cleanup job does the
-    same (:func:`flask_idempotency.jobs.purge_expired`)."""
+    same (:func:`flask_idempotency.jobs.purge_expired`). ``batch`` below 1, or
+    a negative ``older_than``, raises :class:`ValueError`."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a whole number of at least 1, not {batch!r}")
+    if older_than is not None and older_than < dt.timedelta(0):
+        raise ValueError(f"older_than must not be negative, not {older_than!r}")
     with app.app_context():
         state = app_state(app)
         table = outbox_table(state.db.metadata)

@@ -102,9 +102,31 @@ def test_release_refuses_what_the_recovery_job_refuses(app: Flask, clock: Clock,
     [line] = result.output.strip().splitlines()
     assert line.startswith("Error: not released: " + WHY[held]), line
     assert tokens(app) == {"k": token}
-    # The job leaves it too (a view that committed is settled, not deleted).
+    # The job leaves it too (a view that committed is settled, not deleted), and
+    # so do the commands that run the jobs: the record is not expired.
     recover_abandoned(app)
+    for command in (["recover"], ["purge"]):
+        assert cli(app, *command).exit_code == 0
     assert tokens(app) == {"k": token}
+
+
+@pytest.mark.parametrize("held", ["live-lease", "recovery-points"])
+def test_purge_leaves_an_expired_record_whose_lease_is_live(
+    app: Flask, clock: Clock, held: str
+) -> None:
+    """Past its retention but under a live lease, a record is not expired: its
+    holder is still running. Neither purge nor release takes it."""
+    now = clock()
+    columns = {**_held(clock)[held], "expires_at": now - dt.timedelta(seconds=1)}
+    columns["locked_until"] = now + dt.timedelta(seconds=30)
+    token = put_record(app, clock, "k", **columns)
+
+    assert cli(app, "purge").exit_code == 0
+    assert cli(app, "release", SCOPE, "k", "--yes").exit_code == 1
+    assert tokens(app) == {"k": token}
+    clock.advance(seconds=31)  # the lease over: now it is expired, and goes
+    assert cli(app, "purge").output.startswith("deleted 1 expired record(s)")
+    assert record_rows(app) == []
 
 
 @pytest.mark.parametrize(
