@@ -73,7 +73,15 @@ def _delete_by_purge(app: Flask, clock: Clock) -> None:
 def _delete_by_operator(app: Flask, clock: Clock) -> None:
     [record] = record_rows(app)
     result = app.test_cli_runner().invoke(
-        args=["idempotency", "release", record["scope"], record["key"], "--yes"]
+        args=[
+            "idempotency",
+            "release",
+            record["scope"],
+            record["key"],
+            "--yes",
+            "--override",  # the holder is running: the operator cuts it off, by name
+            "live-lease",
+        ]
     )
     assert result.exit_code == 0, result.output
     assert record_rows(app) == []
