@@ -83,6 +83,13 @@ class ViewAPI:
         the record over. Keep database writes out of ``fn``. In a request without
         a key (a route that does not require one) there is nothing to resume:
         ``fn`` simply runs.
+
+        A result that is not JSON data cannot be saved, yet ``fn`` has run: the
+        step is marked done without a result (no retry runs ``fn`` again), the
+        ``TypeError`` is logged at ERROR on the ``flask_idempotency`` logger,
+        and :class:`~flask_idempotency.errors.StepNotStoredError` (500
+        ``step-not-stored``) is raised, for this request and every retry with
+        the key until an operator releases it (``--override recovery-points``).
         """
         state = self._request_state()
         if state is None:
