@@ -94,6 +94,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         engine.dispose()
 
 
+def pg_options(url: str, extra: str) -> str:
+    """The libpq ``options`` of ``url`` (the suite's ``search_path``, when it runs in
+    a schema of its own) with ``extra`` added: for ``connect_args={"options": ...}``,
+    which replaces the URL's instead of adding to it."""
+    given = sa.make_url(url).query.get("options", "")
+    assert isinstance(given, str)
+    return f"{given} {extra}".strip()
+
+
 #: The PostgreSQL drivers every PostgreSQL test runs on, by test id.
 PG_DRIVERS = {"psycopg2": "postgresql+psycopg2", "psycopg": "postgresql+psycopg"}
 

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, request
 
-from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.conftest import Clock, ledger_count, pg_options, record_rows, reset_tables
 from tests.support import testapp
 from tests.support.flow import assert_problem
 from tests.support.gates import Gates, send
@@ -214,7 +214,10 @@ def assert_duplicate_gets_409_and_one_charge(app: Flask, gates: Gates) -> None:
 def _engine_timeout_options(database_url: str) -> dict[str, t.Any]:
     """Engine options that make the database itself stop waiting after ~1 s."""
     if database_url.startswith("postgresql"):
-        return {"connect_args": {"options": "-c lock_timeout=1000"}, "pool_size": 10}
+        return {
+            "connect_args": {"options": pg_options(database_url, "-c lock_timeout=1000")},
+            "pool_size": 10,
+        }
     if database_url.startswith("mysql"):
 
         def on_connect(dbapi_conn: t.Any, record: t.Any) -> None:
@@ -395,7 +398,7 @@ def test_claim_follows_the_apps_schema_translate_map(pg_url: str) -> None:
 def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
     """No bound of ours, and the app's statement_timeout (not lock_timeout) ends
     the duplicate's wait on the claim: the documented 409, not a 503."""
-    options = {"connect_args": {"options": "-c statement_timeout=700"}}
+    options = {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=700")}}
     app, gates = slow_app(pg_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
     assert_duplicate_gets_409_and_one_charge(app, gates)
 

@@ -25,7 +25,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
-from tests.conftest import Clock, run_sql
+from tests.conftest import Clock, pg_options, run_sql
 from tests.support.live import MERCHANT, LiveServer, Reply
 from tests.support.tcp_proxy import TcpProxy
 
@@ -305,7 +305,10 @@ def pg_app(pg_url: str) -> t.Iterator[Flask]:
 @pytest.fixture
 def impatient_app(pg_url: str) -> t.Iterator[Flask]:
     """The app on PostgreSQL with a short lock_timeout for its own statements."""
-    app = create_app(pg_url, engine_options={"connect_args": {"options": "-c lock_timeout=300ms"}})
+    app = create_app(
+        pg_url,
+        engine_options={"connect_args": {"options": pg_options(pg_url, "-c lock_timeout=300ms")}},
+    )
     reset(pg_url)
     yield app
     with app.app_context():
@@ -596,7 +599,7 @@ def test_exhausted_pool_answers_503(pg_url: str) -> None:
 
 def test_statement_timeout_answers_503(pg_url: str) -> None:
     """The server cancelled a statement that ran past ``statement_timeout``."""
-    options = {"connect_args": {"options": "-c statement_timeout=300"}}
+    options = {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=300")}}
     app = create_app(pg_url, engine_options=options)
     reset(pg_url)
     key = str(uuid.uuid4())
