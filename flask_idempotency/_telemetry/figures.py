@@ -59,9 +59,18 @@ Reader = t.Callable[[], "t.Mapping[str, float] | None"]
 class Source:
     """The figures of one app's database, cached per process."""
 
-    def __init__(self, identity: str, namespace: str | None, read: Reader, interval: float) -> None:
+    def __init__(
+        self,
+        identity: str,
+        namespace: str | None,
+        read: Reader,
+        interval: float,
+        alive: t.Callable[[], bool] = lambda: True,
+    ) -> None:
         #: Apps on the same database and tables share one read.
         self.identity = identity
+        #: Whether its app still exists (a process may make and drop apps: tests).
+        self.alive = alive
         self.namespace = namespace
         self.interval = interval
         self._read = read
@@ -112,8 +121,10 @@ _sources: list[Source] = []
 
 
 def watch(source: Source) -> None:
-    """Report ``source``'s figures from now on (``init_app``, once per app)."""
+    """Report ``source``'s figures from now on (``init_app``, once per app).
+    The sources of apps that are gone are forgotten here too."""
     with _lock:
+        _sources[:] = [known for known in _sources if known.alive()]
         _sources.append(source)
 
 

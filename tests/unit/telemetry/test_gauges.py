@@ -5,6 +5,7 @@ database that fails makes them report nothing, never an error."""
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import logging
 import types
 import typing as t
@@ -252,3 +253,16 @@ def test_a_missing_table_reports_nothing_on_every_engine(
     with app.app_context(), outbox_app.db.engine.begin() as conn:
         conn.execute(sa.text("DROP TABLE idempotency_keys"))
     assert gauges(otel) == {}
+
+
+def test_apps_that_are_gone_are_forgotten(otel: Otel, tmp_path: t.Any, clock: Clock) -> None:
+    for n in range(3):
+        url = f"sqlite:///{tmp_path / f'gone-{n}.sqlite3'}"
+        app = make(url, clock)
+        with app.app_context():
+            outbox_app.db.engine.dispose()
+        del app
+        gc.collect()
+    assert len(figures._sources) == 1  # the last one's, until the next app comes
+    assert gauges(otel) == {}  # its app is gone too: nothing to read, nothing reported
+    assert figures._sources == []
