@@ -50,6 +50,8 @@ def watch(app: Flask) -> None:
         read,
         state.settings.metrics_interval.total_seconds(),
         alive=lambda: reference() is not None,
+        # The bound readiness waits for the database: the same judgement.
+        timeout=state.settings.ready_timeout.total_seconds(),
     )
 
 

@@ -58,13 +58,15 @@ def watch_database(
     read: Reader,
     interval: float,
     alive: t.Callable[[], bool],
+    timeout: float,
 ) -> None:
     """Report the gauges from ``read()``'s snapshots, read at most once per
-    ``interval`` seconds per process, while ``alive()``. ``identity`` names the
-    database and tables: apps sharing them share the read."""
+    ``interval`` seconds per process, while ``alive()``; a collection waits at
+    most ``timeout`` seconds for a read. ``identity`` names the database and
+    tables: apps sharing them share the read."""
     if _metrics is None:
         return
-    watch(Source(identity, namespace, read, interval, alive))
+    watch(Source(identity, namespace, read, interval, alive, timeout))
     _metrics.instruments()  # the gauges exist from now on, requests or not
 
 
