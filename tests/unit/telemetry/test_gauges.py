@@ -295,3 +295,9 @@ def test_a_database_that_hangs_holds_no_collection_longer_than_the_ready_timeout
     assert values(otel)["idempotency.records.live"] == 0  # its late answer, for this interval
     with app.app_context():
         outbox_app.db.engine.dispose()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "30s", None])
+def test_the_interval_is_checked_at_init_app(bad: t.Any, tmp_path: t.Any, clock: Clock) -> None:
+    with pytest.raises((ValueError, TypeError), match="IDEMPOTENCY_METRICS_INTERVAL"):
+        make(f"sqlite:///{tmp_path / 'x.sqlite3'}", clock, IDEMPOTENCY_METRICS_INTERVAL=bad)
