@@ -230,6 +230,8 @@ def test_the_phases_are_spans_under_the_flask_server_span(otel: Otel, instrument
     assert sorted(s.name for s in first) == ["idempotency claim", "idempotency complete"]
     assert sorted(s.name for s in retry) == ["idempotency claim", "idempotency replay"]
     assert [s.name for s in mismatch] == ["idempotency claim"]
+    outcome = {s.name: s.attributes.get("idempotency.outcome") for s in first}
+    assert outcome == {"idempotency claim": None, "idempotency complete": "executed"}
     outcome = {s.name: s.attributes.get("idempotency.outcome") for s in retry}
     assert outcome == {"idempotency claim": "replayed", "idempotency replay": "replayed"}
     [refused] = mismatch
