@@ -346,18 +346,20 @@ def test_a_lock_timeout_in_the_view_is_busy(otel: Otel, pg_url: str, clock: Cloc
     transaction-conflict, counted busy (not in_flight: no duplicate is running)."""
     app = testapp.create_app(pg_url, clock=clock)
     reset_tables(pg_url)
+    # Advisory locks are the whole database's: one of this test's own.
+    lock = {"id": uuid.uuid4().int >> 65}
 
     @app.post("/locks")
     @testapp.idem.idempotent()
     def locks() -> dict[str, t.Any]:
         testapp.db.session.execute(sa.text("SET LOCAL lock_timeout = '100ms'"))
-        testapp.db.session.execute(sa.text("SELECT pg_advisory_xact_lock(424242)"))
+        testapp.db.session.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), lock)
         return {"locked": True}
 
     engine = sa.create_engine(pg_url)
     try:
         with engine.connect() as holder:
-            holder.execute(sa.text("SELECT pg_advisory_xact_lock(424242)"))
+            holder.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), lock)
             answer = post(app.test_client(), "/locks", {}, key="k1")
             holder.rollback()
     finally:
