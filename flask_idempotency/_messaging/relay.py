@@ -21,6 +21,7 @@ from .. import signals
 from .._context import app_state
 from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
+from .._telemetry import propagation
 from ..errors import BrokerUnavailable
 from .outbox import OutboxEvent
 
@@ -42,9 +43,22 @@ class Publisher(t.Protocol):
     outlasts the lease may meet another relay publishing the same event.
     ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON) and
     ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
+    When the event was emitted under a trace, ``headers`` also carries the
+    W3C trace context (``traceparent``, ``tracestate``): put the headers on
+    the message, so the consumer continues the trace.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
+
+
+def _publish(publisher: Publisher, event: OutboxEvent) -> None:
+    """Publish ``event`` under a PRODUCER span whose parent is the trace context
+    the event was emitted under, that span's context added to the headers
+    (the app's own headers win a name they share)."""
+    with propagation.publishing(event.trace_context, destination=event.topic) as carried:
+        if carried:
+            event = dataclasses.replace(event, headers={**carried, **event.headers})
+        publisher.publish(event)
 
 
 def backoff(attempts: int) -> dt.timedelta:
@@ -200,7 +214,7 @@ class _Batch:
                     outcome.released = len(events) - tried
                     break
                 try:
-                    publisher.publish(ev)
+                    _publish(publisher, ev)
                 except BrokerUnavailable as exc:
                     logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
                     tried += 1
