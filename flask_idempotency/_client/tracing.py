@@ -56,6 +56,7 @@ class _Traced(_Connection):
     ``getresponse`` (or the error, or the next request, or ``close``)."""
 
     _attempt: propagation.Attempt | None = None
+    _answering = False  # in getresponse, which closes a connection the server ends
 
     def request(  # type: ignore[override]
         self,
@@ -78,16 +79,20 @@ class _Traced(_Connection):
             raise
 
     def getresponse(self) -> HTTPResponse:  # type: ignore[override]
+        self._answering = True
         try:
             response = super().getresponse()
         except BaseException as exc:
             self._end(error=exc)
             raise
+        finally:
+            self._answering = False
         self._end(status=response.status)
         return response
 
     def close(self) -> None:
-        self._end()
+        if not self._answering:
+            self._end()  # a request that will get no response on this connection
         super().close()
 
     def _end(self, *, status: int | None = None, error: BaseException | None = None) -> None:
