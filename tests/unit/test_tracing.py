@@ -506,3 +506,23 @@ def test_without_opentelemetry_nothing_of_it_is_imported_and_nothing_is_written(
         "headers": {},
         "loaded": [],
     }
+
+
+def test_http_https_and_proxy_pools_open_traced_connections() -> None:
+    """Every pool the session's adapter opens sends through a traced connection:
+    plain, TLS, and through an HTTP proxy (SOCKS proxies are urllib3's own)."""
+    from flask_idempotency._client.tracing import TracedHTTPConnection, TracedHTTPSConnection
+
+    http = IdempotentSession()
+    adapter = http.get_adapter("https://example.invalid")
+    assert adapter is http.get_adapter("http://example.invalid")
+    manager = adapter.poolmanager  # type: ignore[attr-defined]
+    plain = manager.connection_from_url("http://example.invalid")
+    tls = manager.connection_from_url("https://example.invalid")
+    assert plain.ConnectionCls is TracedHTTPConnection
+    assert tls.ConnectionCls is TracedHTTPSConnection
+    proxy = adapter.proxy_manager_for("http://proxy.invalid:3128")  # type: ignore[attr-defined]
+    assert proxy.connection_from_url("https://example.invalid").ConnectionCls is (
+        TracedHTTPSConnection
+    )
+    http.close()
