@@ -78,6 +78,21 @@ def _parent(api: _Api, carrier: t.Mapping[str, str] | None) -> t.Any:
     return context
 
 
+@contextlib.contextmanager
+def _attached(api: _Api, context: t.Any) -> t.Iterator[None]:
+    """``context`` current for the block (``None``: the current one stays).
+    Attached whole, not only passed as a span's parent, so that what else it
+    holds (baggage) is current in the block and propagated from it."""
+    if context is None:
+        yield
+        return
+    token = api.context.attach(context)
+    try:
+        yield
+    finally:
+        api.context.detach(token)
+
+
 def _clean(carrier: t.Mapping[str, t.Any]) -> dict[str, str]:
     return {str(k): v for k, v in carrier.items() if isinstance(v, str) and v}
 
@@ -135,8 +150,9 @@ def publishing(
         "messaging.destination.name": destination,
     }
     span_kind = api.trace.SpanKind.PRODUCER
-    with _tracer(api).start_as_current_span(
-        OUTBOX_PUBLISH, context=parent, kind=span_kind, attributes=attributes
+    with (
+        _attached(api, parent),
+        _tracer(api).start_as_current_span(OUTBOX_PUBLISH, kind=span_kind, attributes=attributes),
     ):
         headers: dict[str, str] = {}
         api.propagate.inject(headers)
@@ -166,9 +182,13 @@ def consuming(headers: t.Mapping[str, t.Any] | None, *, consumer: str) -> t.Iter
         "messaging.operation.type": "process",
         "idempotency.consumer": consumer,
     }
-    with _tracer(api).start_as_current_span(
-        INBOX_PROCESS, context=parent, kind=api.trace.SpanKind.CONSUMER, attributes=attributes
-    ) as span:
+    span_kind = api.trace.SpanKind.CONSUMER
+    with (
+        _attached(api, parent),
+        _tracer(api).start_as_current_span(
+            INBOX_PROCESS, kind=span_kind, attributes=attributes
+        ) as span,
+    ):
         yield span
 
 

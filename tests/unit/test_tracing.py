@@ -526,3 +526,32 @@ def test_http_https_and_proxy_pools_open_traced_connections() -> None:
         TracedHTTPSConnection
     )
     http.close()
+
+
+def test_baggage_travels_with_the_event_to_the_consumer(app: Flask) -> None:
+    """Whatever the app's propagator carries travels too: W3C baggage set in the
+    request reaches the consumer's handler through the outbox and the message."""
+    from opentelemetry import baggage, context
+
+    seen: list[object] = []
+    with sdk_tracing() as (provider, _):
+        token = context.attach(baggage.set_baggage("tenant.tier", "gold"))
+        try:
+            with provider.get_tracer("test").start_as_current_span("request"):
+                assert post(app, key="k1").status_code == 201
+        finally:
+            context.detach(token)
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 1
+        [event] = publisher.events
+        assert event.headers["baggage"] == "tenant.tier=gold"
+        with (
+            app.app_context(),
+            inbox.process(
+                outbox_app.db.session, consumer="c", event_id=event.event_id, headers=event.headers
+            ),
+        ):
+            seen.append(baggage.get_baggage("tenant.tier"))
+    [row] = rows(app)
+    assert stored_context(row["trace_context"])["baggage"] == "tenant.tier=gold"  # type: ignore[index]
+    assert seen == ["gold"]
