@@ -555,3 +555,24 @@ def test_baggage_travels_with_the_event_to_the_consumer(app: Flask) -> None:
     [row] = rows(app)
     assert stored_context(row["trace_context"])["baggage"] == "tenant.tier=gold"  # type: ignore[index]
     assert seen == ["gold"]
+
+
+def test_only_the_telemetry_package_imports_opentelemetry() -> None:
+    import ast
+
+    package = ROOT / "flask_idempotency"
+    importers = set()
+    for path in package.rglob("*.py"):
+        if "_telemetry" in path.relative_to(package).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n.split(".")[0] == "opentelemetry" for n in names):
+                importers.add(str(path.relative_to(ROOT)))
+    assert importers == set()
