@@ -13,6 +13,7 @@ all but a function call per attempt.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import typing as t
 
@@ -43,6 +44,16 @@ class Attempts:
 CALL: contextvars.ContextVar[Attempts | None] = contextvars.ContextVar(
     "flask_idempotency_client_call", default=None
 )
+
+
+@contextlib.contextmanager
+def numbering(attempts: Attempts) -> t.Iterator[None]:
+    """Number the attempts sent in the block with ``attempts`` (one call's)."""
+    token = CALL.set(attempts)
+    try:
+        yield
+    finally:
+        CALL.reset(token)
 
 
 if t.TYPE_CHECKING:

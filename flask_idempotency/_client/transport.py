@@ -13,9 +13,9 @@ from requests.utils import rewind_body
 from urllib3.exceptions import MaxRetryError, ProtocolError
 from urllib3.util.retry import Retry
 
-from .budget import Budget, Budgets
+from .budget import Budgets
 from .retry import KEYED_METHODS, RETRY_METHODS
-from .tracing import CALL, trace_pools
+from .tracing import numbering, trace_pools
 
 
 class BudgetAdapter(HTTPAdapter):
@@ -76,53 +76,40 @@ class BudgetAdapter(HTTPAdapter):
         failures before the headers, and the server may have acted. The resend
         is one more read error in the call's ``Retry``: within ``total``,
         ``read``, the allowed methods and the deadline, after its backoff."""
-        with self._budgets.call(self._retry, join=True) as budget:
-            numbering = CALL.set(budget.attempts)  # the attempt spans' numbers
-            try:
-                return self._send(request, budget, stream, timeout, verify, cert, proxies)
-            finally:
-                CALL.reset(numbering)
-
-    def _send(
-        self,
-        request: requests.PreparedRequest,
-        budget: Budget,
-        stream: bool,
-        timeout: t.Any,
-        verify: bool | str,
-        cert: t.Any,
-        proxies: t.Mapping[str, str] | None,
-    ) -> requests.Response:
-        method = (request.method or "").upper()
-        if not resendable(request, method, self._header):
-            budget.retry = connect_retries_only(budget.retry, method)
-        while True:
-            response = super().send(
-                request,
-                stream=True,
-                timeout=timeout,
-                verify=verify,
-                cert=cert,
-                proxies=proxies,
-            )
-            used = getattr(response.raw, "retries", None)
-            if isinstance(used, Retry):  # what urllib3 spent on this attempt
-                budget.retry = used
-            if stream:
-                return response  # the caller reads it: nothing to resend then
-            try:
-                response.content  # noqa: B018 - reads and keeps the body
-            except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
-                response.close()
-                after = after_body_lost(budget.retry, method, request.url, exc)
-                if after is None:
-                    raise
-                budget.retry = after
-            else:
-                return response
-            budget.retry.sleep()
-            if getattr(request, "_body_position", None) is not None:
-                rewind_body(request)  # a file body: from where the first attempt read it
+        with (
+            self._budgets.call(self._retry, join=True) as budget,
+            numbering(budget.attempts),  # the attempt spans' numbers
+        ):
+            method = (request.method or "").upper()
+            if not resendable(request, method, self._header):
+                budget.retry = connect_retries_only(budget.retry, method)
+            while True:
+                response = super().send(
+                    request,
+                    stream=True,
+                    timeout=timeout,
+                    verify=verify,
+                    cert=cert,
+                    proxies=proxies,
+                )
+                used = getattr(response.raw, "retries", None)
+                if isinstance(used, Retry):  # what urllib3 spent on this attempt
+                    budget.retry = used
+                if stream:
+                    return response  # the caller reads it: nothing to resend then
+                try:
+                    response.content  # noqa: B018 - reads and keeps the body
+                except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError) as exc:
+                    response.close()
+                    after = after_body_lost(budget.retry, method, request.url, exc)
+                    if after is None:
+                        raise
+                    budget.retry = after
+                else:
+                    return response
+                budget.retry.sleep()
+                if getattr(request, "_body_position", None) is not None:
+                    rewind_body(request)  # a file body: from where the first attempt read it
 
 
 def resendable(request: requests.PreparedRequest, method: str, header: str) -> bool:
