@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -47,16 +48,23 @@ from tests.support.tracing import (
 
 class Recorder:
     """A downstream that answers ``statuses`` in turn (then 201) and keeps each
-    request's headers."""
+    request's headers; with ``drop`` set, it first drops that many connections
+    without an answer (their traceparents in ``dropped``)."""
 
     def __init__(self, statuses: t.Sequence[int] = ()) -> None:
         self.statuses = list(statuses)
         self.seen: list[dict[str, str]] = []
+        self.drop = 0
+        self.dropped: list[str] = []
         self._lock = threading.Lock()
 
     def __call__(self, environ: t.Any, start_response: t.Any) -> t.Any:
         request = Request(environ)
         with self._lock:
+            if len(self.dropped) < self.drop:
+                self.dropped.append(request.headers["traceparent"])
+                environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+                raise ConnectionAbortedError("the response is lost")
             self.seen.append({k.lower(): v for k, v in request.headers.items()})
             status = self.statuses.pop(0) if self.statuses else 201
         headers = {"Retry-After": "0"} if status in (409, 429, 503) else {}
@@ -119,19 +127,7 @@ def test_an_attempt_that_got_no_answer_is_an_error_span_and_the_resend_another(
     (the response lost): its span ends with the error, and the resend that
     urllib3 makes is the second attempt, with a traceparent of its own."""
     url, recorder = downstream
-    dropped: list[str] = []
-    inner = recorder.__call__
-
-    def dropping(environ: t.Any, start_response: t.Any) -> t.Any:
-        if not dropped:
-            dropped.append(environ["HTTP_TRACEPARENT"])
-            environ["werkzeug.socket"].shutdown(2)
-            raise ConnectionAbortedError("the response is lost")
-        return inner(environ, start_response)
-
-    recorder.__class__ = type(
-        "Dropping", (Recorder,), {"__call__": lambda self, e, s: dropping(e, s)}
-    )
+    recorder.drop = 1
     http = IdempotentSession(total=3, backoff_factor=0, backoff_jitter=0)
     with sdk_tracing() as (provider, exporter):
         with provider.get_tracer("test").start_as_current_span("checkout"):
@@ -141,7 +137,7 @@ def test_an_attempt_that_got_no_answer_is_an_error_span_and_the_resend_another(
     assert [a.attributes["idempotency.attempt"] for a in attempts if a.attributes] == [1, 2]
     assert attempts[0].status.status_code is StatusCode.ERROR
     assert "http.response.status_code" not in (attempts[0].attributes or {})
-    assert parse_traceparent(dropped[0])[1] == attempts[0].context.span_id
+    assert parse_traceparent(recorder.dropped[0])[1] == attempts[0].context.span_id
     assert parse_traceparent(recorder.seen[0]["traceparent"])[1] == attempts[1].context.span_id
 
 
@@ -576,3 +572,52 @@ def test_only_the_telemetry_package_imports_opentelemetry() -> None:
             if any(n.split(".")[0] == "opentelemetry" for n in names):
                 importers.add(str(path.relative_to(ROOT)))
     assert importers == set()
+
+
+def test_threads_sharing_a_session_number_their_own_attempts() -> None:
+    """Eight threads call through one session at once, each call answered 503
+    then 201: every call's attempts are 1 and 2, under that thread's span."""
+    first_seen: set[str] = set()
+    lock = threading.Lock()
+    traceparents: dict[str, list[str]] = {}
+
+    def app(environ: t.Any, start_response: t.Any) -> t.Any:
+        request = Request(environ)
+        key = request.headers["Idempotency-Key"].strip('"')
+        with lock:
+            traceparents.setdefault(key, []).append(request.headers["traceparent"])
+            status = 201 if key in first_seen else 503
+            first_seen.add(key)
+        return Response("{}", status=status, headers={"Retry-After": "0"})(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    http = IdempotentSession(total=2, backoff_factor=0, backoff_jitter=0)
+    callers: dict[str, int] = {}
+    try:
+        with sdk_tracing() as (provider, exporter):
+            tracer = provider.get_tracer("test")
+
+            def call(n: int) -> None:
+                with tracer.start_as_current_span(f"caller-{n}") as span:
+                    key = f"key-{n}"
+                    callers[key] = span.get_span_context().span_id
+                    url = f"http://127.0.0.1:{server.server_port}/"
+                    assert http.post(url, json={}, idempotency_key=key).status_code == 201
+
+            threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            attempts = named(exporter.get_finished_spans(), "idempotency.client attempt")
+    finally:
+        server.shutdown()
+        serving.join(10)
+    assert len(attempts) == 16
+    by_span = {a.context.span_id: a for a in attempts}
+    for key, sent in traceparents.items():
+        spans = [by_span[parse_traceparent(tp)[1]] for tp in sent]
+        assert [(s.attributes or {}).get("idempotency.attempt") for s in spans] == [1, 2], key
+        assert {s.parent.span_id for s in spans if s.parent} == {callers[key]}, key
