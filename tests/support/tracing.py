@@ -15,12 +15,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 
-def _reset_global_provider() -> None:
-    # The API lets the global provider be set once per process; a test that
-    # sets its own puts the API back as it found it (as OpenTelemetry's own
-    # test utilities do).
+@contextlib.contextmanager
+def _global_provider(provider: TracerProvider | None) -> t.Iterator[None]:
+    """``provider`` as the API's global tracer provider for the block (``None``:
+    none set, the API's proxy to its no-op one), and then the one before put
+    back. The API lets the global provider be set once per process; this
+    resets its guard, as OpenTelemetry's own test utilities do."""
+    before = (trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER)
     trace._TRACER_PROVIDER_SET_ONCE = Once()
     trace._TRACER_PROVIDER = None
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+    try:
+        yield
+    finally:
+        trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER = before
 
 
 @contextlib.contextmanager
@@ -29,18 +38,18 @@ def sdk_tracing() -> t.Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    _reset_global_provider()
-    trace.set_tracer_provider(provider)
     try:
-        yield provider, exporter
+        with _global_provider(provider):
+            yield provider, exporter
     finally:
-        _reset_global_provider()
         provider.shutdown()
 
 
-def no_sdk() -> None:
-    """The API with no SDK (the global provider a proxy to the no-op one)."""
-    _reset_global_provider()
+@contextlib.contextmanager
+def without_sdk() -> t.Iterator[None]:
+    """The API with no SDK for the block, whatever provider the process has."""
+    with _global_provider(None):
+        yield
 
 
 def traceparent(trace_id: int, span_id: int) -> str:

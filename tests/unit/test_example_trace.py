@@ -29,7 +29,8 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 from opentelemetry.instrumentation.flask import FlaskInstrumentor
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from werkzeug.serving import make_server
 
@@ -98,6 +99,13 @@ def server_spans(spans: t.Sequence[ReadableSpan], route: str) -> list[ReadableSp
 def chain(database_url: str, tmp_path: Path) -> t.Iterator[dict[str, t.Any]]:
     """The three services: payments (SQLite), orders (the engine under test),
     shipping (SQLite), one filesystem broker."""
+    with sdk_tracing() as (provider, exporter):
+        yield from _serve_chain(database_url, tmp_path, provider, exporter)
+
+
+def _serve_chain(
+    database_url: str, tmp_path: Path, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> t.Iterator[dict[str, t.Any]]:
     tag = uuid.uuid4().hex[:8]
     broker = {
         "EXAMPLE_BROKER_URL": "filesystem://",
@@ -116,9 +124,10 @@ def chain(database_url: str, tmp_path: Path) -> t.Iterator[dict[str, t.Any]]:
     shipping_app = shipping.create_app(
         {"SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path / 's.db'}", **broker}
     )
+    # The server spans go to this test's provider, whatever the process's global one.
     instrumentor = FlaskInstrumentor()
     for app in (payments, order_app):
-        instrumentor.instrument_app(app)
+        instrumentor.instrument_app(app, tracer_provider=provider)
     lose = LoseFirstAnswer(order_app.wsgi_app)
     order_app.wsgi_app = lose  # type: ignore[method-assign]
     order_server = Served(order_app)
@@ -128,6 +137,8 @@ def chain(database_url: str, tmp_path: Path) -> t.Iterator[dict[str, t.Any]]:
         "payments": payments,
         "shipping": shipping_app,
         "lost": lose,
+        "provider": provider,
+        "exporter": exporter,
     }
     order_server.stop()
     payments_server.stop()
@@ -146,20 +157,20 @@ def test_one_trace_from_the_client_to_the_shipment_the_retry_included(
     chain: dict[str, t.Any],
 ) -> None:
     http = IdempotentSession(total=3, backoff_factor=0.1, backoff_jitter=0)
-    with sdk_tracing() as (provider, exporter):
-        tracer = provider.get_tracer("shop-frontend")
-        with tracer.start_as_current_span("checkout") as checkout:
-            response = http.post(
-                chain["orders_url"] + "/orders",
-                json=ORDER,
-                headers={"X-Tenant": "acme"},
-                idempotency_key=str(uuid.uuid4()),
-                timeout=30,
-            )
-        # Later, elsewhere: the relay, then the shipping service's consumer.
-        assert relay_batch(chain["orders"]).published == 1
-        assert shipping.consume(chain["shipping"], idle=1.0) == shipping.Consumed(shipped=1)
-        spans = exporter.get_finished_spans()
+    provider, exporter = chain["provider"], chain["exporter"]
+    tracer = provider.get_tracer("shop-frontend")
+    with tracer.start_as_current_span("checkout") as checkout:
+        response = http.post(
+            chain["orders_url"] + "/orders",
+            json=ORDER,
+            headers={"X-Tenant": "acme"},
+            idempotency_key=str(uuid.uuid4()),
+            timeout=30,
+        )
+    # Later, elsewhere: the relay, then the shipping service's consumer.
+    assert relay_batch(chain["orders"]).published == 1
+    assert shipping.consume(chain["shipping"], idle=1.0) == shipping.Consumed(shipped=1)
+    spans = exporter.get_finished_spans()
 
     # The chain acted once at every hop, the answer lost once and replayed.
     assert chain["lost"].lost == 1

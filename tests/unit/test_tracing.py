@@ -37,10 +37,10 @@ from tests.support.live import ROOT
 from tests.support.outbox import post, reset, rows
 from tests.support.tracing import (
     named,
-    no_sdk,
     parse_traceparent,
     sdk_tracing,
     stored_context,
+    without_sdk,
 )
 
 # -- the client: one CLIENT span per attempt, its context in the attempt's headers -------------
@@ -143,14 +143,16 @@ def test_an_attempt_that_got_no_answer_is_an_error_span_and_the_resend_another(
 
 def test_without_an_sdk_no_traceparent_is_sent(downstream: tuple[str, Recorder]) -> None:
     url, recorder = downstream
-    no_sdk()
-    recorder.statuses = [503]
-    http = IdempotentSession(total=2, backoff_factor=0, backoff_jitter=0)
-    response = http.post(url + "/charges", json={})
-    assert response.status_code == 201
-    assert len(recorder.seen) == 2
-    assert [("traceparent" in s, "tracestate" in s) for s in recorder.seen] == [(False, False)] * 2
-    assert recorder.seen[0]["idempotency-key"] == recorder.seen[1]["idempotency-key"]
+    with without_sdk():
+        recorder.statuses = [503]
+        http = IdempotentSession(total=2, backoff_factor=0, backoff_jitter=0)
+        response = http.post(url + "/charges", json={})
+        assert response.status_code == 201
+        assert len(recorder.seen) == 2
+        assert [("traceparent" in s, "tracestate" in s) for s in recorder.seen] == [
+            (False, False)
+        ] * 2
+        assert recorder.seen[0]["idempotency-key"] == recorder.seen[1]["idempotency-key"]
 
 
 def test_a_callers_traceparent_is_replaced_by_the_attempts(
@@ -202,9 +204,9 @@ def test_an_event_stores_the_context_of_the_request_that_emitted_it(app: Flask) 
 
 
 def test_without_an_sdk_nothing_is_stored(app: Flask) -> None:
-    no_sdk()
-    assert post(app, key="k1").status_code == 201
-    assert [r["trace_context"] for r in rows(app)] == [None]
+    with without_sdk():
+        assert post(app, key="k1").status_code == 201
+        assert [r["trace_context"] for r in rows(app)] == [None]
 
 
 def test_a_resumed_emit_keeps_the_first_context(app: Flask) -> None:
@@ -265,10 +267,10 @@ def test_an_untraced_event_is_published_with_its_own_headers_only(app: Flask) ->
     with app.app_context():
         add_event(outbox_app.db.session, "t", {}, event_id="e1", headers={"x": "y"})
         outbox_app.db.session.commit()
-    no_sdk()
-    publisher = ListPublisher()
-    assert relay_once(app, publisher) == 1
-    assert publisher.events[0].headers == {"x": "y"}
+    with without_sdk():
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 1
+        assert publisher.events[0].headers == {"x": "y"}
 
 
 def test_a_stored_context_is_carried_by_a_relay_without_an_sdk(app: Flask) -> None:
@@ -279,14 +281,14 @@ def test_a_stored_context_is_carried_by_a_relay_without_an_sdk(app: Flask) -> No
         provider.get_tracer("test").start_as_current_span("request") as request_span,
     ):
         assert post(app, key="k1").status_code == 201
-    no_sdk()
-    publisher = ListPublisher()
-    assert relay_once(app, publisher) == 1
-    context = request_span.get_span_context()
-    assert parse_traceparent(publisher.events[0].headers["traceparent"]) == (
-        context.trace_id,
-        context.span_id,
-    )
+    with without_sdk():
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 1
+        context = request_span.get_span_context()
+        assert parse_traceparent(publisher.events[0].headers["traceparent"]) == (
+            context.trace_id,
+            context.span_id,
+        )
 
 
 def test_the_broker_message_carries_the_context_and_the_inbox_continues_it(
