@@ -34,7 +34,7 @@ from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
 from tests.support.live import ROOT
-from tests.support.outbox import post, reset, rows
+from tests.support.outbox import post, relay_command, reset, rows
 from tests.support.tracing import (
     named,
     parse_traceparent,
@@ -434,7 +434,7 @@ WITHOUT_OTEL = textwrap.dedent(
     from flask_idempotency.client import IdempotentSession
     from flask_idempotency.publishers import ListPublisher
     from tests.support import outbox_app
-    from tests.support.outbox import post, reset, rows
+    from tests.support.outbox import post, relay_command, reset, rows
 
     seen = []
 
@@ -623,3 +623,29 @@ def test_threads_sharing_a_session_number_their_own_attempts() -> None:
         spans = [by_span[parse_traceparent(tp)[1]] for tp in sent]
         assert [(s.attributes or {}).get("idempotency.attempt") for s in spans] == [1, 2], key
         assert {s.parent.span_id for s in spans if s.parent} == {callers[key]}, key
+
+
+def test_a_relay_in_a_process_of_its_own_continues_the_requests_trace(
+    app: Flask, database_url: str, tmp_path: t.Any
+) -> None:
+    """``flask idempotency relay --once`` in another process, later, with the
+    API but no SDK: the message carries the emitting request's context, read
+    from the outbox row."""
+    with (
+        sdk_tracing() as (provider, _),
+        provider.get_tracer("test").start_as_current_span("request") as request_span,
+    ):
+        assert post(app, key="k1").status_code == 201
+    with app.app_context():
+        outbox_app.db.engine.dispose()
+    out = tmp_path / "published.jsonl"
+    env, cmd = relay_command(database_url, out, "--once")
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [line] = [json.loads(line) for line in out.read_text().splitlines()]
+    context = request_span.get_span_context()
+    assert parse_traceparent(line["headers"]["traceparent"]) == (
+        context.trace_id,
+        context.span_id,
+    )
+    assert [r["published_at"] is not None for r in rows(app)] == [True]
