@@ -52,11 +52,23 @@ class Shipment(db.Model):  # type: ignore[name-defined,misc]
     )
 
 
-@inbox.consumer(CONSUMER, session=lambda: db.session, event_id=lambda event_id, payload: event_id)
-def ship(event_id: str, payload: dict[str, t.Any]) -> str:
+def _event_id(event_id: str, payload: t.Any, headers: t.Any = None) -> str:
+    return event_id
+
+
+def _headers(event_id: str, payload: t.Any, headers: t.Any = None) -> t.Any:
+    return headers
+
+
+@inbox.consumer(CONSUMER, session=lambda: db.session, event_id=_event_id, headers=_headers)
+def ship(
+    event_id: str, payload: dict[str, t.Any], headers: t.Mapping[str, t.Any] | None = None
+) -> str:
     """Ship the order of one ``order-created`` event: once per event id. Returns
     ``"shipped"``, or ``None`` (the inbox skipped a duplicate). Needs an app
-    context; the inbox commits the shipment with the event id."""
+    context; the inbox commits the shipment with the event id. ``headers``
+    (the message's) carry the order request's trace context: with
+    OpenTelemetry the shipment joins the order's trace."""
     db.session.add(
         Shipment(order_id=payload["order_id"], tenant=payload["tenant"], event_id=event_id)
     )
@@ -101,7 +113,7 @@ def consume(app: Flask, *, idle: float = 1.0, limit: int | None = None) -> Consu
             done.rejected += 1
             return
         with app.app_context():
-            outcome = ship(event_id, body)
+            outcome = ship(event_id, body, message.headers)
         if outcome is None:
             done.skipped += 1
         else:

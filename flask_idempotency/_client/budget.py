@@ -15,6 +15,7 @@ from urllib3.response import BaseHTTPResponse, HTTPResponse
 from urllib3.util.retry import Retry
 
 from .retry import IdempotentRetry
+from .tracing import Attempts
 
 
 class RedirectBudgetExceeded(requests.TooManyRedirects, requests.exceptions.RetryError):
@@ -36,10 +37,12 @@ class Budget:
     share of it.
     """
 
-    __slots__ = ("following", "method", "retry")
+    __slots__ = ("attempts", "following", "method", "retry")
 
     def __init__(self, retry: Retry) -> None:
         self.retry = retry
+        #: The requests the call sent so far (numbers its attempt spans).
+        self.attempts = Attempts()
         #: The redirect the call's next send follows (set while requests'
         #: ``resolve_redirects`` runs): that send is a hop, counted first.
         self.following: requests.Response | None = None

@@ -15,6 +15,7 @@ from urllib3.util.retry import Retry
 
 from .budget import Budgets
 from .retry import KEYED_METHODS, RETRY_METHODS
+from .tracing import numbering, trace_pools
 
 
 class BudgetAdapter(HTTPAdapter):
@@ -29,6 +30,9 @@ class BudgetAdapter(HTTPAdapter):
     call. The session gives every POST and PATCH a key before this point, so
     that applies to a request sent to the adapter by other code
     (``session.get_adapter(url).send(...)``).
+
+    Its pools (and an HTTP proxy's) open :mod:`.tracing`'s connections: each
+    attempt is a CLIENT span with the trace context in its headers.
     """
 
     _retry: Retry
@@ -37,6 +41,16 @@ class BudgetAdapter(HTTPAdapter):
         self._budgets = budgets
         self._header = header
         super().__init__(**kwargs)
+
+    def init_poolmanager(self, *args: t.Any, **kwargs: t.Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        trace_pools(self.poolmanager)
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: t.Any) -> t.Any:
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if not proxy.lower().startswith("socks"):  # SOCKS pools are urllib3's own
+            trace_pools(manager)
+        return manager
 
     @property
     def max_retries(self) -> Retry:
@@ -62,7 +76,10 @@ class BudgetAdapter(HTTPAdapter):
         failures before the headers, and the server may have acted. The resend
         is one more read error in the call's ``Retry``: within ``total``,
         ``read``, the allowed methods and the deadline, after its backoff."""
-        with self._budgets.call(self._retry, join=True) as budget:
+        with (
+            self._budgets.call(self._retry, join=True) as budget,
+            numbering(budget.attempts),  # the attempt spans' numbers
+        ):
             method = (request.method or "").upper()
             if not resendable(request, method, self._header):
                 budget.retry = connect_retries_only(budget.retry, method)

@@ -22,6 +22,7 @@ from .._storage import INBOX_TABLE_NAME as INBOX_TABLE_NAME
 from .._storage import as_utc, dberrors
 from .._storage import inbox as inbox_sql
 from .._storage import inbox_table as inbox_table
+from .._telemetry import propagation
 
 #: How long a processed id is kept when neither ``ttl=`` nor the app's
 #: ``IDEMPOTENCY_INBOX_TTL`` says otherwise.
@@ -166,6 +167,7 @@ def process(
     commit: bool = False,
     ttl: dt.timedelta | float | None = None,
     now: dt.datetime | None = None,
+    headers: t.Mapping[str, t.Any] | None = None,
 ) -> t.Iterator[bool]:
     """Process one delivery of ``event_id`` for ``consumer`` at most once::
 
@@ -185,20 +187,31 @@ def process(
     inbox row alike, and anything else pending in it) and propagates, so the
     redelivery does the work. A duplicate sends
     :data:`~flask_idempotency.signals.event_skipped_duplicate`.
+
+    ``headers``: the message's headers (a mapping, as the broker client gives
+    them). With OpenTelemetry, the delivery (the inbox's insert, the block,
+    the commit) runs under a CONSUMER span ``idempotency.inbox process``
+    whose parent is the trace context the headers carry (``traceparent``,
+    ``tracestate``, as the relay publishes them), so the consumer's work
+    joins the trace of the request that emitted the event; without them,
+    under the current span. The span says whether the delivery was a
+    duplicate (``idempotency.inbox.duplicate``) and records an exception.
     """
     # A scoped session: the registry's current session.
     current = session() if isinstance(session, scoped_session) else session
     event_id = _id_text(event_id)
-    try:
-        fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
-        if not fresh:
-            _skipped(consumer, event_id)
-        yield fresh
-        if commit:
-            current.commit()
-    except BaseException:
-        current.rollback()
-        raise
+    with propagation.consuming(headers, consumer=consumer) as span:
+        try:
+            fresh = _mark_retrying(current, consumer, event_id, ttl=ttl, now=now)
+            propagation.set_attribute(span, "idempotency.inbox.duplicate", not fresh)
+            if not fresh:
+                _skipped(consumer, event_id)
+            yield fresh
+            if commit:
+                current.commit()
+        except BaseException:
+            current.rollback()
+            raise
 
 
 #: Attempts at the insert when the database picks it as a deadlock victim.
@@ -246,6 +259,7 @@ def consumer(
     session: SessionArg,
     event_id: t.Callable[..., str | int],
     ttl: dt.timedelta | float | None = None,
+    headers: t.Callable[..., t.Mapping[str, t.Any] | None] | None = None,
 ) -> t.Callable[[F], F]:
     """Make a plain function (a broker callback, a Celery task) process each event
     once for the consumer ``name``::
@@ -261,6 +275,15 @@ def consumer(
     id together). A duplicate does not run the function and returns ``None``
     (the signal ``event_skipped_duplicate`` tells it apart). An exception rolls
     the session back and propagates: the redelivery runs the function again.
+
+    ``headers``, like ``event_id``, is called with the function's arguments and
+    returns the message's headers (or ``None``): each delivery then continues
+    the trace they carry (see :func:`process`)::
+
+        @inbox.consumer("billing", session=lambda: db.session,
+                        event_id=lambda body, message: message.properties["message_id"],
+                        headers=lambda body, message: message.headers)
+        def bill(body, message): ...
     """
 
     def decorate(func: F) -> F:
@@ -268,7 +291,10 @@ def consumer(
         def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
             s = session if isinstance(session, (Session, scoped_session)) else session()
             eid = event_id(*args, **kwargs)
-            with process(s, consumer=name, event_id=eid, ttl=ttl, commit=True) as fresh:
+            carried = headers(*args, **kwargs) if headers is not None else None
+            with process(
+                s, consumer=name, event_id=eid, ttl=ttl, commit=True, headers=carried
+            ) as fresh:
                 if not fresh:
                     return None
                 return func(*args, **kwargs)

@@ -17,6 +17,7 @@ from .._context import app_state, current_derived_key, current_request_state
 from .._storage import outbox as outbox_sql
 from .._storage.notify import CHANNEL as CHANNEL
 from .._storage.schema import _text, as_utc, outbox_table
+from .._telemetry import propagation
 from ..errors import EventIdConflictError
 
 #: Set when a transaction that emitted events commits in this process: an
@@ -39,6 +40,10 @@ class OutboxEvent:
     headers: dict[str, str]
     created_at: dt.datetime
     attempts: int
+    #: The trace context of the request that emitted the event (``traceparent``,
+    #: ``tracestate``...; empty without one). The relay publishes the event
+    #: under it and puts the publish's context in ``headers``.
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_row(cls, row: t.Any) -> OutboxEvent:
@@ -51,6 +56,7 @@ class OutboxEvent:
             headers=json.loads(m["headers"]) if m["headers"] else {},
             created_at=t.cast(dt.datetime, as_utc(m["created_at"])),
             attempts=int(m["attempts"]),
+            trace_context=propagation.carrier_from_text(m.get("trace_context")),
         )
 
 
@@ -114,7 +120,10 @@ def add_event(
     exists already with the same topic and payload adds nothing (the same
     event, added again: a resumed operation); with another topic or payload it raises
     :class:`~flask_idempotency.errors.EventIdConflictError` and adds nothing,
-    leaving the transaction usable. Headers are not compared. The event is
+    leaving the transaction usable. Headers are not compared, nor the trace
+    context: the event keeps the one of its first emit. With a current span
+    (OpenTelemetry), its context is stored with the event (``trace_context``)
+    and continued by the relay. The event is
     published by the relay once the session's transaction commits, and never if
     it rolls back. Returns ``event_id``. Call in an app context of an app with
     the extension registered.
@@ -138,6 +147,9 @@ def add_event(
         "created_at": now or state.clock(),
         "attempts": 0,
     }
+    trace_context = propagation.current_carrier_text()
+    if trace_context is not None:  # only then: an untraced emit writes what it always did
+        values["trace_context"] = trace_context
     sql = outbox_sql.for_session(session)
     if not sql.insert_event(session, table, values):
         _check_same_event(session, table, sql, event_id, topic, text)

@@ -22,6 +22,7 @@ from .. import signals
 from .._context import app_state
 from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
+from .._telemetry import propagation
 from ..errors import BrokerUnavailable, StalledMessage
 from ..publishers import MESSAGE_CODES
 from .outbox import OutboxEvent
@@ -44,6 +45,9 @@ class Publisher(t.Protocol):
     outlasts the lease may meet another relay publishing the same event.
     ``event`` has ``topic``, ``event_id``, ``payload`` (decoded JSON) and
     ``headers`` (a dict); see :class:`~flask_idempotency.outbox.OutboxEvent`.
+    When the event was emitted under a trace, ``headers`` also carries the
+    W3C trace context (``traceparent``, ``tracestate``): put the headers on
+    the message, so the consumer continues the trace.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
@@ -202,14 +206,20 @@ def error_type(exc: BaseException) -> str:
 
 
 def _publish(publisher: Publisher, ev: OutboxEvent, system: str) -> None:
-    """``publisher.publish(ev)``, timed to its return (the broker's confirm) and counted."""
-    started = time.perf_counter()
-    try:
-        publisher.publish(ev)
-    except Exception as exc:
-        telemetry.published(system, time.perf_counter() - started, error_type(exc))
-        raise
-    telemetry.published(system, time.perf_counter() - started, None)
+    """``publisher.publish(ev)``, timed to its return (the broker's confirm) and
+    counted, under a PRODUCER span whose parent is the trace context the event
+    was emitted under; that span's context is added to the headers (the app's
+    own headers win a name they share)."""
+    with propagation.publishing(ev.trace_context, destination=ev.topic) as carried:
+        if carried:
+            ev = dataclasses.replace(ev, headers={**carried, **ev.headers})
+        started = time.perf_counter()
+        try:
+            publisher.publish(ev)
+        except Exception as exc:
+            telemetry.published(system, time.perf_counter() - started, error_type(exc))
+            raise
+        telemetry.published(system, time.perf_counter() - started, None)
 
 
 class _Batch:

@@ -303,6 +303,10 @@ def outbox_table(metadata: sa.MetaData) -> sa.Table:
         sa.Column("topic", sa.String(255), nullable=False),
         sa.Column("payload", _long_text(), nullable=False),
         sa.Column("headers", _long_text(), nullable=True),
+        # The emitting request's trace context (W3C carrier as compact JSON:
+        # traceparent, tracestate, baggage), for the relay's message headers;
+        # NULL without an active trace.
+        sa.Column("trace_context", _long_text(), nullable=True),
         sa.Column("created_at", _timestamp(), nullable=False),
         sa.Column("published_at", _timestamp(), nullable=True),
         sa.Column("attempts", sa.Integer, nullable=False, default=0),

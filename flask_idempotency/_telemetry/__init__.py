@@ -10,7 +10,8 @@ configures an SDK: the app's own set-up, global or made later (gunicorn's
 
 * :mod:`.request`: a protected request's outcome, phases and log line;
 * :mod:`.metrics`: the instruments; :mod:`.figures`: the gauges' database reads;
-* :mod:`.spans`: the request flow's spans.
+* :mod:`.spans`: the request flow's spans; :mod:`.propagation`: W3C trace context
+  across the chain (the client's attempts, outbox events, the relay, the inbox).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class FilePublisher:
 
             raise BrokerUnavailable("connection refused (the test's broker is away)")
         with open(self.path, "a") as f:
-            f.write(json.dumps({"event_id": event.event_id, "id": event.id}) + "\n")
+            line = {"event_id": event.event_id, "id": event.id, "headers": event.headers}
+            f.write(json.dumps(line) + "\n")
             f.flush()
             os.fsync(f.fileno())
         if os.environ.get("OUTBOX_KILL_AFTER_PUBLISH"):

@@ -1,0 +1,269 @@
+"""W3C trace context across the chain: the client's attempts, the outbox, the
+relay and the inbox, so that one trace runs from the caller to the last consumer.
+
+Everything goes through OpenTelemetry's API: the global propagator
+(``opentelemetry.propagate``; W3C ``traceparent`` and ``tracestate``, and
+whatever else the app configured, baggage by default) and the global tracer
+provider, looked up at each use, so an SDK set up after ``init_app`` (in
+gunicorn's ``post_fork``) is still the one used. Nothing here configures an SDK.
+
+Without ``opentelemetry-api`` (the ``otel`` extra) nothing of it is imported,
+every span is ``None`` and every carrier empty; with the API and no SDK the
+spans are OpenTelemetry's non-recording ones and a carrier holds only a context
+that came in (an extracted parent), so nothing is written either.
+
+A carrier is a ``dict[str, str]`` of header names (lower case, as the
+propagators write them) and values; the outbox keeps it as compact JSON text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import typing as t
+from importlib import metadata
+
+#: The tracer's (instrumentation scope's) name.
+TRACER_NAME = "flask_idempotency"
+
+#: The client's span for one attempt (kind CLIENT).
+CLIENT_ATTEMPT = "idempotency.client attempt"
+#: The relay's span for one publish (kind PRODUCER).
+OUTBOX_PUBLISH = "idempotency.outbox publish"
+#: The inbox's span around one delivery (kind CONSUMER).
+INBOX_PROCESS = "idempotency.inbox process"
+
+_api: t.Any = None  # None: not looked for yet; False: absent; else the modules
+
+
+class _Api:
+    __slots__ = ("context", "propagate", "trace", "version")
+
+    def __init__(self) -> None:
+        from opentelemetry import context, propagate, trace
+
+        self.context, self.propagate, self.trace = context, propagate, trace
+        # The distribution's version (the package root would import everything).
+        try:
+            self.version: str | None = metadata.version("Flask-Idempotency")
+        except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+            self.version = None
+
+
+def _otel() -> _Api | None:
+    """OpenTelemetry's API, imported at the first call; ``None`` without it."""
+    global _api
+    if _api is None:
+        try:
+            _api = _Api()
+        except ImportError:
+            _api = False
+    return _api or None
+
+
+def _tracer(api: _Api) -> t.Any:
+    # Not cached: the global provider may be set (or, in tests, replaced) later.
+    return api.trace.get_tracer(TRACER_NAME, api.version)
+
+
+def _parent(api: _Api, carrier: t.Mapping[str, str] | None) -> t.Any:
+    """The context ``carrier`` holds, or ``None`` (the current context) when it
+    holds no valid span: an event or a message without a trace is not made
+    the root of a trace of its own when a span is current (a job's)."""
+    if not carrier:
+        return None
+    context = api.propagate.extract(dict(carrier))
+    if not api.trace.get_current_span(context).get_span_context().is_valid:
+        return None
+    return context
+
+
+@contextlib.contextmanager
+def _attached(api: _Api, context: t.Any) -> t.Iterator[None]:
+    """``context`` current for the block (``None``: the current one stays).
+    Attached whole, not only passed as a span's parent, so that what else it
+    holds (baggage) is current in the block and propagated from it."""
+    if context is None:
+        yield
+        return
+    token = api.context.attach(context)
+    try:
+        yield
+    finally:
+        api.context.detach(token)
+
+
+def _clean(carrier: t.Mapping[str, t.Any]) -> dict[str, str]:
+    return {str(k): v for k, v in carrier.items() if isinstance(v, str) and v}
+
+
+# -- the outbox: the emitting request's context, stored with the event ------------------------
+
+
+def current_carrier_text() -> str | None:
+    """The current context (the request's span) as compact JSON text for the
+    outbox's ``trace_context`` column; ``None`` when there is none to carry
+    (no API, no SDK and no incoming context, or an invalid span)."""
+    api = _otel()
+    if api is None:
+        return None
+    carrier: dict[str, str] = {}
+    api.propagate.inject(carrier)
+    carrier = _clean(carrier)
+    if not carrier:
+        return None
+    return json.dumps(carrier, separators=(",", ":"), sort_keys=True)
+
+
+def carrier_from_text(text: str | bytes | None) -> dict[str, str]:
+    """The carrier stored as ``text``; empty for ``None`` or anything unreadable
+    (a column written by other means never stops the relay)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return _clean(value) if isinstance(value, dict) else {}
+
+
+# -- the relay: publish under the stored context ---------------------------------------------
+
+
+@contextlib.contextmanager
+def publishing(
+    stored: t.Mapping[str, str] | None, *, destination: str
+) -> t.Iterator[dict[str, str]]:
+    """A PRODUCER span whose parent is ``stored`` (the emitting request's
+    context), around one publish; yields the headers the message carries: the
+    context of that span (so the consumer's span is its child), or, without
+    the API, ``stored`` as it is. Empty when there is nothing to carry.
+    An exception is recorded on the span and propagates."""
+    api = _otel()
+    if api is None:
+        yield dict(stored or {})
+        return
+    parent = _parent(api, stored)
+    attributes = {
+        "messaging.operation.name": "publish",
+        "messaging.operation.type": "send",
+        "messaging.destination.name": destination,
+    }
+    span_kind = api.trace.SpanKind.PRODUCER
+    with (
+        _attached(api, parent),
+        _tracer(api).start_as_current_span(OUTBOX_PUBLISH, kind=span_kind, attributes=attributes),
+    ):
+        headers: dict[str, str] = {}
+        api.propagate.inject(headers)
+        yield _clean(headers)
+
+
+# -- the inbox: continue the trace the message carries ----------------------------------------
+
+
+@contextlib.contextmanager
+def consuming(headers: t.Mapping[str, t.Any] | None, *, consumer: str) -> t.Iterator[t.Any]:
+    """A CONSUMER span around one delivery, its parent the context in the
+    message's ``headers`` (or the current one when they carry none); yields
+    the span (``None`` without the API). An exception is recorded on it."""
+    api = _otel()
+    if api is None:
+        yield None
+        return
+    carrier = {
+        _name(k).lower(): v.decode("latin-1") if isinstance(v, bytes) else v
+        for k, v in (headers or {}).items()
+        if isinstance(v, str | bytes)
+    }
+    parent = _parent(api, carrier)
+    attributes = {
+        "messaging.operation.name": "process",
+        "messaging.operation.type": "process",
+        "idempotency.consumer": consumer,
+    }
+    span_kind = api.trace.SpanKind.CONSUMER
+    with (
+        _attached(api, parent),
+        _tracer(api).start_as_current_span(
+            INBOX_PROCESS, kind=span_kind, attributes=attributes
+        ) as span,
+    ):
+        yield span
+
+
+def set_attribute(span: t.Any, name: str, value: t.Any) -> None:
+    """``span.set_attribute`` on a span of this module's (``None``: nothing)."""
+    if span is not None:
+        span.set_attribute(name, value)
+
+
+# -- the client: one span per attempt ---------------------------------------------------------
+
+
+class Attempt:
+    """One attempt's CLIENT span, started without being made current (attempts
+    are siblings under the caller's span). :meth:`end` is idempotent."""
+
+    __slots__ = ("_api", "_span")
+
+    def __init__(self, api: _Api, span: t.Any) -> None:
+        self._api, self._span = api, span
+
+    def end(self, *, status: int | None = None, error: BaseException | None = None) -> None:
+        span, self._span = self._span, None
+        if span is None:
+            return
+        trace = self._api.trace
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 400:
+                span.set_attribute("error.type", str(status))
+                span.set_status(trace.Status(trace.StatusCode.ERROR))
+        if error is not None:
+            span.set_attribute("error.type", type(error).__qualname__)
+            span.record_exception(error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}"))
+        span.end()
+
+
+def start_attempt(
+    method: str,
+    attempt: int,
+    headers: t.Mapping[str, t.Any] | None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+) -> tuple[Attempt | None, t.Mapping[str, t.Any] | None]:
+    """Start the CLIENT span of one attempt under the current context and give
+    the headers to send: a copy of ``headers`` with this span's context
+    injected (any ``traceparent``, ``tracestate`` already there replaced).
+    Without the API: ``(None, headers)`` unchanged. Never the key in an
+    attribute: only the attempt's number, method, status and server."""
+    api = _otel()
+    if api is None:
+        return None, headers
+    attributes: dict[str, t.Any] = {"http.request.method": method, "idempotency.attempt": attempt}
+    if attempt > 1:
+        attributes["http.request.resend_count"] = attempt - 1
+    if host:
+        attributes["server.address"] = host
+    if port:
+        attributes["server.port"] = port
+    span = _tracer(api).start_span(
+        CLIENT_ATTEMPT, kind=api.trace.SpanKind.CLIENT, attributes=attributes
+    )
+    carrier: dict[str, str] = {}
+    api.propagate.inject(carrier, context=api.trace.set_span_in_context(span))
+    if not carrier:
+        return Attempt(api, span), headers
+    names = {k.lower() for k in carrier}
+    sent: dict[t.Any, t.Any] = {
+        k: v for k, v in (headers or {}).items() if _name(k).lower() not in names
+    }
+    sent.update(carrier)
+    return Attempt(api, span), sent
+
+
+def _name(key: t.Any) -> str:
+    return bytes(key).decode("latin-1") if isinstance(key, bytes | bytearray) else str(key)
