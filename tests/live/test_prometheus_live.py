@@ -1,0 +1,276 @@
+"""A real Prometheus scrapes the test app under gunicorn with 4 workers, set up by
+the documented recipe (docs/examples/gunicorn_otel.conf.py, used as it is), and the
+totals it reports equal the requests sent, with no series per key.
+
+The Prometheus is Debian's binary on a free 127.0.0.1 port, with a config, rules
+(the shipped docs/examples/prometheus/idempotency-rules.yml) and storage of its
+own, scraping every second; the test is skipped, saying so, where the binary is
+missing. Every process it starts is killed at the end, failed or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import typing as t
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import reset_tables
+from tests.support.live import ROOT
+from tests.support.private_servers import free_port
+from tests.support.prometheus import (
+    GUNICORN_CONF,
+    RULES,
+    Prometheus,
+    binary,
+    dashboard_queries,
+    free_ports,
+)
+
+WORKERS = 4
+JOB = "testapp"
+#: The labels a series of ours may carry: the scrape's, the exporter's scope, and
+#: the attributes of the telemetry contract. Never a key, a scope, a body.
+LABELS = {
+    "__name__",
+    "job",
+    "instance",
+    "otel_scope_name",
+    "otel_scope_version",
+    "otel_scope_schema_url",
+    "http_route",
+    "http_request_method",
+    "idempotency_outcome",
+    "idempotency_key_refusal",
+    "le",
+}
+
+
+class Gunicorn:
+    """``tests.support.gunicorn_app`` on gunicorn, configured by the shipped recipe."""
+
+    def __init__(self, workdir: Path, database_url: str, metrics_ports: range) -> None:
+        self.port = free_port()
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            "PYTHONPATH": str(ROOT),
+            "TEST_DATABASE_URL": database_url,
+            "TEST_APP_METRIC": "1",
+            "METRICS_PORTS": f"{metrics_ports[0]}-{metrics_ports[-1]}",
+            "METRICS_HOST": "127.0.0.1",
+            "OTEL_SERVICE_NAME": JOB,
+        }
+        self.log = (workdir / "gunicorn.log").open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "--config",
+                str(GUNICORN_CONF),
+                "--workers",
+                str(WORKERS),
+                "--worker-class",
+                "sync",
+                "--timeout",
+                "60",
+                "--bind",
+                f"127.0.0.1:{self.port}",
+                "tests.support.gunicorn_app:app",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(encoding="utf-8")[-3000:]
+
+    def workers(self) -> set[int]:
+        """The worker processes' pids (the master's children)."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            return {int(pid) for pid in path.read_text().split()}
+        except OSError:
+            return set()
+
+    def stop(self) -> None:
+        """The master and every worker (the session the test started), whatever state
+        they are in."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # a worker the master left behind
+        self.proc.wait()
+        self.log.close()
+
+
+def _post(port: int, path: str, key: str | None, body: dict[str, t.Any]) -> tuple[int, bool]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        answer = conn.getresponse()
+        answer.read()
+        return answer.status, answer.getheader("Idempotent-Replayed") == "true"
+    finally:
+        conn.close()
+
+
+def _send(port: int) -> tuple[dict[str, int], list[str]]:
+    """The traffic: what each outcome should count, and the keys sent."""
+    keys: list[str] = []
+
+    def key() -> str:
+        keys.append(f"key-{uuid.uuid4()}")
+        return keys[-1]
+
+    charge = {"amount": 100, "currency": "EUR"}
+    # Four slow requests at once: four sync workers each hold one.
+    slow: list[tuple[int, bool]] = []
+    threads = [
+        threading.Thread(
+            target=lambda k: slow.append(_post(port, "/slow", k, {"delay": 1})), args=(key(),)
+        )
+        for _ in range(WORKERS)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert slow == [(201, False)] * WORKERS
+    new = [key() for _ in range(10)]
+    for sent in new:
+        assert _post(port, "/charges", sent, charge) == (201, False)
+    for sent in new[:6]:
+        assert _post(port, "/charges", sent, charge) == (201, True)
+    assert _post(port, "/charges", new[0], {"amount": 200, "currency": "EUR"})[0] == 422
+    for _ in range(2):
+        assert _post(port, "/required", None, {})[0] == 400
+    assert _post(port, "/charges", "k" * 300, charge)[0] == 400
+    for _ in range(2):
+        assert _post(port, "/charges", None, charge) == (201, False)
+    expected = {
+        "executed": WORKERS + 10,
+        "replayed": 6,
+        "mismatch": 1,
+        "key_refused": 3,
+        "passed_through": 2,
+    }
+    return expected, keys
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
+    pg_url: str, tmp_path: Path
+) -> None:
+    binary("prometheus")
+    reset_tables(pg_url)
+    metrics_ports = free_ports(2 * WORKERS)  # twice the workers, as the recipe says
+    targets = [f"127.0.0.1:{port}" for port in metrics_ports]
+    server = prometheus = None
+    try:
+        server = Gunicorn(tmp_path, pg_url, metrics_ports)
+        prometheus = Prometheus(tmp_path, JOB, targets, rule_files=[RULES])
+        # Every worker serves its /metrics on a port of the range; the spares are down.
+        prometheus.wait_for(f'count(up{{job="{JOB}"}} == 1)', WORKERS)
+        assert server.proc.poll() is None, server.output()
+
+        expected, keys = _send(server.port)
+        sent = sum(expected.values())
+
+        # The test app's own counter first: the harness sums every worker.
+        prometheus.wait_for("sum(testapp_responses_total)", sent)
+        # The extension's: exactly what was sent, by outcome, summed over workers.
+        prometheus.wait_for("sum(idempotency_requests_total)", sent)
+        by_outcome = {
+            row["metric"]["idempotency_outcome"]: float(row["value"][1])
+            for row in prometheus.query("sum by (idempotency_outcome) (idempotency_requests_total)")
+        }
+        assert by_outcome == expected
+        refusals = {
+            row["metric"].get("idempotency_key_refusal"): float(row["value"][1])
+            for row in prometheus.query(
+                "sum by (idempotency_key_refusal)"
+                ' (idempotency_requests_total{idempotency_outcome="key_refused"})'
+            )
+        }
+        assert refusals == {"missing": 2, "too_long": 1}
+        by_route = {
+            (row["metric"]["http_route"], row["metric"]["idempotency_outcome"]): float(
+                row["value"][1]
+            )
+            for row in prometheus.query(
+                "sum by (http_route, idempotency_outcome) (idempotency_requests_total)"
+            )
+        }
+        assert by_route == {
+            ("/slow", "executed"): WORKERS,
+            ("/charges", "executed"): 10,
+            ("/charges", "replayed"): 6,
+            ("/charges", "mismatch"): 1,
+            ("/charges", "key_refused"): 1,
+            ("/charges", "passed_through"): 2,
+            ("/required", "key_refused"): 2,
+        }
+        # The totals came from several workers (the slow requests were held at once).
+        assert prometheus.value("count(count by (instance) (idempotency_requests_total))") >= 2
+
+        # No series per key: few series, none naming a key, only the contract's labels.
+        series = prometheus.api("series", **{"match[]": '{__name__=~"idempotency_.+"}'})
+        assert series
+        for labels in series:
+            assert set(labels) <= LABELS, labels
+            assert not any(key in value for key in keys for value in labels.values()), labels
+        requests_series = prometheus.value("count(idempotency_requests_total)")
+        assert requests_series is not None
+        assert requests_series <= WORKERS * len(by_route) < len(keys) + sent
+
+        # The shipped rules evaluate on these series without an error.
+        _wait_rules_evaluated(prometheus)
+        # Every expression of the dashboard's page runs.
+        for expr in dashboard_queries():
+            prometheus.query(expr)
+        outcomes = prometheus.query(dashboard_queries()[0])
+        assert {row["metric"]["idempotency_outcome"] for row in outcomes} == set(expected)
+    except BaseException:
+        if server is not None:
+            print("gunicorn:", server.output())
+        if prometheus is not None:
+            print("prometheus:", prometheus.output())
+        raise
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        if server is not None:
+            server.stop()
+
+
+def _wait_rules_evaluated(prometheus: Prometheus, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        rules = [rule for group in prometheus.api("rules")["groups"] for rule in group["rules"]]
+        assert rules
+        if all(not rule["lastEvaluation"].startswith("0001") for rule in rules):
+            break
+        assert time.monotonic() < deadline, "the rules were never all evaluated"
+        time.sleep(0.5)
+    unhealthy = [(rule["name"], rule.get("lastError")) for rule in rules if rule["health"] != "ok"]
+    assert unhealthy == []
