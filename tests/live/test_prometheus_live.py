@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,17 +96,15 @@ class Gunicorn:
             start_new_session=True,
         )
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 3000) -> str:
         self.log.flush()
-        return Path(self.log.name).read_text(encoding="utf-8")[-3000:]
+        text = Path(self.log.name).read_text(encoding="utf-8")
+        return text if tail is None else text[-tail:]
 
-    def workers(self) -> set[int]:
-        """The worker processes' pids (the master's children)."""
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        try:
-            return {int(pid) for pid in path.read_text().split()}
-        except OSError:
-            return set()
+    def metrics_ports(self) -> dict[int, int]:
+        """Each worker's metrics port, by pid, from the recipe's log lines."""
+        found = re.findall(r"Worker (\d+) serves /metrics on [\d.]+:(\d+)", self.output(None))
+        return {int(pid): int(port) for pid, port in found}
 
     def stop(self) -> None:
         """The master and every worker (the session the test started), whatever state
@@ -250,6 +249,20 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
             prometheus.query(expr)
         outcomes = prometheus.query(dashboard_queries()[0])
         assert {row["metric"]["idempotency_outcome"] for row in outcomes} == set(expected)
+
+        # A worker killed and replaced: the replacement serves on the port its
+        # predecessor freed (the lowest free one of the range), so the instance label
+        # takes no new value.
+        served = server.metrics_ports()
+        assert sorted(served.values()) == list(metrics_ports[:WORKERS])
+        victim, freed = min(served.items())
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (replacement := set(server.metrics_ports()) - set(served)):
+            assert time.monotonic() < deadline, "no worker replaced the one killed"
+            time.sleep(0.2)
+        assert [server.metrics_ports()[pid] for pid in replacement] == [freed]
+        prometheus.wait_for(f'count(up{{job="{JOB}", instance="127.0.0.1:{freed}"}} == 1)', 1)
     except BaseException:
         if server is not None:
             print("gunicorn:", server.output())
