@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import typing as t
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,7 @@ LABELS = {
     "http_request_method",
     "idempotency_outcome",
     "idempotency_key_refusal",
+    "db_namespace",
     "le",
 }
 
@@ -70,6 +72,8 @@ class Gunicorn:
             "METRICS_PORTS": f"{metrics_ports[0]}-{metrics_ports[-1]}",
             "METRICS_HOST": "127.0.0.1",
             "OTEL_SERVICE_NAME": JOB,
+            # The gauges read the database every second here (30 s by default).
+            "TEST_APP_CONFIG": json.dumps({"IDEMPOTENCY_METRICS_INTERVAL": 1}),
         }
         self.log = (workdir / "gunicorn.log").open("w")
         self.proc = subprocess.Popen(
@@ -232,6 +236,14 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         # The totals came from several workers (the slow requests were held at once).
         assert prometheus.value("count(count by (instance) (idempotency_requests_total))") >= 2
 
+        # The database gauges: one figure, reported by every worker (hence max, not sum).
+        records = expected["executed"]  # one completed record per executed key
+        prometheus.wait_for("max(idempotency_records_live)", records)
+        prometheus.wait_for("min(idempotency_records_live)", records)
+        assert prometheus.value("count(idempotency_records_live)") == WORKERS
+        assert prometheus.value("max(idempotency_records_in_flight)") == 0
+        assert prometheus.value("max(idempotency_records_past_lease)") == 0
+
         # No series per key: few series, none naming a key, only the contract's labels.
         series = prometheus.api("series", **{"match[]": '{__name__=~"idempotency_.+"}'})
         assert series
@@ -242,13 +254,27 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         assert requests_series is not None
         assert requests_series <= WORKERS * len(by_route) < len(keys) + sent
 
+        # A worker's exposition passes promtool's lint (names, units, help).
+        with urllib.request.urlopen(f"http://{targets[0]}/metrics", timeout=10) as answer:
+            exposition = answer.read()
+        lint = subprocess.run(
+            [binary("promtool"), "check", "metrics"], input=exposition, capture_output=True
+        )
+        assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
+
         # The shipped rules evaluate on these series without an error.
         _wait_rules_evaluated(prometheus)
         # Every expression of the dashboard's page runs.
-        for expr in dashboard_queries():
+        first, *others = dashboard_queries()
+        for expr in (first, *others):
             prometheus.query(expr)
-        outcomes = prometheus.query(dashboard_queries()[0])
-        assert {row["metric"]["idempotency_outcome"] for row in outcomes} == set(expected)
+        # The first panel shows every outcome sent, once rate() has two samples of each.
+        deadline = time.monotonic() + 30
+        while (
+            shown := {row["metric"]["idempotency_outcome"] for row in prometheus.query(first)}
+        ) != set(expected):
+            assert time.monotonic() < deadline, shown
+            time.sleep(0.5)
 
         # A worker killed and replaced: the replacement serves on the port its
         # predecessor freed (the lowest free one of the range), so the instance label

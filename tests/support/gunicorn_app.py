@@ -24,7 +24,7 @@ if os.environ.get("TEST_APP_METRIC"):
     from opentelemetry import metrics
 
     _responses = metrics.get_meter("tests.gunicorn_app").create_counter(
-        "testapp.responses", unit="{response}"
+        "testapp.responses", unit="{response}", description="Responses the test app gave."
     )
 
     @app.after_request
