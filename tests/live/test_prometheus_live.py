@@ -54,6 +54,8 @@ LABELS = {
     "http_request_method",
     "idempotency_outcome",
     "idempotency_key_refusal",
+    "idempotency_job",
+    "idempotency_job_result",
     "db_namespace",
     "le",
 }
@@ -72,8 +74,16 @@ class Gunicorn:
             "METRICS_PORTS": f"{metrics_ports[0]}-{metrics_ports[-1]}",
             "METRICS_HOST": "127.0.0.1",
             "OTEL_SERVICE_NAME": JOB,
-            # The gauges read the database every second here (30 s by default).
-            "TEST_APP_CONFIG": json.dumps({"IDEMPOTENCY_METRICS_INTERVAL": 1}),
+            # The gauges read the database every second here (30 s by default); the
+            # jobs run in every worker, often.
+            "TEST_APP_CONFIG": json.dumps(
+                {
+                    "IDEMPOTENCY_METRICS_INTERVAL": 1,
+                    "IDEMPOTENCY_SCHEDULER": True,
+                    "IDEMPOTENCY_RECOVER_EVERY": 1,
+                    "IDEMPOTENCY_PURGE_EVERY": 1,
+                }
+            ),
         }
         self.log = (workdir / "gunicorn.log").open("w")
         self.proc = subprocess.Popen(
@@ -243,6 +253,20 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         assert prometheus.value("count(idempotency_records_live)") == WORKERS
         assert prometheus.value("max(idempotency_records_in_flight)") == 0
         assert prometheus.value("max(idempotency_records_past_lease)") == 0
+
+        # The jobs, by the names the rules file's IdempotencyJobNotRunning expects.
+        deadline = time.monotonic() + 60
+        while (
+            jobs := {
+                row["metric"]["idempotency_job"]
+                for row in prometheus.query(
+                    "sum by (idempotency_job)"
+                    ' (idempotency_job_runs_total{idempotency_job_result="ok"}) > 0'
+                )
+            }
+        ) != {"cleanup", "lease_recovery"}:
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.5)
 
         # No series per key: few series, none naming a key, only the contract's labels.
         series = prometheus.api("series", **{"match[]": '{__name__=~"idempotency_.+"}'})
