@@ -6,6 +6,9 @@ The Prometheus is Debian's binary on a free 127.0.0.1 port, with a config, rules
 (the shipped docs/examples/prometheus/idempotency-rules.yml) and storage of its
 own, scraping every second; the test is skipped, saying so, where the binary is
 missing. Every process it starts is killed at the end, failed or not.
+
+And the recipe's fallback: a worker that finds every port of the range taken keeps
+serving, and exports on the first port that frees up.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,7 +68,14 @@ LABELS = {
 class Gunicorn:
     """``tests.support.gunicorn_app`` on gunicorn, configured by the shipped recipe."""
 
-    def __init__(self, workdir: Path, database_url: str, metrics_ports: range) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        database_url: str,
+        metrics_ports: range,
+        workers: int = WORKERS,
+        options: t.Sequence[str] = (),
+    ) -> None:
         self.port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
@@ -94,7 +105,8 @@ class Gunicorn:
                 "--config",
                 str(GUNICORN_CONF),
                 "--workers",
-                str(WORKERS),
+                str(workers),
+                *options,
                 "--worker-class",
                 "sync",
                 "--timeout",
@@ -337,3 +349,52 @@ def _wait_rules_evaluated(prometheus: Prometheus, seconds: float = 60) -> None:
         time.sleep(0.5)
     unhealthy = [(rule["name"], rule.get("lastError")) for rule in rules if rule["health"] != "ok"]
     assert unhealthy == []
+
+
+@pytest.mark.slow
+def test_a_worker_without_a_free_metrics_port_serves_and_takes_the_first_that_frees(
+    tmp_path: Path,
+) -> None:
+    """The recipe's fallback (with ``--preload``, the app imported before the fork):
+    every port of the range taken, the worker still answers requests, and exports
+    once a port frees up."""
+    url = f"sqlite:///{tmp_path / 'app.sqlite3'}"
+    reset_tables(url)
+    (port,) = free_ports(1)
+    holder = socket.create_server(("127.0.0.1", port))  # the range's only port, taken
+    server = None
+    try:
+        server = Gunicorn(tmp_path, url, range(port, port + 1), workers=1, options=["--preload"])
+        _wait_log(server, "no free port in METRICS_PORTS")
+        charge = {"amount": 100, "currency": "EUR"}
+        assert _post(server.port, "/charges", "first", charge) == (201, False)
+        assert _post(server.port, "/charges", "first", charge) == (201, True)
+        holder.close()
+        _wait_log(server, f"serves /metrics on 127.0.0.1:{port}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            exposition = answer.read().decode()
+        counted = {
+            outcome: float(value)
+            for outcome, value in re.findall(
+                r'^idempotency_requests_total{.*idempotency_outcome="(\w+)".*} (\S+)$',
+                exposition,
+                re.M,
+            )
+        }
+        assert counted == {"executed": 1, "replayed": 1}  # counted before the port freed too
+    except BaseException:
+        if server is not None:
+            print("gunicorn:", server.output())
+        raise
+    finally:
+        holder.close()
+        if server is not None:
+            server.stop()
+
+
+def _wait_log(server: Gunicorn, text: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in server.output(None):
+        assert server.proc.poll() is None, server.output()
+        assert time.monotonic() < deadline, f"never logged {text!r}: {server.output()}"
+        time.sleep(0.2)
