@@ -192,12 +192,14 @@ def _send(port: int) -> tuple[dict[str, int], list[str]]:
     assert _post(port, "/charges", "k" * 300, charge)[0] == 400
     for _ in range(2):
         assert _post(port, "/charges", None, charge) == (201, False)
+    assert _post(port, "/commits-then-raises", key(), {}) == (500, False)
     expected = {
         "executed": WORKERS + 10,
         "replayed": 6,
         "mismatch": 1,
         "key_refused": 3,
         "passed_through": 2,
+        "failed_after_commit": 1,
     }
     return expected, keys
 
@@ -254,12 +256,14 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
             ("/charges", "key_refused"): 1,
             ("/charges", "passed_through"): 2,
             ("/required", "key_refused"): 2,
+            ("/commits-then-raises", "failed_after_commit"): 1,
         }
         # The totals came from several workers (the slow requests were held at once).
         assert prometheus.value("count(count by (instance) (idempotency_requests_total))") >= 2
 
         # The database gauges: one figure, reported by every worker (hence max, not sum).
-        records = expected["executed"]  # one completed record per executed key
+        # One completed record per key that ran: executed, or failed after its commit.
+        records = expected["executed"] + expected["failed_after_commit"]
         prometheus.wait_for("max(idempotency_records_live)", records)
         prometheus.wait_for("min(idempotency_records_live)", records)
         assert prometheus.value("count(idempotency_records_live)") == WORKERS
@@ -298,7 +302,13 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         )
         assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
 
-        # The shipped rules evaluate on these series without an error.
+        # The shipped rules evaluate on these series without an error, and the alert
+        # for a failed-after-commit fires on the one sent (its first, in a new series).
+        prometheus.wait_for(
+            'count(ALERTS{alertname="IdempotencyFailedAfterCommit", alertstate="firing",'
+            f' job="{JOB}", http_route="/commits-then-raises"}})',
+            1,
+        )
         _wait_rules_evaluated(prometheus)
         # Every expression of the dashboard's page runs.
         first, *others = dashboard_queries()

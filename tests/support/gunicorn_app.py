@@ -1,16 +1,20 @@
 """The test app for gunicorn: ``gunicorn tests.support.gunicorn_app:app``.
 
 The database URL comes from ``TEST_DATABASE_URL``; extra ``app.config`` (durations
-in seconds) from ``TEST_APP_CONFIG`` as JSON. With ``TEST_APP_METRIC`` set, the app
-counts its own responses through the OpenTelemetry API (``testapp.responses``,
-``testapp_responses_total`` in Prometheus): a figure of the test's own, to prove
-the scrape harness apart from the extension's instruments.
+in seconds) from ``TEST_APP_CONFIG`` as JSON.
+
+With ``TEST_APP_METRIC`` set (the monitoring tests), the app also counts its own
+responses through the OpenTelemetry API (``testapp.responses``,
+``testapp_responses_total`` in Prometheus: a figure of the test's own, to prove the
+scrape harness apart from the extension's instruments), and has a route whose view
+commits and then raises (``POST /commits-then-raises``: a failed-after-commit).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import typing as t
 
 from flask import Response
 
@@ -31,3 +35,10 @@ if os.environ.get("TEST_APP_METRIC"):
     def _count_response(response: Response) -> Response:
         _responses.add(1, {"http.response.status_code": response.status_code})
         return response
+
+    @app.post("/commits-then-raises")
+    @testapp.idem.idempotent()
+    def commits_then_raises() -> t.NoReturn:
+        testapp.write_ledger("commits-then-raises")
+        testapp.db.session.commit()
+        raise RuntimeError("the view failed after its commit")
