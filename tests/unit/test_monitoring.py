@@ -122,3 +122,29 @@ def test_the_page_shows_the_files_the_tests_use() -> None:
     page = MONITORING.read_text(encoding="utf-8")
     assert "```{literalinclude} examples/gunicorn_otel.conf.py\n" in page
     assert "```{literalinclude} examples/prometheus/idempotency-rules.yml\n" in page
+
+
+def test_the_job_alerts_windows_are_three_intervals_of_the_defaults() -> None:
+    """IdempotencyJobNotRunning looks back 3 default intervals of each job (at least a
+    minute: a few scrape intervals), so a change of a default shows here."""
+    from datetime import timedelta
+
+    from flask_idempotency import config
+
+    every = {
+        "cleanup": config.DEFAULTS["PURGE_EVERY"],
+        "lease_recovery": config.DEFAULTS["RECOVER_EVERY"],
+        "outbox_relay": config.DEFAULTS["RELAY_EVERY"],
+    }
+    windows = {}
+    for alert in _alerts():
+        if alert["alert"] == "IdempotencyJobNotRunning":
+            job = alert["labels"]["idempotency_job"]  # type: ignore[index]
+            (window,) = set(
+                re.findall(r'idempotency_job="\w+", [^}]*\}\[(\d+)m\]', str(alert["expr"]))
+            )
+            windows[job] = timedelta(minutes=int(window))
+    assert windows.keys() == every.keys()
+    for job, interval in every.items():
+        wanted = max(3 * interval, timedelta(minutes=1))
+        assert wanted <= windows[job] < wanted + timedelta(minutes=1), job
