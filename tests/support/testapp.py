@@ -24,6 +24,7 @@ from marshmallow import Schema, fields
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
+from tests.support import pgbouncer
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -311,12 +312,17 @@ def create_app(
     **config: t.Any,
 ) -> Flask:
     app = Flask(__name__)
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=database_url,
-        SQLALCHEMY_ENGINE_OPTIONS=(
-            {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
-        ),
+    options: dict[str, t.Any] = (
+        {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
     )
+    if pgbouncer.is_pooled(database_url):
+        # Behind the tests' PgBouncer (transaction pooling), configured as
+        # docs/poolers.md tells a user to: psycopg 3 prepares nothing, and the
+        # extension knows (its relay polls). A test's own config wins.
+        app.config["IDEMPOTENCY_DATABASE_POOLER"] = "transaction"
+        if database_url.startswith("postgresql+psycopg:"):
+            options["connect_args"] = {"prepare_threshold": None}
+    app.config.update(SQLALCHEMY_DATABASE_URI=database_url, SQLALCHEMY_ENGINE_OPTIONS=options)
     app.config.update(**config)
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
