@@ -144,14 +144,23 @@ def postgres_url(driver: str = "psycopg2") -> str:
     """
     if driver in POOLED or (driver in PG_DRIVERS and pgbouncer_mode() == "all"):
         return pooled_url(POOLED.get(driver, driver))
+    return direct_postgres_url(driver)
+
+
+def direct_postgres_url(driver: str = "psycopg2") -> str:
+    """The suite's PostgreSQL for ``driver`` (a key of :data:`PG_DRIVERS`), never
+    through PgBouncer."""
     url = sa.make_url(_postgres_url()).set(drivername=PG_DRIVERS[driver])
     return url.render_as_string(hide_password=False)
 
 
 def pooled_url(driver: str) -> str:
     """The suite's PostgreSQL through its PgBouncer (started on first use), for
-    ``driver``; skips the test, with the reason, where PgBouncer is missing."""
+    ``driver``; skips the test, with the reason, where PgBouncer is missing (or
+    ``IDEMPOTENCY_TEST_PGBOUNCER=off``)."""
     reason = pgbouncer.missing()
+    if pgbouncer_mode() == "off":
+        reason = f"{PGBOUNCER_ENV}=off"
     if reason is not None:
         pytest.skip(reason)
     if "pgbouncer" not in _PG:
