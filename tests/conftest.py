@@ -165,6 +165,8 @@ def pooled_url(driver: str) -> str:
         pytest.skip(reason)
     if "pgbouncer" not in _PG:
         _PG["pgbouncer"] = pgbouncer.run(_postgres_url())
+        # Where an app behind it LISTENs (pgbouncer.user_config), in subprocesses too.
+        os.environ[pgbouncer.DIRECT_ENV] = _postgres_url()
     return t.cast(str, _PG["pgbouncer"].url(PG_DRIVERS[driver]))
 
 
@@ -325,6 +327,18 @@ _engines_used: set[sa.Engine] = set()
 @event.listens_for(sa.Engine, "engine_connect")
 def _engine_used(connection: sa.Connection) -> None:
     _engines_used.add(connection.engine)
+
+
+@event.listens_for(sa.pool.Pool, "connect")
+def _no_prepares_through_the_pooler(dbapi_connection: t.Any, record: t.Any) -> None:
+    """With ``IDEMPOTENCY_TEST_PGBOUNCER=all``, the tests' own engines (readers,
+    ``run_sql``) go through PgBouncer too, and are no subject of the test: their
+    psycopg 3 connections prepare nothing, as a user's would be set up. (The apps
+    under test get it from their config, ``pgbouncer.user_config``.)"""
+    if pgbouncer_mode() != "all" or getattr(dbapi_connection, "prepare_threshold", None) is None:
+        return
+    if pgbouncer.POOLED_APP in dbapi_connection.info.dsn:  # psycopg 3, through the pooler
+        dbapi_connection.prepare_threshold = None
 
 
 @pytest.fixture(autouse=True)

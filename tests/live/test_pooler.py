@@ -34,7 +34,13 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idempotency._messaging.listener import Listener
-from tests.conftest import direct_postgres_url, postgres_url, reset_tables, run_sql
+from tests.conftest import (
+    direct_postgres_url,
+    pgbouncer_mode,
+    postgres_url,
+    reset_tables,
+    run_sql,
+)
 from tests.support import testapp
 from tests.support.live import ROOT
 
@@ -159,6 +165,8 @@ def _checkout(app: t.Any) -> None:
 def test_a_psycopg3_engine_that_prepares_behind_a_transaction_pooler_is_logged(
     pooled_app_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    if pgbouncer_mode() == "all":
+        pytest.skip("IDEMPOTENCY_TEST_PGBOUNCER=all turns psycopg's prepared statements off")
     app = testapp.create_app(
         pooled_app_url,
         SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 2},
@@ -217,7 +225,7 @@ def test_the_relay_listens_on_its_direct_url_and_a_commit_through_the_pooler_wak
 def test_behind_a_transaction_pooler_without_a_listen_url_the_relay_polls_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    app = testapp.create_app(postgres_url("psycopg-pgbouncer"))
+    app = testapp.create_app(postgres_url("psycopg-pgbouncer"), IDEMPOTENCY_RELAY_LISTEN_URL=None)
     with caplog.at_level(logging.WARNING, "flask_idempotency"):
         first, second = Listener(app), Listener(app)
     try:

@@ -60,6 +60,34 @@ def is_pooled(url: str | sa.URL) -> bool:
     return sa.make_url(url).query.get("application_name") == POOLED_APP
 
 
+#: Set by the suite to its PostgreSQL's direct URL (psycopg2's spelling) once the
+#: pooler runs, so that apps in subprocesses find it too.
+DIRECT_ENV = "IDEMPOTENCY_TEST_DIRECT_POSTGRES_URL"
+
+
+def user_config(url: str) -> dict[str, t.Any]:
+    """The config a user sets behind a transaction pooler (docs/poolers.md), for an
+    app on ``url``; ``{}`` unless ``url`` goes through the tests' PgBouncer:
+    the pooler declared, the relay's LISTEN on the direct URL, and psycopg 3's
+    automatic prepared statements off (with the test apps' pool size)."""
+    parsed = sa.make_url(url)
+    if not is_pooled(parsed):
+        return {}
+    config: dict[str, t.Any] = {"IDEMPOTENCY_DATABASE_POOLER": "transaction"}
+    direct = os.environ.get(DIRECT_ENV)
+    if direct:
+        config["IDEMPOTENCY_RELAY_LISTEN_URL"] = (
+            sa.make_url(direct).set(drivername=parsed.drivername).render_as_string(False)
+        )
+    if parsed.drivername == "postgresql+psycopg":
+        config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+            "pool_size": 40,
+            "max_overflow": 10,
+            "connect_args": {"prepare_threshold": None},
+        }
+    return config
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

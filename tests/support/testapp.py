@@ -312,17 +312,15 @@ def create_app(
     **config: t.Any,
 ) -> Flask:
     app = Flask(__name__)
-    options: dict[str, t.Any] = (
-        {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=database_url,
+        SQLALCHEMY_ENGINE_OPTIONS=(
+            {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
+        ),
     )
-    if pgbouncer.is_pooled(database_url):
-        # Behind the tests' PgBouncer (transaction pooling), configured as
-        # docs/poolers.md tells a user to: psycopg 3 prepares nothing, and the
-        # extension knows (its relay polls). A test's own config wins.
-        app.config["IDEMPOTENCY_DATABASE_POOLER"] = "transaction"
-        if database_url.startswith("postgresql+psycopg:"):
-            options["connect_args"] = {"prepare_threshold": None}
-    app.config.update(SQLALCHEMY_DATABASE_URI=database_url, SQLALCHEMY_ENGINE_OPTIONS=options)
+    # Behind the tests' PgBouncer, configured as docs/poolers.md tells a user to.
+    # A test's own config wins.
+    app.config.update(pgbouncer.user_config(database_url))
     app.config.update(**config)
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
