@@ -585,7 +585,9 @@ def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
     url = pg_url
     expected = None
     if apps_own == "connection" and pgbouncer.is_pooled(pg_url):
-        pytest.skip("PgBouncer (1.18) does not pass a connection's options= on to the server")
+        pytest.skip(
+            "PgBouncer (1.18) refuses a connection's options= (unsupported startup parameter)"
+        )
     if apps_own == "connection":
         # Added to the URL's own options (a configured server's carry the test
         # schema's search_path), not in place of them.
