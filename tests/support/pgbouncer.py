@@ -118,9 +118,11 @@ class PgBouncer:
         if isinstance(host, tuple):
             host = host[0]
         parts = [f"host={_quote(host)}", f"port={up.port or 5432}"]
-        if up.username:
-            parts.append(f"user={_quote(up.username)}")
         if up.password:
+            # PgBouncer has no password of a client's to pass on (auth_type =
+            # trust): every client reaches the server as the upstream's user then.
+            # Without one, each client reaches it as itself (roles tests create).
+            parts.append(f"user={_quote(up.username or 'postgres')}")
             parts.append(f"password={_quote(str(up.password))}")
         owner = pwd.getpwuid(os.stat(host).st_uid).pw_name if host.startswith("/") else None
         return " ".join(parts), owner
