@@ -11,6 +11,8 @@ import math
 import typing as t
 from datetime import timedelta
 
+import sqlalchemy as sa
+
 from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 from .config import DEFAULTS, PREFIX
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
@@ -233,6 +235,15 @@ class Settings:
     relay_wake: bool = True
     inbox_ttl: timedelta = timedelta(days=7)
     metrics_interval: timedelta = timedelta(seconds=30)
+    #: ``None``, ``"session"``, ``"transaction"`` or ``"transaction+prepared"``.
+    database_pooler: str | None = None
+    relay_listen_url: str | None = None
+
+    @property
+    def transaction_pooled(self) -> bool:
+        """Whether the app's connections go through transaction pooling: no
+        session state (LISTEN) outlives a transaction."""
+        return self.database_pooler in TRANSACTION_POOLERS
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -305,6 +316,12 @@ class Settings:
                 values.get("METRICS_INTERVAL", timedelta(seconds=30)),
                 "IDEMPOTENCY_METRICS_INTERVAL",
             ),
+            database_pooler=resolve_pooler(
+                values.get("DATABASE_POOLER"), "IDEMPOTENCY_DATABASE_POOLER"
+            ),
+            relay_listen_url=resolve_listen_url(
+                values.get("RELAY_LISTEN_URL"), "IDEMPOTENCY_RELAY_LISTEN_URL"
+            ),
         )
 
     @functools.cached_property
@@ -334,3 +351,45 @@ class Settings:
         out of ``IDEMPOTENCY_STORED_STATUSES`` is never a success whose work was
         rolled back. A 4xx or 5xx not stored rolls back."""
         return self.storable(status) or 200 <= status < 400
+
+
+#: The poolers ``IDEMPOTENCY_DATABASE_POOLER`` names.
+POOLERS = ("session", "transaction", "transaction+prepared")
+#: Those that give a client a server connection for one transaction at a time.
+TRANSACTION_POOLERS = frozenset({"transaction", "transaction+prepared"})
+
+
+def resolve_pooler(value: t.Any, name: str) -> str | None:
+    """``None`` (or ``""``/``"none"``, as read from an environment variable) or
+    one of :data:`POOLERS` (any case, spaces around ignored).
+    Statement pooling is refused: a claim commits with the view's writes, in a
+    transaction of several statements, which it forbids."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        mode = value.strip().lower()
+        if mode in ("", "none"):
+            return None
+        if mode in POOLERS:
+            return mode
+        if mode == "statement":
+            raise ValueError(
+                f"{name}: statement pooling allows no transaction of several statements, and a"
+                " claim commits in one with the view's writes; use transaction pooling"
+            )
+    choices = ", ".join(repr(mode) for mode in POOLERS)
+    raise ValueError(f"{name} must be None or one of {choices}, got {value!r}")
+
+
+def resolve_listen_url(value: t.Any, name: str) -> str | None:
+    """``None`` or a PostgreSQL URL (a string or a SQLAlchemy ``URL``), kept as text."""
+    if value is None:
+        return None
+    try:
+        url = sa.make_url(value)
+    except Exception:  # ArgumentError, or a type make_url cannot read
+        # Not echoed: the text may hold a password.
+        raise ValueError(f"{name} must be a database URL (text or sqlalchemy.URL)") from None
+    if url.get_backend_name() != "postgresql":
+        raise ValueError(f"{name}: LISTEN is PostgreSQL's; got a {url.get_backend_name()} URL")
+    return url.render_as_string(hide_password=False)

@@ -181,6 +181,26 @@ SETTINGS: tuple[Setting, ...] = (
         " LISTEN/NOTIFY across processes). `False`: polling alone.",
     ),
     Setting(
+        "DATABASE_POOLER",
+        None,
+        "The connection pooler between the app and PostgreSQL, if any: `None` (none, or one in"
+        ' session pooling), `"session"`, `"transaction"` (PgBouncer\'s `pool_mode = transaction`,'
+        ' RDS Proxy, PgCat\'s transaction mode), or `"transaction+prepared"` (transaction pooling'
+        " that tracks protocol-level prepared statements: PgBouncer 1.21+ with"
+        " `max_prepared_statements` above 0). With either transaction mode the relay LISTENs only"
+        " through `IDEMPOTENCY_RELAY_LISTEN_URL` (else it polls, and says so when it starts);"
+        ' with `"transaction"`, a psycopg 3 connection that would prepare statements'
+        " (`prepare_threshold` not `None`) is logged as a misconfiguration. See"
+        " [Poolers](poolers.md).",
+    ),
+    Setting(
+        "RELAY_LISTEN_URL",
+        None,
+        "A PostgreSQL URL the relay LISTENs on instead of the app's engine: a direct connection"
+        " (or one through a pooler in session mode) when the app's goes through transaction"
+        " pooling, where LISTEN cannot work. Used for LISTEN only, on a connection of its own.",
+    ),
+    Setting(
         "INBOX_TTL",
         timedelta(days=7),
         "How long the inbox keeps a processed event id; a redelivery after that runs again.",

@@ -28,7 +28,7 @@ from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, rou
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
 from ._request.route import RouteOptions
-from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
+from ._storage import Store, inbox_table, job_lock_table, outbox_table, pooler, record_table
 from ._view import ViewAPI
 from .cli import idempotency_cli
 
@@ -146,6 +146,10 @@ class Idempotency(ViewAPI):
         outbox.listen(db.session.session_factory)
         register(app, state)
         gauges.watch(app)
+        if settings.database_pooler == "transaction":
+            with app.app_context():
+                for engine in db.engines.values():
+                    pooler.watch(engine)
         self._states.add(state)
         app.before_request(RouteCheck(app))
         app.teardown_request(end_request)

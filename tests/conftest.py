@@ -9,6 +9,13 @@ PostgreSQL test runs twice, through each driver SQLAlchemy may pick for a
 ``psycopg2``) and psycopg 3 (``postgresql+psycopg://``, ids ``psycopg``),
 whatever driver the configured URL names.
 
+Through PgBouncer: the PostgreSQL tests of :data:`POOLED_MODULES` also run through
+a PgBouncer in transaction pooling mode (test ids ``psycopg2-pgbouncer`` and
+``psycopg-pgbouncer``), started by the suite in front of its PostgreSQL; skipped,
+with the reason, where PgBouncer is not installed. ``IDEMPOTENCY_TEST_PGBOUNCER=all``
+sends every PostgreSQL URL of the suite through it instead (the whole suite behind
+a pooler); ``=off`` leaves the pooler out.
+
 MariaDB/MySQL runs every engine-parametrized test too, at
 ``IDEMPOTENCY_TEST_MYSQL_URL`` (default: root without a password on
 127.0.0.1:3306, database ``idempotency_test``, created if missing; under
@@ -33,7 +40,7 @@ from sqlalchemy import event
 
 from flask_idempotency._storage import text_param
 from flask_idempotency._storage.schema import as_utc, inbox_table, job_lock_table, record_table
-from tests.support import testapp
+from tests.support import pgbouncer, testapp
 from tests.support.live import LiveServer
 from tests.support.tables import recreate_tables
 from tests.support.tcp_proxy import TcpProxy, upstream_of
@@ -43,6 +50,7 @@ from tests.support.tcp_proxy import TcpProxy, upstream_of
 pytest_plugins = ["flask_idempotency.testing.plugin"]
 
 POSTGRES_ENV = "IDEMPOTENCY_TEST_POSTGRES_URL"
+PGBOUNCER_ENV = "IDEMPOTENCY_TEST_PGBOUNCER"
 MYSQL_ENV = "IDEMPOTENCY_TEST_MYSQL_URL"
 DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/idempotency_test?charset=utf8mb4"
 
@@ -82,7 +90,10 @@ def _private_schema(configured: str) -> str:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Leave nothing behind in a configured PostgreSQL."""
+    """Stop the PgBouncer; leave nothing behind in a configured PostgreSQL."""
+    bouncer = _PG.pop("pgbouncer", None)
+    if bouncer is not None:
+        bouncer.stop()
     schema = _PG.pop("schema", None)
     if schema is None:
         return
@@ -107,16 +118,65 @@ def pg_options(url: str, extra: str) -> str:
 PG_DRIVERS = {"psycopg2": "postgresql+psycopg2", "psycopg": "postgresql+psycopg"}
 
 
+#: The same drivers through PgBouncer in transaction pooling mode, by test id.
+POOLED = {f"{driver}-pgbouncer": driver for driver in PG_DRIVERS}
+
+#: The modules whose PostgreSQL tests also run through PgBouncer on every run:
+#: the request path (claims, replays, concurrent duplicates, bounds) and the
+#: leases (live servers killed mid-request, reclaims, recovery points).
+POOLED_MODULES = frozenset(
+    {
+        "tests/unit/request/test_flow.py",
+        "tests/unit/request/test_fencing.py",
+        "tests/live/test_leases.py",
+        "tests/live/test_pooler.py",
+    }
+)
+
+
+def pgbouncer_mode() -> str:
+    """``IDEMPOTENCY_TEST_PGBOUNCER``: ``"some"`` (default), ``"all"`` or ``"off"``."""
+    mode = os.environ.get(PGBOUNCER_ENV, "some").strip().lower() or "some"
+    if mode not in ("some", "all", "off"):
+        raise pytest.UsageError(f"{PGBOUNCER_ENV} must be some, all or off, got {mode!r}")
+    return mode
+
+
 def postgres_url(driver: str = "psycopg2") -> str:
     """The PostgreSQL the suite uses, started on first use, spelled for ``driver``
-    (a key of :data:`PG_DRIVERS`).
+    (a key of :data:`PG_DRIVERS`, or of :data:`POOLED`: through PgBouncer).
 
     A configured one (``IDEMPOTENCY_TEST_POSTGRES_URL``) is used through a
     schema of the suite's own, created for the run and dropped at its end: the
     tables already in that database are never touched.
+    ``IDEMPOTENCY_TEST_PGBOUNCER=all`` sends every driver through PgBouncer.
     """
+    if driver in POOLED or (driver in PG_DRIVERS and pgbouncer_mode() == "all"):
+        return pooled_url(POOLED.get(driver, driver))
+    return direct_postgres_url(driver)
+
+
+def direct_postgres_url(driver: str = "psycopg2") -> str:
+    """The suite's PostgreSQL for ``driver`` (a key of :data:`PG_DRIVERS`), never
+    through PgBouncer."""
     url = sa.make_url(_postgres_url()).set(drivername=PG_DRIVERS[driver])
     return url.render_as_string(hide_password=False)
+
+
+def pooled_url(driver: str) -> str:
+    """The suite's PostgreSQL through its PgBouncer (started on first use), for
+    ``driver``; skips the test, with the reason, where PgBouncer is missing (or
+    ``IDEMPOTENCY_TEST_PGBOUNCER=off``)."""
+    reason = pgbouncer.missing()
+    if pgbouncer_mode() == "off":
+        reason = f"{PGBOUNCER_ENV}=off"
+    if reason is not None:
+        pytest.skip(reason)
+    if "pgbouncer" not in _PG:
+        _PG["pgbouncer"] = pgbouncer.run(_postgres_url())
+        # Where an app behind it LISTENs (pgbouncer.user_config), in subprocesses too.
+        os.environ[pgbouncer.DIRECT_ENV] = _postgres_url()
+    return t.cast(str, _PG["pgbouncer"].url(PG_DRIVERS[driver]))
 
 
 def _postgres_url() -> str:
@@ -165,6 +225,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         else "embedded (pgserver), started on first use"
     )
     lines = [f"PostgreSQL for tests: {where}"]
+    reason = pgbouncer.missing()
+    mode = pgbouncer_mode()
+    if mode == "off":
+        lines.append(f"PgBouncer: off ({PGBOUNCER_ENV}=off)")
+    elif reason is not None:
+        lines.append(f"PgBouncer: NOT AVAILABLE, its tests are skipped: {reason}")
+    elif mode == "all":
+        lines.append("PgBouncer (transaction pooling): every PostgreSQL URL goes through it")
+    else:
+        lines.append(
+            "PgBouncer (transaction pooling): the PostgreSQL tests of "
+            f"{', '.join(sorted(POOLED_MODULES))} also run through it"
+        )
     if mysql_url() is not None:
         lines.append(f"MariaDB/MySQL for tests: {_MYSQL['shown']} (server {_MYSQL['version']})")
     else:
@@ -175,19 +248,42 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="session", params=list(PG_DRIVERS))
+@pytest.fixture(scope="session", params=[*PG_DRIVERS, *POOLED])
 def pg_url(request: pytest.FixtureRequest) -> str:
-    """The suite's PostgreSQL, through psycopg2 and through psycopg 3."""
+    """The suite's PostgreSQL, through psycopg2 and through psycopg 3 (and, for
+    :data:`POOLED_MODULES`, both through PgBouncer)."""
     return postgres_url(request.param)
 
 
 #: The engines (and drivers) every engine-parametrized test runs on.
-ENGINES = [*PG_DRIVERS, "sqlite", "mysql"]
+ENGINES = [*PG_DRIVERS, *POOLED, "sqlite", "mysql"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the PgBouncer variants of :data:`POOLED_MODULES` only (none with
+    ``IDEMPOTENCY_TEST_PGBOUNCER=off``, nor with ``=all``, where every
+    PostgreSQL URL goes through it already); the others are deselected."""
+    mode = pgbouncer_mode()
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        pooled = callspec is not None and any(
+            isinstance(value, str) and value in POOLED for value in callspec.params.values()
+        )
+        path = item.nodeid.split("::", 1)[0]
+        if pooled and (mode != "some" or path not in POOLED_MODULES):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(params=ENGINES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param in PG_DRIVERS:
+    if request.param in PG_DRIVERS or request.param in POOLED:
         return postgres_url(request.param)
     if request.param == "mysql":
         url = mysql_url()
@@ -204,7 +300,7 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'shop.sqlite3'}"
         return
-    postgres = request.param in PG_DRIVERS
+    postgres = request.param in PG_DRIVERS or request.param in POOLED
     base = postgres_url(request.param) if postgres else mysql_url()
     if base is None:
         pytest.skip("no MariaDB/MySQL reachable (see the report header)")
@@ -240,6 +336,18 @@ _engines_used: set[sa.Engine] = set()
 @event.listens_for(sa.Engine, "engine_connect")
 def _engine_used(connection: sa.Connection) -> None:
     _engines_used.add(connection.engine)
+
+
+@event.listens_for(sa.pool.Pool, "connect")
+def _no_prepares_through_the_pooler(dbapi_connection: t.Any, record: t.Any) -> None:
+    """With ``IDEMPOTENCY_TEST_PGBOUNCER=all``, the tests' own engines (readers,
+    ``run_sql``) go through PgBouncer too, and are no subject of the test: their
+    psycopg 3 connections prepare nothing, as a user's would be set up. (The apps
+    under test get it from their config, ``pgbouncer.user_config``.)"""
+    if pgbouncer_mode() != "all" or getattr(dbapi_connection, "prepare_threshold", None) is None:
+        return
+    if pgbouncer.POOLED_APP in dbapi_connection.info.dsn:  # psycopg 3, through the pooler
+        dbapi_connection.prepare_threshold = None
 
 
 @pytest.fixture(autouse=True)

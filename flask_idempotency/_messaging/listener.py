@@ -8,7 +8,9 @@ import logging
 import os
 import selectors
 import time
+import weakref
 
+import sqlalchemy as sa
 from flask import Flask
 
 from .._context import app_state
@@ -41,12 +43,43 @@ class RelistenBackoff:
         return float(min(self.MOST, self.FIRST * 2 ** min(self._failures - 1, 8)))
 
 
+# The apps whose relay was told, once, that it polls behind a transaction pooler.
+_told_polling: weakref.WeakSet[Flask] = weakref.WeakSet()
+
+
+def listen_engine(app: Flask) -> sa.Engine | None:
+    """The engine a relay of ``app`` LISTENs through: ``IDEMPOTENCY_RELAY_LISTEN_URL``'s
+    where set, else the app's own, or ``None`` where the app's goes through a
+    transaction pooler (``IDEMPOTENCY_DATABASE_POOLER``), on which a LISTEN hears
+    nothing: the relay polls then, and says so once, when it first starts."""
+    with app.app_context():
+        state = app_state(app)
+        engine: sa.Engine = state.db.engine
+    settings = state.settings
+    if settings.relay_listen_url is not None:
+        return notify.listen_engine(settings.relay_listen_url)
+    if not settings.transaction_pooled:
+        return engine
+    if notify.can_listen(engine) and app not in _told_polling:
+        _told_polling.add(app)
+        logger.warning(
+            "outbox relay: IDEMPOTENCY_DATABASE_POOLER is %r, through which LISTEN cannot "
+            "work: polling every IDEMPOTENCY_RELAY_EVERY (%s) for events committed in other "
+            "processes. Set IDEMPOTENCY_RELAY_LISTEN_URL to a direct connection to LISTEN on.",
+            settings.database_pooler,
+            settings.relay_every,
+        )
+    return None
+
+
 class Listener:
     """How a relay waits between runs: at most ``timeout``, less when there is work.
 
     On PostgreSQL with psycopg2 or psycopg 3 it LISTENs on
     ``idempotency_outbox`` on a connection of its own (autocommit, detached from
-    the pool), so commits in any process wake it; with another driver it polls.
+    the pool; to ``IDEMPOTENCY_RELAY_LISTEN_URL`` where set), so commits in any
+    process wake it; with another driver, or behind a transaction pooler without
+    that URL (:func:`listen_engine`), it polls.
     A commit that carried events in this process wakes it too
     (:func:`~flask_idempotency.outbox.on_commit`), on every engine. A LISTEN
     that fails leaves it polling (:attr:`listening` false, :attr:`can_listen`
@@ -71,9 +104,8 @@ class Listener:
         if not wake:
             return
         on_commit(self.interrupt)
-        with app.app_context():
-            engine = app_state(app).db.engine
-        if notify.can_listen(engine):
+        engine = listen_engine(app)
+        if engine is not None and notify.can_listen(engine):
             self._can_listen = True
             conn: notify.ListenConnection | None = None
             try:

@@ -5,6 +5,13 @@ PostgreSQL delivers it at the commit (and drops it with a rollback). A relay
 LISTENs on a connection of its own with psycopg2 or psycopg 3, whose socket it
 waits on with :mod:`selectors`; other engines and drivers have no channel, and
 the relay polls.
+
+A LISTEN is session state: through a pooler in transaction mode the server
+connection goes back to the pool once the ``LISTEN`` ends, and the relay hears
+nothing (other clients of that connection get its notifications). There the
+relay LISTENs on :func:`listen_engine` of ``IDEMPOTENCY_RELAY_LISTEN_URL``, a
+direct connection, or polls. ``pg_notify`` itself is safe anywhere: it is
+transactional, delivered at the commit of the transaction that ran it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,18 @@ CHANNEL = "idempotency_outbox"
 
 #: Run once per transaction that emitted (PostgreSQL only).
 NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', '')")
+
+
+_listen_engines: dict[str, sa.Engine] = {}
+
+
+def listen_engine(url: str) -> sa.Engine:
+    """An engine for LISTEN connections to ``url`` (one per URL per process),
+    pooling nothing: each LISTEN connection is its own and closed by its owner."""
+    engine = _listen_engines.get(url)
+    if engine is None:
+        engine = _listen_engines[url] = sa.create_engine(url, poolclass=sa.NullPool)
+    return engine
 
 
 def can_listen(engine: sa.Engine) -> bool:

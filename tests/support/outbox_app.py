@@ -17,6 +17,7 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from flask_idempotency._messaging.outbox import OutboxEvent
+from tests.support import pgbouncer
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -71,7 +72,9 @@ def create_app(
     database_url: str, *, clock: t.Callable[[], dt.datetime] | None = None, **config: t.Any
 ) -> Flask:
     app = Flask(__name__)
-    app.config.update(SQLALCHEMY_DATABASE_URI=database_url, **config)
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=database_url, **{**pgbouncer.user_config(database_url), **config}
+    )
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
     app.add_url_rule("/orders", "orders", idem.idempotent()(_order), methods=["POST"])

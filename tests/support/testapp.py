@@ -24,6 +24,7 @@ from marshmallow import Schema, fields
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
+from tests.support import pgbouncer
 
 db = SQLAlchemy()
 idem = Idempotency()
@@ -317,6 +318,9 @@ def create_app(
             {"pool_size": 40, "max_overflow": 10} if database_url.startswith("postgresql") else {}
         ),
     )
+    # Behind the tests' PgBouncer, configured as docs/poolers.md tells a user to.
+    # A test's own config wins.
+    app.config.update(pgbouncer.user_config(database_url))
     app.config.update(**config)
     db.init_app(app)
     idem.init_app(app, db, clock=clock)

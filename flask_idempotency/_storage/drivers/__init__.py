@@ -10,6 +10,8 @@ of the row read back.
 
 from __future__ import annotations
 
+import typing as t
+
 import sqlalchemy as sa
 
 from .base import FastPath
@@ -17,7 +19,7 @@ from .compiled import Compiled, claim_params
 from .psycopg import Psycopg
 from .psycopg2 import Psycopg2
 
-__all__ = ["Compiled", "FastPath", "claim_params", "fast_path", "register"]
+__all__ = ["Compiled", "FastPath", "claim_params", "fast_path", "prepares", "register"]
 
 _PATHS: dict[tuple[str, str], FastPath] = {
     ("postgresql", "psycopg2"): Psycopg2(),
@@ -33,6 +35,13 @@ def fast_path(connection: sa.Connection) -> FastPath | None:
     if path is None or not path.applies(connection):
         return None
     return path
+
+
+def prepares(dialect: sa.Dialect, dbapi_connection: t.Any) -> bool:
+    """Whether ``dbapi_connection`` (of ``dialect``'s driver) prepares statements
+    on the server by itself (psycopg 3 unless ``prepare_threshold=None``)."""
+    path = _PATHS.get((dialect.name, dialect.driver))
+    return path is not None and path.prepares(dbapi_connection)
 
 
 def register(dialect: str, driver: str, path: FastPath) -> FastPath | None:

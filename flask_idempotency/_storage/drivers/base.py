@@ -25,6 +25,12 @@ class FastPath:
         where SQLAlchemy rewrites them per connection (``schema_translate_map``)."""
         return not connection.get_execution_options().get("schema_translate_map")
 
+    def prepares(self, dbapi_connection: t.Any) -> bool:
+        """Whether the driver's connection prepares statements on the server by
+        itself, under names a transaction pooler that does not track them
+        would hand to another client."""
+        return False
+
     def send_batch(
         self, connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
     ) -> dict[str, t.Any] | None:

@@ -13,6 +13,13 @@ from .base import FastPath
 class Psycopg(FastPath):
     name = "psycopg"
 
+    def prepares(self, dbapi_connection: t.Any) -> bool:
+        """psycopg 3 prepares a statement run more than ``prepare_threshold``
+        times on a connection (5 by default), as ``_pg3_0``, ``_pg3_1``...;
+        ``None`` turns it off. (The claim's batch never is: a client-side
+        binding cursor sends it as a simple query.)"""
+        return getattr(dbapi_connection, "prepare_threshold", None) is not None
+
     def send_batch(
         self, connection: sa.Connection, statements: list[str], params: dict[str, t.Any]
     ) -> dict[str, t.Any] | None:

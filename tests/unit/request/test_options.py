@@ -438,6 +438,12 @@ def _init(**config: t.Any) -> Flask:
         ("IDEMPOTENCY_REQUIRED", "maybe", "must be True or False"),
         ("IDEMPOTENCY_SCHEDULER", 2, "must be True or False"),
         ("IDEMPOTENCY_RELAY_WAKE", None, "must be True or False"),
+        ("IDEMPOTENCY_DATABASE_POOLER", "statement", "statement pooling allows no transaction"),
+        ("IDEMPOTENCY_DATABASE_POOLER", "pgbouncer", "must be None or one of 'session'"),
+        ("IDEMPOTENCY_DATABASE_POOLER", True, "must be None or one of"),
+        ("IDEMPOTENCY_RELAY_LISTEN_URL", "db-primary:5432", "must be a database URL"),
+        ("IDEMPOTENCY_RELAY_LISTEN_URL", 5432, "must be a database URL"),
+        ("IDEMPOTENCY_RELAY_LISTEN_URL", "sqlite:///x.db", "LISTEN is PostgreSQL's"),
     ],
 )
 def test_a_setting_out_of_range_is_refused_at_init_app_naming_it(
@@ -459,6 +465,30 @@ def test_on_off_settings_read_text_as_written(value: t.Any, expected: bool) -> N
         .settings
     )
     assert (settings.required, settings.scheduler, settings.relay_wake) == (expected,) * 3
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None), ("", None), ("None", None), ("session", "session"),
+        (" Transaction ", "transaction"), ("TRANSACTION+PREPARED", "transaction+prepared"),
+    ],
+)  # fmt: skip
+def test_the_pooler_setting_reads_text_as_written(value: t.Any, expected: str | None) -> None:
+    settings = _init(IDEMPOTENCY_DATABASE_POOLER=value).extensions["idempotency"].settings
+    assert settings.database_pooler == expected
+    assert settings.transaction_pooled == (expected is not None and expected != "session")
+
+
+def test_the_listen_url_is_kept_whole_and_its_password_never_echoed() -> None:
+    url = "postgresql+psycopg://app:s3cret@db-primary:5432/shop"
+    assert (
+        _init(IDEMPOTENCY_RELAY_LISTEN_URL=url).extensions["idempotency"].settings.relay_listen_url
+        == url
+    )
+    with pytest.raises(ValueError, match="must be a database URL") as refused:
+        _init(IDEMPOTENCY_RELAY_LISTEN_URL="app:s3cret@db-primary")
+    assert "s3cret" not in str(refused.value)
 
 
 def test_a_route_option_out_of_range_is_refused() -> None:
