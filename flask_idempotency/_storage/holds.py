@@ -118,13 +118,16 @@ class Hold(enum.Enum):
         # A step-not-stored record: the way out re-runs a step that did its work.
         names = ", ".join(repr(name) for name in unstored)
         if len(unstored) == 1:
-            ran = f"step {names} ran but its result was not stored: the retry runs it"
+            ran = (
+                f"step {names} ran but its result was not stored: the retry runs it again, "
+                "though its effect already happened"
+            )
         else:
-            ran = f"steps {names} ran but their results were not stored: the retry runs them"
-        return (
-            f"{given_up}; {ran} again, though its effect already happened (a downstream "
-            "sees a new derived key): check downstream before you release it"
-        )
+            ran = (
+                f"steps {names} ran but their results were not stored: the retry runs them "
+                "again, though their effects already happened"
+            )
+        return f"{given_up}; {ran} (a downstream sees a new derived key): check downstream first"
 
 
 #: The holds an operator may override by naming them; a committed outcome
