@@ -576,6 +576,28 @@ def test_cron_sees_69_when_the_database_is_down(command: str, tmp_path: Path) ->
     assert_cron_sees(done, EXIT_DATABASE, "is unavailable")
 
 
+def wait_for_listener(url: str, timeout: float = 30) -> None:
+    """Until a session of the server has ``LISTEN`` as its last statement (the
+    relay's wake-up connection, idle on its channel)."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                listening = conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE pid <> pg_backend_pid() AND query ILIKE 'LISTEN %'"
+                    )
+                ).scalar_one()
+            if listening:
+                return
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+    raise AssertionError("no session LISTENs on the server")
+
+
 class Process:
     """A long-running ``flask idempotency`` command whose stderr is collected."""
 
@@ -717,7 +739,10 @@ def test_the_relay_makes_one_connection_attempt_per_pause_while_the_broker_is_aw
     env = {"OUTBOX_TEST_DB": pg_url, "OUTBOX_TEST_FILE": str(out)}
     relay = Process("tests.support.outbox_app:from_env", "relay", "--poll", "60", env=env)
     try:
-        time.sleep(1.0)  # listening by now; if not, the 60 s poll fails the test
+        # Listening before the commits, however slowly the process started on a
+        # busy machine: a NOTIFY sent before its LISTEN wakes nothing, and the
+        # test would wait for the 60 s poll.
+        wait_for_listener(pg_url)
         for i in range(30):
             with app.app_context():
                 add_event(outbox_app.db.session, "t", {"i": i}, event_id=f"e{i}")
