@@ -235,6 +235,39 @@ def privilege_refused(exc: BaseException) -> bool:
     return False
 
 
+# A value or statement larger than the database takes: PostgreSQL
+# program_limit_exceeded (a field over 1 GB), MySQL/MariaDB
+# ER_NET_PACKET_TOO_LARGE (a statement over max_allowed_packet, when the server
+# answers before it drops the connection), ER_WARN_ALLOWED_PACKET_OVERFLOWED,
+# ER_DATA_TOO_LONG (strict mode), SQLite SQLITE_TOOBIG ("string or blob too
+# big", over SQLITE_LIMIT_LENGTH).
+_PG_TOO_LARGE = "54000"
+_MYSQL_TOO_LARGE = {1153, 1301, 1406}
+_SQLITE_TOOBIG = 18
+_SQLITE_TOOBIG_TEXT = "string or blob too big"
+
+
+def too_large(exc: BaseException) -> bool:
+    """Whether the database refused a statement for the size of a value in it.
+
+    Not a :func:`classify` failure: the same value is refused again on every
+    retry. (MySQL/MariaDB mostly answer a statement over ``max_allowed_packet``
+    by dropping the connection, which reads as unavailable: the store checks
+    that size before it sends one.)"""
+    orig = _driver_error(exc)
+    module = _module(orig)
+    if module in _PG_MODULES:
+        return sqlstate(orig) == _PG_TOO_LARGE
+    if module in _MYSQL_MODULES:
+        return _mysql_errno(orig) in _MYSQL_TOO_LARGE
+    if module in _SQLITE_MODULES:
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF == _SQLITE_TOOBIG
+        return _SQLITE_TOOBIG_TEXT in str(orig).lower()
+    return False
+
+
 def read_only(exc: BaseException) -> bool:
     """Whether ``exc`` is the database refusing a write because it is read-only
     (see :func:`read_only_reason`). :func:`classify` counts it as ``UNAVAILABLE``:
