@@ -209,7 +209,9 @@ def _publish(publisher: Publisher, ev: OutboxEvent, system: str) -> None:
     """``publisher.publish(ev)``, timed to its return (the broker's confirm) and
     counted, under a PRODUCER span whose parent is the trace context the event
     was emitted under; that span's context is added to the headers (the app's
-    own headers win a name they share)."""
+    own headers win a name they share). Neither the span nor the recording can
+    fail the publish or run it twice: both are guarded in ``_telemetry`` (a
+    span that cannot start publishes untraced, one that cannot end is dropped)."""
     with propagation.publishing(ev.trace_context, destination=ev.topic) as carried:
         if carried:
             ev = dataclasses.replace(ev, headers={**carried, **ev.headers})

@@ -11,7 +11,10 @@ configures an SDK: the app's own set-up, global or made later (gunicorn's
 * :mod:`.request`: a protected request's outcome, phases and log line;
 * :mod:`.metrics`: the instruments; :mod:`.figures`: the gauges' database reads;
 * :mod:`.spans`: the request flow's spans; :mod:`.propagation`: W3C trace context
-  across the chain (the client's attempts, outbox events, the relay, the inbox).
+  across the chain (the client's attempts, outbox events, the relay, the inbox);
+* :mod:`.safety`: telemetry never fails what it observes (every entry point
+  here that records is guarded: a failure is logged at DEBUG) and a span never
+  records an error's text.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .figures import GAUGES as GAUGES
 from .figures import Reader, Source, watch
 from .request import OUTCOMES as OUTCOMES
 from .request import RequestTelemetry as RequestTelemetry
+from .safety import nothing, quietly
 
 if t.TYPE_CHECKING:
     from types import ModuleType
@@ -68,9 +72,16 @@ def watch_database(
     if _metrics is None:
         return
     watch(Source(identity, namespace, read, interval, alive, timeout))
-    _metrics.instruments()  # the gauges exist from now on, requests or not
+    _make_instruments()  # the gauges exist from now on, requests or not
 
 
+@quietly(nothing)
+def _make_instruments() -> None:
+    if _metrics is not None:
+        _metrics.instruments()
+
+
+@quietly(nothing)
 def published(system: str, seconds: float, error: str | None) -> None:
     """One publish by the relay: to the broker's confirm, or failed for ``error``
     (``broker_unavailable``, ``rejected``, ``timeout``, ``serialization``, ``other``)."""
@@ -89,6 +100,7 @@ def published(system: str, seconds: float, error: str | None) -> None:
     instruments.operation_duration.record(seconds, attributes)
 
 
+@quietly(nothing)
 def batch_taken(size: int) -> None:
     """A relay batch took ``size`` events (empty batches are not recorded)."""
     if _metrics is None or size <= 0:
@@ -96,6 +108,7 @@ def batch_taken(size: int) -> None:
     _metrics.instruments().batch_size.record(size)
 
 
+@quietly(nothing)
 def inbox_duplicate(consumer: str) -> None:
     """The inbox skipped a delivery for ``consumer``: processed already."""
     if _metrics is None:
@@ -104,6 +117,7 @@ def inbox_duplicate(consumer: str) -> None:
     instruments.inbox_duplicates.add(1, instruments.attributes("idempotency.consumer", consumer))
 
 
+@quietly(nothing)
 def job_ran(job: str, result: str, seconds: float | None) -> None:
     """A tick of ``job`` ended with ``result`` (``ok``, ``error``, ``skipped``);
     ``seconds`` it took when it ran."""
@@ -116,6 +130,7 @@ def job_ran(job: str, result: str, seconds: float | None) -> None:
         instruments.job_duration.record(seconds, attributes)
 
 
+@quietly(nothing)
 def job_rows(job: str, rows: int) -> None:
     """``job`` deleted or changed ``rows`` rows."""
     if _metrics is None or rows <= 0:

@@ -23,6 +23,8 @@ import json
 import typing as t
 from importlib import metadata
 
+from . import safety
+
 #: The tracer's (instrumentation scope's) name.
 TRACER_NAME = "flask_idempotency"
 
@@ -93,6 +95,11 @@ def _attached(api: _Api, context: t.Any) -> t.Iterator[None]:
         api.context.detach(token)
 
 
+#: The spans' errors are recorded by :func:`.safety.record_error`, never by the
+#: SDK (whose record holds the error's text: SQLAlchemy's has the parameters).
+_RECORDED_HERE = {"record_exception": False, "set_status_on_exception": False}
+
+
 def _clean(carrier: t.Mapping[str, t.Any]) -> dict[str, str]:
     return {str(k): v for k, v in carrier.items() if isinstance(v, str) and v}
 
@@ -100,6 +107,7 @@ def _clean(carrier: t.Mapping[str, t.Any]) -> dict[str, str]:
 # -- the outbox: the emitting request's context, stored with the event ------------------------
 
 
+@safety.quietly(safety.nothing)
 def current_carrier_text() -> str | None:
     """The current context (the request's span) as compact JSON text for the
     outbox's ``trace_context`` column; ``None`` when there is none to carry
@@ -130,6 +138,11 @@ def carrier_from_text(text: str | bytes | None) -> dict[str, str]:
 # -- the relay: publish under the stored context ---------------------------------------------
 
 
+def _no_headers() -> dict[str, str]:
+    return {}
+
+
+@safety.context(_no_headers)
 @contextlib.contextmanager
 def publishing(
     stored: t.Mapping[str, str] | None, *, destination: str
@@ -152,16 +165,20 @@ def publishing(
     span_kind = api.trace.SpanKind.PRODUCER
     with (
         _attached(api, parent),
-        _tracer(api).start_as_current_span(OUTBOX_PUBLISH, kind=span_kind, attributes=attributes),
+        _tracer(api).start_as_current_span(
+            OUTBOX_PUBLISH, kind=span_kind, attributes=attributes, **_RECORDED_HERE
+        ) as span,
     ):
         headers: dict[str, str] = {}
         api.propagate.inject(headers)
-        yield _clean(headers)
+        with safety.errors_recorded(span, api.trace):
+            yield _clean(headers)
 
 
 # -- the inbox: continue the trace the message carries ----------------------------------------
 
 
+@safety.context(safety.nothing)
 @contextlib.contextmanager
 def consuming(headers: t.Mapping[str, t.Any] | None, *, consumer: str) -> t.Iterator[t.Any]:
     """A CONSUMER span around one delivery, its parent the context in the
@@ -186,12 +203,14 @@ def consuming(headers: t.Mapping[str, t.Any] | None, *, consumer: str) -> t.Iter
     with (
         _attached(api, parent),
         _tracer(api).start_as_current_span(
-            INBOX_PROCESS, kind=span_kind, attributes=attributes
+            INBOX_PROCESS, kind=span_kind, attributes=attributes, **_RECORDED_HERE
         ) as span,
+        safety.errors_recorded(span, api.trace),
     ):
         yield span
 
 
+@safety.quietly(safety.nothing)
 def set_attribute(span: t.Any, name: str, value: t.Any) -> None:
     """``span.set_attribute`` on a span of this module's (``None``: nothing)."""
     if span is not None:
@@ -210,6 +229,7 @@ class Attempt:
     def __init__(self, api: _Api, span: t.Any) -> None:
         self._api, self._span = api, span
 
+    @safety.quietly(safety.nothing)
     def end(self, *, status: int | None = None, error: BaseException | None = None) -> None:
         span, self._span = self._span, None
         if span is None:
@@ -222,11 +242,23 @@ class Attempt:
                 span.set_status(trace.Status(trace.StatusCode.ERROR))
         if error is not None:
             span.set_attribute("error.type", type(error).__qualname__)
-            span.record_exception(error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}"))
+            safety.record_error(span, error, trace)
         span.end()
 
 
+def _untraced(
+    method: str,
+    attempt: int,
+    headers: t.Mapping[str, t.Any] | None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+) -> tuple[None, t.Mapping[str, t.Any] | None]:
+    """An attempt sent as it is: its span could not be started."""
+    return None, headers
+
+
+@safety.quietly(_untraced)
 def start_attempt(
     method: str,
     attempt: int,

@@ -6,7 +6,8 @@ first request: a child of its claim), ``idempotency replay`` and
 ``idempotency complete``, each a child of the span current when the request
 reached the view (the Flask server span, as ``opentelemetry-instrumentation-flask``
 makes it), with ``http.route`` and, where known, ``idempotency.outcome``; an
-error is recorded on the span it went through, with status ERROR. A span the
+error is recorded on the span it went through, with status ERROR, as
+:func:`.safety.record_error` says (its type, never its text). A span the
 SDK does not record (none configured, or sampled out) is never made current.
 """
 
@@ -17,7 +18,9 @@ import time
 import typing as t
 
 from opentelemetry import context, trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
+
+from .safety import record_error
 
 _lock = threading.Lock()
 _tracer: trace.Tracer | None = None
@@ -74,8 +77,7 @@ class Phase:
             if outcome is not None:
                 span.set_attribute("idempotency.outcome", outcome)
             if error is not None:
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                record_error(span, error, trace)
         span.end()
 
     def child(self, name: str, route: str, outcome: str | None) -> None:

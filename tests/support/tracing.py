@@ -9,7 +9,7 @@ import json
 import typing as t
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
@@ -33,11 +33,16 @@ def _global_provider(provider: TracerProvider | None) -> t.Iterator[None]:
 
 
 @contextlib.contextmanager
-def sdk_tracing() -> t.Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    """The SDK as the global tracer provider, every span exported to memory."""
+def sdk_tracing(
+    *processors: SpanProcessor,
+) -> t.Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    """The SDK as the global tracer provider, every span exported to memory
+    (then given to ``processors`` too)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for processor in processors:
+        provider.add_span_processor(processor)
     try:
         with _global_provider(provider):
             yield provider, exporter
