@@ -512,7 +512,9 @@ def section(results: Results, facts: harness.Facts, args: argparse.Namespace) ->
         "",
         *facts.lines(),
         f"* {_versions()}; {instrumented()}",
-        f"* {args.rounds} rounds; engines: " + "; ".join(f"`{e}`: {ENGINES[e]}" for e in runs),
+        *(["* `--quick`: a check of the harness; its figures mean nothing"] if args.quick else []),
+        f"* {args.rounds} round{'s' if args.rounds != 1 else ''}; engines: "
+        + "; ".join(f"`{e}`: {ENGINES[e]}" for e in runs),
         *(f"* {note}" for note in results.notes),
         "",
         "### Ratios to `api`",
