@@ -55,6 +55,9 @@ setup(
         "client": ["requests>=2.31"],
         # flask_idempotency.publishers.KombuPublisher: the outbox relay to a broker.
         "kombu": ["kombu>=5.3"],
+        # OpenTelemetry metrics, spans and trace context (docs/observability.md): the
+        # API only; the app's own SDK set-up, if any, decides where they go.
+        "otel": ["opentelemetry-api>=1.27"],
         # flask_idempotency.testing's pytest plugin (the kit's fixtures).
         "testing": ["pytest>=8.0"],
         # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need

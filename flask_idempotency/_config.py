@@ -232,6 +232,7 @@ class Settings:
     outbox_retention: timedelta = timedelta(days=7)
     relay_wake: bool = True
     inbox_ttl: timedelta = timedelta(days=7)
+    metrics_interval: timedelta = timedelta(seconds=30)
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
@@ -300,6 +301,10 @@ class Settings:
             ),
             relay_wake=as_bool(values.get("RELAY_WAKE", True), "IDEMPOTENCY_RELAY_WAKE"),
             inbox_ttl=positive_duration(values["INBOX_TTL"], "IDEMPOTENCY_INBOX_TTL"),
+            metrics_interval=positive_duration(
+                values.get("METRICS_INTERVAL", timedelta(seconds=30)),
+                "IDEMPOTENCY_METRICS_INTERVAL",
+            ),
         )
 
     @functools.cached_property

@@ -185,6 +185,14 @@ SETTINGS: tuple[Setting, ...] = (
         timedelta(days=7),
         "How long the inbox keeps a processed event id; a redelivery after that runs again.",
     ),
+    Setting(
+        "METRICS_INTERVAL",
+        timedelta(seconds=30),
+        "With the `otel` extra: how often, at most, each process reads the figures its"
+        " observable gauges report (records live, in flight, past their lease; the outbox; the"
+        " inbox) from the database, whatever the number of collections; a read that fails"
+        " reports nothing for that interval. See [Observability](observability.md).",
+    ),
 )
 
 #: Each setting's default, by its name without the prefix (``"TTL"``, ...).

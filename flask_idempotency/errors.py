@@ -113,11 +113,25 @@ class ProblemError(HTTPException, IdempotencyError):
 
 
 class InvalidKeyError(ProblemError):
-    """The ``Idempotency-Key`` header is malformed (400)."""
+    """The ``Idempotency-Key`` header is malformed (400).
+
+    ``reason`` is ``"too_long"`` for a key over the length limit, else
+    ``"malformed"`` (the metrics' ``idempotency.key_refusal``)."""
 
     slug = "invalid-key"
     title = "Invalid idempotency key"
     code = 400
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        reason: str = "malformed",
+        extra: t.Mapping[str, t.Any] | None = None,
+        headers: t.Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail, extra=extra, headers=headers)
+        self.reason = reason
 
 
 class MissingKeyError(ProblemError):

@@ -20,7 +20,7 @@ from ._context import (
     register,
     resolve_app,
 )
-from ._maintenance import health, readiness_http
+from ._maintenance import gauges, health, readiness_http
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
 from ._request import session_guard
@@ -145,6 +145,7 @@ class Idempotency(ViewAPI):
         outbox_table(db.metadata)
         outbox.listen(db.session.session_factory)
         register(app, state)
+        gauges.watch(app)
         self._states.add(state)
         app.before_request(RouteCheck(app))
         app.teardown_request(end_request)

@@ -100,7 +100,8 @@ def parse_key(raw: str, *, max_length: int = MAX_KEY_LENGTH) -> str:
         raise InvalidKeyError("The Idempotency-Key must not be empty.")
     if len(key) > max_length:
         raise InvalidKeyError(
-            f"The Idempotency-Key must be at most {max_length} characters, got {len(key)}."
+            f"The Idempotency-Key must be at most {max_length} characters, got {len(key)}.",
+            reason="too_long",
         )
     return key
 

@@ -36,6 +36,15 @@ logger = logging.getLogger("flask_idempotency")
 #: a frame), 502 syntax error, 503 command invalid, 505 unexpected frame.
 MESSAGE_CODES = frozenset({311, 406, 501, 502, 503, 505})
 
+#: kombu transports by the name OpenTelemetry's ``messaging.system`` gives their broker.
+_SYSTEMS = {
+    "amqp": "rabbitmq",
+    "amqps": "rabbitmq",
+    "pyamqp": "rabbitmq",
+    "librabbitmq": "rabbitmq",
+    "sqs": "aws_sqs",
+}
+
 #: AMQP reply codes of a refused login or vhost (at connect): 402 invalid
 #: path, 403 access refused, 530 not allowed.
 _LOGIN_CODES = frozenset({402, 403, 530})
@@ -135,10 +144,13 @@ class KombuPublisher:
             ) from exc
         self._kombu: t.Any = kombu
         options = dict(transport_options or {})
+        scheme = url.split("://", 1)[0].split("+", 1)[0]
         if url.split("://", 1)[0] in ("amqp", "pyamqp", "amqps"):
             options.setdefault("confirm_publish", True)
         self.url = url
         self.transport_options = options
+        #: The metrics' ``messaging.system``: ``rabbitmq`` on AMQP, else kombu's transport.
+        self.messaging_system = _SYSTEMS.get(scheme, scheme)
         self.exchange: t.Any = self._kombu.Exchange(exchange, type=exchange_type, durable=True)
         self.queues: list[t.Any] = [
             q

@@ -10,6 +10,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
+from .. import _telemetry as telemetry
 from .._context import app_state, resolve_app
 from .._contract import REPLAYED_HEADER
 from .._request.steps import RECOVERY_ENVIRON_KEY, RecoveryRun
@@ -143,6 +144,7 @@ def purge_expired(
             )
     if report.deleted or report.inbox_deleted or report.outbox_deleted:
         logger.info("cleanup: %s", report)
+        telemetry.job_rows("cleanup", report.deleted + report.inbox_deleted + report.outbox_deleted)
     return report
 
 
@@ -270,4 +272,5 @@ def recover_abandoned(
         state.db.session.remove()
     if abandoned:
         logger.info("lease recovery: %s", report)
+        telemetry.job_rows("lease_recovery", report.completed + report.released)
     return report

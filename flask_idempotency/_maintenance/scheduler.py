@@ -13,6 +13,7 @@ import typing as t
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
+from .. import _telemetry as telemetry
 from .. import signals
 from .._context import app_state
 from .._messaging.listener import Listener, RelistenBackoff
@@ -23,6 +24,9 @@ from .jobs import KeepGoing, purge_expired, recover_abandoned
 logger = logging.getLogger("flask_idempotency")
 
 JobFunc = t.Callable[[Flask, KeepGoing], object]
+
+#: The metrics' ``idempotency.job`` of the built-in jobs; an app's own keep their names.
+JOB_NAMES = {"purge": "cleanup", "recover": "lease_recovery", "relay": "outbox_relay"}
 
 
 def _relay_job(app: Flask, keep_going: KeepGoing) -> None:
@@ -102,6 +106,7 @@ class JobScheduler:
         run in progress makes it skip.
         """
         state, clock, ttl = self.state, self.state.clock, self.state.settings.job_lock
+        job = JOB_NAMES.get(name, name)
         with self.app.app_context():
             engine = state.db.engine
             try:
@@ -113,21 +118,27 @@ class JobScheduler:
                 if why is None:
                     raise
                 logger.warning("job %s not run: %s", name, why)
+                telemetry.job_ran(job, "error", None)
                 return False
             if not acquired:
                 logger.debug("job %s is running or ran recently elsewhere; skipping", name)
+                telemetry.job_ran(job, "skipped", None)
                 return False
             error: Exception | None = None
             signals.job_started.send(self.app, name=name, holder=self.holder)
+            started = time.perf_counter()
             try:
                 func(self.app, lambda: self.locks.renew(engine, name, self.holder, ttl, clock()))
             except Exception as exc:
                 error = exc
+                telemetry.job_ran(job, "error", time.perf_counter() - started)
                 why = dberrors.describe(exc)
                 if why is None:
                     logger.exception("job %s failed", name)
                 else:
                     logger.warning("job %s failed: %s", name, why)
+            else:
+                telemetry.job_ran(job, "ok", time.perf_counter() - started)
             finally:
                 signals.job_finished.send(self.app, name=name, holder=self.holder, error=error)
                 try:

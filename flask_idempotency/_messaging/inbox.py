@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from flask import current_app, has_app_context
 from sqlalchemy.orm import Session, scoped_session
 
+from .. import _telemetry as telemetry
 from .. import signals
 from .._context import find_app_state
 from .._storage import INBOX_TABLE_NAME as INBOX_TABLE_NAME
@@ -229,6 +230,7 @@ def _mark_retrying(
 
 
 def _skipped(consumer: str, event_id: str) -> None:
+    telemetry.inbox_duplicate(consumer)
     sender = current_app._get_current_object() if has_app_context() else None  # type: ignore[attr-defined]
     signals.event_skipped_duplicate.send(sender, consumer=consumer, event_id=event_id)
 

@@ -17,11 +17,13 @@ import typing as t
 
 from flask import Flask
 
+from .. import _telemetry as telemetry
 from .. import signals
 from .._context import app_state
 from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
-from ..errors import BrokerUnavailable
+from ..errors import BrokerUnavailable, StalledMessage
+from ..publishers import MESSAGE_CODES
 from .outbox import OutboxEvent
 
 logger = logging.getLogger("flask_idempotency")
@@ -177,6 +179,39 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:4000]
 
 
+def messaging_system(publisher: Publisher) -> str:
+    """The metrics' ``messaging.system``: the publisher's ``messaging_system``
+    (:class:`~flask_idempotency.publishers.KombuPublisher` names its broker),
+    else ``"other"``."""
+    system = getattr(publisher, "messaging_system", None)
+    return system if isinstance(system, str) and system else "other"
+
+
+def error_type(exc: BaseException) -> str:
+    """The metrics' ``error.type`` of a failed publish, one of a few reasons."""
+    if isinstance(exc, BrokerUnavailable):
+        return "broker_unavailable"
+    if isinstance(exc, (StalledMessage, TimeoutError)):
+        return "timeout"
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "MessageNacked" in names or getattr(exc, "reply_code", None) in MESSAGE_CODES:
+        return "rejected"  # the broker refused this message (a nack, a message it closed on)
+    if names & {"EncodeError", "SerializerError"} or isinstance(exc, (TypeError, ValueError)):
+        return "serialization"
+    return "other"
+
+
+def _publish(publisher: Publisher, ev: OutboxEvent, system: str) -> None:
+    """``publisher.publish(ev)``, timed to its return (the broker's confirm) and counted."""
+    started = time.perf_counter()
+    try:
+        publisher.publish(ev)
+    except Exception as exc:
+        telemetry.published(system, time.perf_counter() - started, error_type(exc))
+        raise
+    telemetry.published(system, time.perf_counter() - started, None)
+
+
 class _Batch:
     """One batch: take and lease, publish and mark each, give back the rest."""
 
@@ -187,6 +222,8 @@ class _Batch:
         outcome = _Outcome()
         leased_until, events = self.leases.take(batch, self.lease, OutboxEvent.from_row)
         outcome.taken = len(events)
+        telemetry.batch_taken(len(events))
+        system = messaging_system(publisher)
         # Half the lease, on this process's own clock: the rest of the lease is
         # the margin for the publish under way when it runs out.
         stop_at = _elapsed_clock() + self.lease.total_seconds() / 2
@@ -200,7 +237,7 @@ class _Batch:
                     outcome.released = len(events) - tried
                     break
                 try:
-                    publisher.publish(ev)
+                    _publish(publisher, ev, system)
                 except BrokerUnavailable as exc:
                     logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
                     tried += 1

@@ -106,6 +106,7 @@ def claim_key(
     try:
         for _ in range(_CLAIM_ROUNDS):
             now = flow.now()
+            flow.telemetry.began(now)
             values = claim_values(flow, fingerprint, now)
             if allow_new:
                 token = new_fencing_token()
@@ -156,6 +157,7 @@ def claim_key(
             f"job ({exc}); nothing was stored. Send a smaller body."
         ) from None
     except ClaimWaitExceeded:
+        flow.telemetry.wait_exceeded()
         session.rollback()
         signal_conflict(scope, key, None)
         raise ConflictError(
@@ -212,8 +214,12 @@ def answer_existing(
         )
     if record.status == COMPLETED:
         logger.debug("replaying %r in scope %r", record.key, record.scope)
+        flow.telemetry.found_completed(record.completed_at)
         signals.response_replayed.send(app, scope=record.scope, key=record.key, record=record)
-        return record if flow.route.manual else replay(record)
+        if flow.route.manual:
+            return record
+        with flow.telemetry.replay():
+            return replay(record)
     if record.lease_live(now):
         assert record.locked_until is not None
         signal_conflict(record.scope, record.key, record)
@@ -245,6 +251,10 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
         record.scope,
     )
     settled = dataclasses.replace(record, status=COMPLETED, locked_until=None, completed_at=now)
+    flow.telemetry.found_completed(None)
     app = resolve_app()
     signals.response_replayed.send(app, scope=record.scope, key=record.key, record=settled)
-    return settled if flow.route.manual else replay(settled)
+    if flow.route.manual:
+        return settled
+    with flow.telemetry.replay():
+        return replay(settled)

@@ -16,6 +16,7 @@ import weakref
 from flask import Flask, Response, current_app, request
 
 from .. import _config
+from .. import _telemetry as telemetry
 from .._context import app_state
 from .._storage import dberrors
 from ..errors import ProblemError
@@ -135,23 +136,34 @@ def protect(view: F, route: RouteOptions) -> F:
         settings = state.route_settings.get(route)
         if settings is None:  # an app this Idempotency object did not register
             settings = state.route_settings[route] = route.settings_for(state.settings)
+        rule = request.url_rule
+        observed = telemetry.request(rule.rule if rule is not None else "", request.method)
         flow = Flow(
             scoped=state.db.session,
             store=state.store,
             settings=settings,
             clock=state.clock,
             route=route,
+            telemetry=observed,
         )
         try:
-            return flow.run(current_app.ensure_sync(view), kwargs)
+            response = flow.run(current_app.ensure_sync(view), kwargs)
         except Exception as exc:
             # Wraps the whole flow (claim, view, completion, replay, the
             # no-key path): a database outage or a lock conflict anywhere
             # answers a retryable problem, never an HTML 500.
             problem = database_problem(exc, state.db.session, state.store.table.name)
             if problem is None:
+                observed.fail(exc)
                 raise
+            observed.fail(problem)
             raise problem from exc
+        except BaseException as exc:
+            observed.fail(exc)
+            raise
+        # Each request's outcome is counted here, once, whatever the path.
+        observed.finish()
+        return response
 
     wrapper._idempotency_route = route  # type: ignore[attr-defined]
     return t.cast(F, wrapper)

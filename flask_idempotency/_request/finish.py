@@ -55,6 +55,7 @@ def record_failure_after_commit(flow: Flow, state: RequestState, app: t.Any) -> 
     holding that answer since the view's commit: once the lease ends, the
     next claim (or the recovery job) completes it with that answer, and the
     view never runs again (:func:`.claim.settle_view_committed`)."""
+    flow.telemetry.failed_after_commit()
     failure = FailedAfterCommitError()
     complete(flow, state, app, t.cast(Response, failure.get_response()), failure=True)
 
@@ -85,35 +86,40 @@ def complete(
     scope, key, token = state.scope, state.key, state.fencing_token
     session = flow.session
     try:
-        if rollback_first:
-            session.rollback()
-        if guard.claim is Claim.ROLLED_BACK and not guard.reclaim(session):
-            # The view rolled its transaction back and left it at that; a
-            # duplicate took the key in between.
-            session.rollback()
-            raise lost_error()
-        captured = capture(response, flow.settings.replayed_header_names, flow.settings.max_body)
-        completed = flow.store.complete(
-            session,
-            scope,
-            key,
-            token,
-            response_code=captured.status,
-            response_headers=captured.headers,
-            response_body=captured.body,
-            body_omitted=captured.body_omitted,
-            now=flow.now(),
-        )
-        if not completed:
-            session.rollback()
-            logger.warning("lost the lease on %r in scope %r; rolled back", key, scope)
-            raise LeaseLostError(
-                "This request took longer than its lease and another request took "
-                "the idempotency key over; what this request had not committed was "
-                "rolled back.",
-                retry_after=dt.timedelta(seconds=1),
+        with flow.telemetry.complete():
+            if rollback_first:
+                session.rollback()
+            if guard.claim is Claim.ROLLED_BACK and not guard.reclaim(session):
+                # The view rolled its transaction back and left it at that; a
+                # duplicate took the key in between.
+                session.rollback()
+                raise lost_error()
+            captured = capture(
+                response, flow.settings.replayed_header_names, flow.settings.max_body
             )
-        session.commit()
+            completed = flow.store.complete(
+                session,
+                scope,
+                key,
+                token,
+                response_code=captured.status,
+                response_headers=captured.headers,
+                response_body=captured.body,
+                body_omitted=captured.body_omitted,
+                now=flow.now(),
+            )
+            if not completed:
+                session.rollback()
+                logger.warning("lost the lease on %r in scope %r; rolled back", key, scope)
+                raise LeaseLostError(
+                    "This request took longer than its lease and another request took "
+                    "the idempotency key over; what this request had not committed was "
+                    "rolled back.",
+                    retry_after=dt.timedelta(seconds=1),
+                )
+            session.commit()
+            if not failure:
+                flow.telemetry.stored(len(captured.body or b""))
     except LeaseLostError:
         raise
     except BaseException as exc:

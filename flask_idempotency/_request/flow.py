@@ -22,6 +22,7 @@ from .. import signals
 from .._config import Settings
 from .._context import RequestState, resolve_app, set_request_state
 from .._storage import Record, Store, dberrors
+from .._telemetry import RequestTelemetry
 from ..errors import (
     LeaseLostError,
     MissingKeyError,
@@ -73,12 +74,15 @@ class Flow:
         settings: Settings,
         clock: Clock,
         route: RouteOptions,
+        telemetry: RequestTelemetry,
     ) -> None:
         self.scoped = scoped
         self.store = store
         self.settings = settings
         self.clock = clock
         self.route = route
+        #: What the request's outcome, phases and log line are made of.
+        self.telemetry = telemetry
 
     @property
     def session(self) -> Session:
@@ -94,10 +98,12 @@ class Flow:
         settings, route = self.settings, self.route
         if not settings.protects(request.method):
             # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
-            # is read, no body parsed, nothing recorded.
+            # is read, no body parsed, nothing recorded (nor counted).
+            self.telemetry.ignore()
             set_request_state(RequestState(payload=None, key=None, scope=None, flow=self))
             return self._run_unprotected(view, kwargs)
         if settings.skip is not None and settings.skip():
+            self.telemetry.passed_through()
             set_request_state(
                 RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
@@ -108,6 +114,7 @@ class Flow:
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
+            self.telemetry.passed_through()
             set_request_state(
                 RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
@@ -116,6 +123,8 @@ class Flow:
         recovery = request.environ.get(RECOVERY_ENVIRON_KEY)
         if not isinstance(recovery, RecoveryRun):
             recovery = None
+        else:  # the recovery job's re-run, not a client's request: the job counts it
+            self.telemetry.ignore()
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         payload, fingerprint = request_fingerprint(route.schema, route.exclude)
         state = RequestState(
@@ -126,7 +135,8 @@ class Flow:
             return run_optimistic(self, view, kwargs, state, fingerprint)
 
         try:
-            outcome = claim_key(self, scope, key, fingerprint, allow_new=recovery is None)
+            with self.telemetry.claim():
+                outcome = claim_key(self, scope, key, fingerprint, allow_new=recovery is None)
         except RecordGone:
             raise NothingToRecoverError(
                 "No abandoned record to resume for this key; another request finished it."

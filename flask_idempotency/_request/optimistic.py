@@ -68,6 +68,7 @@ def run_optimistic(
     """Run the view, then insert the completed record and commit both; or, when
     the key is taken, roll the view's writes back and answer for the winner."""
     _begin(flow.session)
+    flow.telemetry.began(flow.now())
     watcher = NoCommitInView()
     watcher.watch(flow.session, flow.scoped)
     try:
@@ -95,7 +96,8 @@ def run_optimistic(
         # keeps (never a success whose work was rolled back).
         existing = _answer_for_record(flow, state, fingerprint, commit=flow.settings.commits(code))
         return existing if existing is not None else response
-    return _record(flow, state, fingerprint, response)
+    with flow.telemetry.complete():
+        return _record(flow, state, fingerprint, response)
 
 
 def _begin(session: Session) -> None:
@@ -145,6 +147,7 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                     raise _changed()
             if inserted:
                 session.commit()
+                flow.telemetry.stored(len(captured.body or b""))
                 signals.record_completed.send(
                     resolve_app(), scope=scope, key=key, fencing_token=token, response=response
                 )

@@ -127,6 +127,26 @@ class OperatorQueries(Statements):
             "table_bytes": dialect_for(conn.dialect.name).table_bytes(conn, self.table),
         }
 
+    def live_counts(self, conn: sa.Connection, now: dt.datetime) -> tuple[int, int, int]:
+        """In one query: records within their retention, of those the ones in
+        progress, and of those the ones whose lease has ended (abandoned: what
+        the lease recovery job and the retries are for). The metrics' gauges."""
+        c = self.table.c
+        in_progress = c.status == IN_PROGRESS
+
+        def count(condition: t.Any) -> t.Any:
+            # COUNT(CASE ...) rather than FILTER, which MySQL/MariaDB lack.
+            return sa.func.count(sa.case((condition, 1)))
+
+        row = conn.execute(
+            sa.select(
+                sa.func.count(),
+                count(in_progress),
+                count(sa.and_(in_progress, lease_over(c, now))),
+            ).where(c.expires_at > now)
+        ).one()
+        return int(row[0]), int(row[1]), int(row[2])
+
     def find(
         self,
         conn: sa.Connection,

@@ -1,0 +1,109 @@
+"""The request flow's spans, on OpenTelemetry's trace API: imported only when
+``opentelemetry-api`` is installed, through :mod:`flask_idempotency._telemetry`.
+
+``idempotency claim``, ``idempotency wait`` (a duplicate that waited for the
+first request: a child of its claim), ``idempotency replay`` and
+``idempotency complete``, each a child of the span current when the request
+reached the view (the Flask server span, as ``opentelemetry-instrumentation-flask``
+makes it), with ``http.route`` and, where known, ``idempotency.outcome``; an
+error is recorded on the span it went through, with status ERROR. A span the
+SDK does not record (none configured, or sampled out) is never made current.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import typing as t
+
+from opentelemetry import context, trace
+from opentelemetry.trace import Span, Status, StatusCode
+
+_lock = threading.Lock()
+_tracer: trace.Tracer | None = None
+#: A provider handed in (tests); ``None``: the API's global one.
+_provider: trace.TracerProvider | None = None
+
+
+def tracer() -> trace.Tracer:
+    """The ``flask_idempotency`` tracer of the provider in force: the global one
+    is a proxy until the app sets an SDK's, so one made early still follows it."""
+    global _tracer
+    found = _tracer
+    if found is None:
+        with _lock:
+            if _tracer is None:
+                provider = _provider or trace.get_tracer_provider()
+                _tracer = provider.get_tracer("flask_idempotency")
+            found = _tracer
+    return found
+
+
+def use_provider(provider: trace.TracerProvider | None) -> None:
+    """Trace through ``provider`` from now on (``None``: the global one). Tests."""
+    global _tracer, _provider
+    with _lock:
+        _provider, _tracer = provider, None
+
+
+def parent() -> context.Context:
+    """The context the request's spans are children of: the current one."""
+    return context.get_current()
+
+
+class Phase:
+    """One span of the request flow, current while it runs."""
+
+    __slots__ = ("_token", "span", "started_ns")
+
+    def __init__(self, name: str, parent: context.Context, route: str) -> None:
+        self.started_ns = time.time_ns()
+        self.span: Span = tracer().start_span(
+            name, context=parent, attributes={"http.route": route}, start_time=self.started_ns
+        )
+        self._token: object | None = None
+        if self.span.is_recording():
+            self._token = context.attach(trace.set_span_in_context(self.span, parent))
+
+    def end(self, outcome: str | None, error: BaseException | None) -> None:
+        if self._token is not None:
+            context.detach(t.cast(t.Any, self._token))
+            self._token = None
+        span = self.span
+        if span.is_recording():
+            if outcome is not None:
+                span.set_attribute("idempotency.outcome", outcome)
+            if error is not None:
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        span.end()
+
+    def child(self, name: str, route: str, outcome: str | None) -> None:
+        """A span under this one, from its start to now (the wait, known only
+        once it is over)."""
+        if not self.span.is_recording():
+            return
+        attributes = {"http.route": route}
+        if outcome is not None:
+            attributes["idempotency.outcome"] = outcome
+        tracer().start_span(
+            name,
+            context=trace.set_span_in_context(self.span),
+            attributes=attributes,
+            start_time=self.started_ns,
+        ).end()
+
+
+def mark_current(outcome: str) -> None:
+    """Put the outcome on the current span (the Flask server span)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("idempotency.outcome", outcome)
+
+
+def current_ids() -> tuple[str, str] | tuple[None, None]:
+    """The current span's trace and span ids, in hex, if a span is active."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None, None
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
