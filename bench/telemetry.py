@@ -309,10 +309,15 @@ def run_engine(
             run_case(case, args.warm, f"{run}-warm-{case.name}")
         for variant, server in started.items():
             set_up[variant] = check_set_up(variant, worker_states(server))
-        order = list(chosen)
         rng = random.Random(args.seed)
         for round_no in range(1, args.rounds + 1):
-            rng.shuffle(order)
+            # A mode's cases one after the other, so that each runs within seconds
+            # of the baseline it is compared with; the modes' order alternates.
+            order = []
+            for mode in (NEW, REPLAY) if round_no % 2 else (REPLAY, NEW):
+                group = [case for case in chosen if case.mode == mode]
+                rng.shuffle(group)
+                order += group
             for case in order:
                 sample = run_case(case, args.duration, f"{run}-{round_no}-{case.name}")
                 result.samples[case.name].append(sample)
@@ -389,8 +394,9 @@ def verdicts(runs: dict[str, EngineRun]) -> list[str]:
             value = run.result.field_ratio(numerator, denominator, "rate")
             if value is None:
                 continue
+            by_cpu = run.result.field_ratio(denominator, numerator, "cpu_ms")
             verdict = "meets" if value >= TARGET else "**below**"
-            parts.append(f"{engine} {value:.3f} {verdict}")
+            parts.append(f"{engine} {value:.3f} {verdict} (by CPU/req {_x(by_cpu)})")
         if parts:
             lines.append(
                 f"* `{numerator}` / `{denominator}`, new key (target at least {TARGET:.2f}, "
@@ -496,8 +502,11 @@ def section(results: Results, facts: harness.Facts, args: argparse.Namespace) ->
         "(`@idem.idempotent()`, one order written per request) under gunicorn, "
         f"{WORKERS} sync workers per variant, with each OpenTelemetry set-up below made in "
         "every worker (`bench/telemetry_app.py`). Every variant's gunicorn is started before "
-        "the rounds; in each round every case runs once, in a shuffled order, "
-        f"{args.duration:g} s each, 6 connections from {results.load}.",
+        "the rounds; in each round every case runs once for "
+        f"{args.duration:g} s with 6 connections from {results.load}: the new-key cases "
+        "one after the other in a shuffled order, then the replay cases (the modes the "
+        "other way round in the next round), so that a case and the baseline it is "
+        "compared with run within seconds of each other.",
         "",
         "**The baseline is `api`**: opentelemetry-api installed and no SDK configured, what a "
         "user who adds the `otel` extra and nothing else runs. A ratio is a variant's "
@@ -550,9 +559,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
     harness.common_options(parser)
-    parser.add_argument("--rounds", type=int, help="rounds (default 5; quick 1)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 8; quick 1)")
     parser.add_argument(
-        "--duration", type=float, help="seconds per case per round (default 5; quick 1)"
+        "--duration", type=float, help="seconds per case per round (default 3; quick 1)"
     )
     parser.add_argument(
         "--warm", type=float, help="seconds of warm-up per case (default 2; quick 1)"
@@ -573,8 +582,8 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=24, help="seed of the order in each round")
     parser.add_argument("--note", action="append", default=[], help="a line for the run's facts")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 5)
-    args.duration = args.duration or (1.0 if args.quick else 5.0)
+    args.rounds = args.rounds or (1 if args.quick else 8)
+    args.duration = args.duration or (1.0 if args.quick else 3.0)
     args.warm = args.warm or (1.0 if args.quick else 2.0)
     engines = [e for e in args.engines.split(",") if e]
     chosen = [v for v in args.variants.split(",") if v]
