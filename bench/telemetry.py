@@ -150,10 +150,15 @@ def check_set_up(variant: str, states: dict[int, dict[str, t.Any]]) -> list[str]
             raise RuntimeError(f"{variant}: an SDK is configured: {state}")
         if variant != NO_API and state["extension_telemetry"] and not loaded:
             raise RuntimeError(f"{variant}: the extension's telemetry did not import opentelemetry")
-        seen.append(
-            f"{loaded} opentelemetry modules"
-            + (f", {state['meter_provider']}" if "meter_provider" in state else "")
-        )
+        sees = state.get("extension_sees_api")
+        if sees is not None and sees != (variant != NO_API):
+            raise RuntimeError(f"{variant}: the extension's telemetry found the API: {sees}")
+        words = f"{loaded} opentelemetry modules"
+        if "meter_provider" in state:
+            words += f", {state['meter_provider']}"
+        if sees is not None:
+            words += ", the extension " + ("found the API" if sees else "found no API")
+        seen.append(words)
     return sorted(set(seen))
 
 

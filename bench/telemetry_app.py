@@ -239,11 +239,14 @@ def create_app() -> Flask:
                 "meter_provider": type(metrics.get_meter_provider()).__name__,
                 "tracer_provider": type(trace.get_tracer_provider()).__name__,
             }
+        ours = sys.modules.get("flask_idempotency._telemetry")
         return jsonify(
             variant=variant,
             pid=os.getpid(),
             opentelemetry_modules=len(_otel_modules()),
-            extension_telemetry="flask_idempotency._telemetry" in sys.modules,
+            extension_telemetry=ours is not None,
+            # The extension's own word on whether it found the API.
+            extension_sees_api=getattr(ours, "AVAILABLE", None),
             **providers,
         )
 
