@@ -374,7 +374,7 @@ def test_telemetry_bench_runs_every_variant(tmp_path: Path) -> None:
         }
         rows = _table(section[section.index(f"### {engine}") :])
         for name in cases:
-            assert int(rows[name][5].replace(",", "")) > 0, rows[name]
+            assert int(rows[name][6].replace(",", "")) > 0, rows[name]
         assert cases["api"]["ratio"] == cases["api replay"]["ratio"] == 1.0
         assert "`no-api`: 0 opentelemetry modules" in section
         recorded = data[engine]["recorded"]
