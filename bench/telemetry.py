@@ -314,7 +314,9 @@ def run_engine(
         for case in chosen:  # workers import, pools connect, instruments are made
             run_case(case, args.warm, f"{run}-warm-{case.name}")
         for variant, server in started.items():
-            set_up[variant] = check_set_up(variant, worker_states(server))
+            states = worker_states(server)
+            seen = check_set_up(variant, states)
+            set_up[variant] = [*seen, f"{len(states)} of {WORKERS} workers looked at"]
         rng = random.Random(args.seed)
         for round_no in range(1, args.rounds + 1):
             # A mode's cases one after the other, so that each runs within seconds
