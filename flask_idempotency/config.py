@@ -190,8 +190,9 @@ SETTINGS: tuple[Setting, ...] = (
         timedelta(seconds=30),
         "With the `otel` extra: how often, at most, each process reads the figures its"
         " observable gauges report (records live, in flight, past their lease; the outbox; the"
-        " inbox) from the database, whatever the number of collections; a read that fails"
-        " reports nothing for that interval. See [Observability](observability.md).",
+        " inbox) from the database, whatever the number of collections; a read that fails, or"
+        " does not answer within `IDEMPOTENCY_READY_TIMEOUT`, reports nothing for that"
+        " interval. See [Observability](observability.md).",
     ),
 )
 

@@ -45,7 +45,13 @@ def watch(app: Flask) -> None:
         return None if found is None else read_figures(found)
 
     telemetry.watch_database(
-        identity, namespace, read, state.settings.metrics_interval.total_seconds()
+        identity,
+        namespace,
+        read,
+        state.settings.metrics_interval.total_seconds(),
+        alive=lambda: reference() is not None,
+        # The bound readiness waits for the database: the same judgement.
+        timeout=state.settings.ready_timeout.total_seconds(),
     )
 
 

@@ -21,6 +21,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
+from .. import _telemetry as telemetry
 from .. import signals
 from .._messaging.listener import Listener, RelistenBackoff
 from .._messaging.relay import RelayRun, relay_batch
@@ -222,14 +223,19 @@ def run_relay(app: Flask, *, batch: int, poll: float, wake: bool, report: Report
     try:
         while not stop.is_set():
             more = broker_away = False
+            started = time.perf_counter()
             try:
                 run = relay_batch(app, batch=batch)
             except sa.exc.SQLAlchemyError as exc:
+                telemetry.job_ran("outbox_relay", "error", time.perf_counter() - started)
                 trouble.problem("outbox relay", database_problem(exc))
             except Exception as exc:  # the publisher or a bug: said once, not every poll
+                telemetry.job_ran("outbox_relay", "error", time.perf_counter() - started)
                 logger.debug("outbox relay run failed", exc_info=exc)
                 trouble.problem("outbox relay", f"the run failed: {type(exc).__name__}: {exc}")
             else:
+                # A run of the dedicated relay counts as the scheduler's relay job's does.
+                telemetry.job_ran("outbox_relay", "ok", time.perf_counter() - started)
                 more = run.more
                 trouble.fine("outbox relay")
                 if run.broker_unavailable:

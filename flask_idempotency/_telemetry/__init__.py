@@ -52,13 +52,21 @@ def request(route: str, method: str) -> RequestTelemetry:
     return RequestTelemetry(route, method, _metrics, _spans)
 
 
-def watch_database(identity: str, namespace: str | None, read: Reader, interval: float) -> None:
+def watch_database(
+    identity: str,
+    namespace: str | None,
+    read: Reader,
+    interval: float,
+    alive: t.Callable[[], bool],
+    timeout: float,
+) -> None:
     """Report the gauges from ``read()``'s snapshots, read at most once per
-    ``interval`` seconds per process. ``identity`` names the database and
+    ``interval`` seconds per process, while ``alive()``; a collection waits at
+    most ``timeout`` seconds for a read. ``identity`` names the database and
     tables: apps sharing them share the read."""
     if _metrics is None:
         return
-    watch(Source(identity, namespace, read, interval))
+    watch(Source(identity, namespace, read, interval, alive, timeout))
     _metrics.instruments()  # the gauges exist from now on, requests or not
 
 

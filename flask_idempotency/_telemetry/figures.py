@@ -59,46 +59,81 @@ Reader = t.Callable[[], "t.Mapping[str, float] | None"]
 class Source:
     """The figures of one app's database, cached per process."""
 
-    def __init__(self, identity: str, namespace: str | None, read: Reader, interval: float) -> None:
+    def __init__(
+        self,
+        identity: str,
+        namespace: str | None,
+        read: Reader,
+        interval: float,
+        alive: t.Callable[[], bool] = lambda: True,
+        timeout: float = 2.0,
+    ) -> None:
         #: Apps on the same database and tables share one read.
         self.identity = identity
+        #: Whether its app still exists (a process may make and drop apps: tests).
+        self.alive = alive
         self.namespace = namespace
         self.interval = interval
+        #: How long a collection waits for the read: a database that hangs must
+        #: not hold the app's whole metrics export.
+        self.timeout = timeout
         self._read = read
         self._lock = threading.Lock()
         self._pid = 0
         self._read_at = 0.0
         self._figures: t.Mapping[str, float] | None = {}
         self._failing = False
+        self._reading: threading.Thread | None = None
 
     def figures(self) -> t.Mapping[str, float] | None:
         """The snapshot, read again when older than the interval (or read by the
-        process this one was forked from); ``None``: the app is gone."""
+        process this one was forked from); ``None``: the app is gone. A read
+        that does not end within the timeout gives nothing (it goes on in the
+        background, and no other read starts while it lasts)."""
         with self._lock:
             now, pid = time.monotonic(), os.getpid()
             if pid == self._pid and now - self._read_at < self.interval:
                 return self._figures
+            reading = self._reading
+            if pid == self._pid and reading is not None and reading.is_alive():
+                return {}  # the last read still hangs: nothing, and no second one
             # Stamped before the read: a failing read is not tried again before
             # the interval has passed either.
             self._pid, self._read_at = pid, now
-            try:
-                figures = self._read()
-            except Exception as exc:
-                level = logging.DEBUG if self._failing else logging.WARNING
-                self._failing = True
-                logger.log(
-                    level,
-                    "metrics: reading the database's figures failed, the gauges report "
-                    "nothing until it works: %s",
-                    _summary(exc),
-                )
-                figures = {}
-            else:
-                if self._failing:
-                    self._failing = False
-                    logger.info("metrics: reading the database's figures works again")
+            self._figures = {}
+            reading = self._reading = threading.Thread(
+                target=self._refresh, name="idempotency-metrics-read", daemon=True
+            )
+            reading.start()
+        reading.join(self.timeout)
+        with self._lock:
+            if reading.is_alive():
+                self._failed(f"no answer within {self.timeout:g} s")
+                return {}
+            return self._figures
+
+    def _refresh(self) -> None:
+        try:
+            figures = self._read()
+        except Exception as exc:
+            with self._lock:
+                self._failed(_summary(exc))
+            return
+        with self._lock:
+            if self._failing:
+                self._failing = False
+                logger.info("metrics: reading the database's figures works again")
             self._figures = figures
-            return figures
+
+    def _failed(self, why: str) -> None:
+        level = logging.DEBUG if self._failing else logging.WARNING
+        self._failing = True
+        logger.log(
+            level,
+            "metrics: reading the database's figures failed, the gauges report "
+            "nothing until it works: %s",
+            why,
+        )
 
 
 def _summary(exc: BaseException) -> str:
@@ -112,8 +147,10 @@ _sources: list[Source] = []
 
 
 def watch(source: Source) -> None:
-    """Report ``source``'s figures from now on (``init_app``, once per app)."""
+    """Report ``source``'s figures from now on (``init_app``, once per app).
+    The sources of apps that are gone are forgotten here too."""
     with _lock:
+        _sources[:] = [known for known in _sources if known.alive()]
         _sources.append(source)
 
 

@@ -151,11 +151,14 @@ class Timed:
     def __enter__(self) -> Timed:
         request = self._request
         if request.spans is not None:
-            if request.parent is None:
-                request.parent = request.spans.parent()
-            self._phase = request.spans.Phase(
-                "idempotency " + self.kind, request.parent, request.route
-            )
+            try:
+                if request.parent is None:
+                    request.parent = request.spans.parent()
+                self._phase = request.spans.Phase(
+                    "idempotency " + self.kind, request.parent, request.route
+                )
+            except Exception:  # telemetry never fails a request
+                logger.debug("tracing: starting a span failed", exc_info=True)
         self._started = time.perf_counter_ns()
         return self
 
@@ -169,9 +172,14 @@ class Timed:
         outcome = request.marked
         if error is not None and outcome is None:
             outcome = outcome_of(error)[0] if isinstance(error, _KNOWN) else None
-        if self.kind == "claim" and request.waited:
-            self._phase.child("idempotency wait", request.route, outcome)
-        self._phase.end(outcome, error)
+        elif outcome is None and self.kind == "complete":
+            outcome = EXECUTED  # the view's answer is stored: the request executed
+        try:
+            if self.kind == "claim" and request.waited:
+                self._phase.child("idempotency wait", request.route, outcome)
+            self._phase.end(outcome, error)
+        except Exception:  # telemetry never fails a request
+            logger.debug("tracing: ending a span failed", exc_info=True)
 
 
 _KNOWN = (
@@ -286,12 +294,18 @@ class RequestTelemetry:
     def _end(self, outcome: str, refusal: str | None, error: BaseException | None) -> None:
         if not self.counted:
             return
+        try:
+            self._emit(outcome, refusal, error)
+        except Exception:  # telemetry never fails a request
+            logger.debug("telemetry: recording the request failed", exc_info=True)
+
+    def _emit(self, outcome: str, refusal: str | None, error: BaseException | None) -> None:
         took = time.perf_counter_ns() - self._started
         metrics = self._metrics
         if metrics is not None:
             try:
                 self._record(metrics.instruments(), outcome, refusal, took)
-            except Exception:  # never the request's failure
+            except Exception:  # the log line still goes out
                 logger.debug("metrics: recording the request failed", exc_info=True)
         trace_id = span_id = None
         if self.spans is not None:

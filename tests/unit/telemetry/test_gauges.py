@@ -5,6 +5,7 @@ database that fails makes them report nothing, never an error."""
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import logging
 import types
 import typing as t
@@ -252,3 +253,51 @@ def test_a_missing_table_reports_nothing_on_every_engine(
     with app.app_context(), outbox_app.db.engine.begin() as conn:
         conn.execute(sa.text("DROP TABLE idempotency_keys"))
     assert gauges(otel) == {}
+
+
+def test_apps_that_are_gone_are_forgotten(otel: Otel, tmp_path: t.Any, clock: Clock) -> None:
+    for n in range(3):
+        url = f"sqlite:///{tmp_path / f'gone-{n}.sqlite3'}"
+        app = make(url, clock)
+        with app.app_context():
+            outbox_app.db.engine.dispose()
+        del app
+        gc.collect()
+    assert len(figures._sources) == 1  # the last one's, until the next app comes
+    assert gauges(otel) == {}  # its app is gone too: nothing to read, nothing reported
+    assert figures._sources == []
+
+
+def test_a_database_that_hangs_holds_no_collection_longer_than_the_ready_timeout(
+    otel: Otel, pg_url: str, proxy: TcpProxy, clock: Clock, ticks: FakeTime
+) -> None:
+    """Blackholed: each collection waits at most IDEMPOTENCY_READY_TIMEOUT for the
+    read, reports nothing, and starts no second read while the first hangs; the
+    held read finishes once the database answers again."""
+    app = make(proxy.url(pg_url), clock, IDEMPOTENCY_READY_TIMEOUT=0.2)
+    reset(pg_url)
+    assert values(otel)["idempotency.records.live"] == 0
+    proxy.blackhole()
+    [source] = figures._sources
+    try:
+        ticks.now += 31
+        assert gauges(otel) == {}
+        hung = source._reading
+        assert hung is not None
+        assert hung.is_alive()
+        ticks.now += 31
+        assert gauges(otel) == {}
+        assert source._reading is hung  # no second read beside it
+    finally:
+        proxy.heal()
+    hung.join(30)
+    assert not hung.is_alive()
+    assert values(otel)["idempotency.records.live"] == 0  # its late answer, for this interval
+    with app.app_context():
+        outbox_app.db.engine.dispose()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "30s", None])
+def test_the_interval_is_checked_at_init_app(bad: t.Any, tmp_path: t.Any, clock: Clock) -> None:
+    with pytest.raises((ValueError, TypeError), match="IDEMPOTENCY_METRICS_INTERVAL"):
+        make(f"sqlite:///{tmp_path / 'x.sqlite3'}", clock, IDEMPOTENCY_METRICS_INTERVAL=bad)

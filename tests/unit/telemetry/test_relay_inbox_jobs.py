@@ -4,12 +4,15 @@ duplicates and the maintenance jobs' runs, rows and durations, on every engine."
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
 import typing as t
 
 import pytest
 from flask import Flask
 
 from flask_idempotency._maintenance.jobs import purge_expired
+from flask_idempotency._maintenance.runner import run_relay
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
@@ -145,3 +148,26 @@ def test_job_runs_by_result_with_their_rows_and_duration(
     [rows] = otel.series("idempotency.job.rows", points)
     assert rows.attributes == {"idempotency.job": "cleanup"}
     assert rows.value == 3
+
+
+def test_the_dedicated_relay_counts_its_runs(otel: Otel, database_url: str, clock: Clock) -> None:
+    """``flask idempotency relay`` (run_relay) counts each batch as a run of
+    outbox_relay, as the scheduler's relay job does."""
+    published: list[str] = []
+
+    def publish(event: OutboxEvent) -> None:
+        published.append(event.event_id)
+        os.kill(os.getpid(), signal.SIGTERM)  # run_relay's own handler: it stops
+
+    app = outbox_app.create_app(
+        database_url, clock=clock, IDEMPOTENCY_PUBLISHER=CallablePublisher(publish)
+    )
+    reset(database_url)
+    add(app, "a")
+    run_relay(app, batch=10, poll=0.05, wake=False, report=lambda line: None)
+    assert published == ["a"]
+    [runs] = otel.series("idempotency.job.runs")
+    assert runs.attributes == {"idempotency.job": "outbox_relay", "idempotency.job.result": "ok"}
+    assert runs.value >= 1
+    with app.app_context():
+        outbox_app.db.engine.dispose()

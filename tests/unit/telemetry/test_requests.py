@@ -230,6 +230,8 @@ def test_the_phases_are_spans_under_the_flask_server_span(otel: Otel, instrument
     assert sorted(s.name for s in first) == ["idempotency claim", "idempotency complete"]
     assert sorted(s.name for s in retry) == ["idempotency claim", "idempotency replay"]
     assert [s.name for s in mismatch] == ["idempotency claim"]
+    outcome = {s.name: s.attributes.get("idempotency.outcome") for s in first}
+    assert outcome == {"idempotency claim": None, "idempotency complete": "executed"}
     outcome = {s.name: s.attributes.get("idempotency.outcome") for s in retry}
     assert outcome == {"idempotency claim": "replayed", "idempotency replay": "replayed"}
     [refused] = mismatch
@@ -337,3 +339,56 @@ def test_ten_thousand_keys_in_a_thousand_scopes_make_no_more_series_than_routes_
     assert not values & set(keys)
     assert not values & scopes
     assert not any("key-" in v or "tenant-" in v or "tenant:" in v for v in values)
+
+
+def test_a_lock_timeout_in_the_view_is_busy(otel: Otel, pg_url: str, clock: Clock) -> None:
+    """The database gives up waiting for another transaction's lock: 409
+    transaction-conflict, counted busy (not in_flight: no duplicate is running)."""
+    app = testapp.create_app(pg_url, clock=clock)
+    reset_tables(pg_url)
+    # Advisory locks are the whole database's: one of this test's own.
+    lock = {"id": uuid.uuid4().int >> 65}
+
+    @app.post("/locks")
+    @testapp.idem.idempotent()
+    def locks() -> dict[str, t.Any]:
+        testapp.db.session.execute(sa.text("SET LOCAL lock_timeout = '100ms'"))
+        testapp.db.session.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), lock)
+        return {"locked": True}
+
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), lock)
+            answer = post(app.test_client(), "/locks", {}, key="k1")
+            holder.rollback()
+    finally:
+        engine.dispose()
+    assert assert_problem(answer, 409)["type"].endswith("transaction-conflict")
+    assert post(app.test_client(), "/locks", {}, key="k1").status_code == 200
+    assert otel.outcomes() == {
+        ("busy", "/locks", "POST"): 1,
+        ("executed", "/locks", "POST"): 1,
+    }
+    with app.app_context():
+        testapp.db.engine.dispose()
+
+
+def test_optimistic_and_skipped_requests(otel: Otel, app: Flask) -> None:
+    @app.post("/skipped")
+    @testapp.idem.idempotent(skip=lambda: True)
+    def skipped() -> dict[str, t.Any]:
+        return {"ran": True}
+
+    client = app.test_client()
+    assert post(client, "/optimistic", CHARGE, key="k1").status_code == 201
+    assert post(client, "/optimistic", CHARGE, key="k1").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "/skipped", {}, key="k1").status_code == 200
+    assert otel.outcomes() == {
+        ("executed", "/optimistic", "POST"): 1,
+        ("replayed", "/optimistic", "POST"): 1,
+        ("passed_through", "/skipped", "POST"): 1,
+    }
+    [size] = otel.series("idempotency.response.size")
+    assert size.attributes["http.route"] == "/optimistic"
+    assert ledger_count(app, "optimistic") == 1
