@@ -61,8 +61,14 @@ setup(
         # flask_idempotency.testing's pytest plugin (the kit's fixtures).
         "testing": ["pytest>=8.0"],
         # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
-        # nothing extra.
-        "bench": ["matplotlib>=3.7"],
+        # nothing extra. The set-ups python -m bench.telemetry compares (without them
+        # it leaves those variants out and says so).
+        "bench": [
+            "matplotlib>=3.7",
+            "opentelemetry-sdk>=1.27",
+            "opentelemetry-exporter-prometheus>=0.48b0",
+            "opentelemetry-instrumentation-flask>=0.48b0",
+        ],
     },
     entry_points={
         # The testing kit's fixtures (api, db, fault, downstream), inert until a

@@ -258,6 +258,18 @@ def section(
     ]
 
 
+def measure(url: str, args: argparse.Namespace) -> list[t.Any]:
+    """Every batch size, in rounds (the order alternating)."""
+    from tests.support import testapp
+
+    testapp.create_app(url)  # the extension's tables on the metadata
+    results = []
+    for i in range(args.rounds):
+        order = args.batch_sizes if i % 2 == 0 else list(reversed(args.batch_sizes))
+        results += [one_batch_size(url, batch, i + 1, args) for batch in order]
+    return results
+
+
 def main(argv: t.Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
@@ -272,22 +284,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.rows = args.rows or (5_000 if args.quick else 1_000_000)
     args.quiet = args.quiet or (1.0 if args.quick else 10.0)
-    harness.exit_on_sigterm()
-    with harness.private_postgres() as cluster:
-        url = cluster.url()
-        facts = harness.facts(NAME, argv, url)
-        from tests.support import testapp
-
-        testapp.create_app(url)  # the extension's tables on the metadata
-        results = []
-        for i in range(args.rounds):
-            order = args.batch_sizes if i % 2 == 0 else list(reversed(args.batch_sizes))
-            results += [one_batch_size(url, batch, i + 1, args) for batch in order]
-        facts.end()
-    text = harness.write_section(args.out, NAME, section(results, facts, args))
-    print(text)
-    say(f"wrote {args.out}")
-    return 0
+    return harness.run_section(
+        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
+    )
 
 
 if __name__ == "__main__":

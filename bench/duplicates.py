@@ -323,16 +323,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 10)
     args.duplicates = args.duplicates or (5 if args.quick else 50)
-    harness.exit_on_sigterm()
-    with harness.private_postgres() as cluster:
-        url = cluster.url()
-        facts = harness.facts(NAME, argv, url)
-        rounds = measure(url, args)
-        facts.end()
-    text = harness.write_section(args.out, NAME, section(rounds, facts, args))
-    print(text)
-    say(f"wrote {args.out}")
-    return 0
+    return harness.run_section(
+        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
+    )
 
 
 if __name__ == "__main__":

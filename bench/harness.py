@@ -236,6 +236,28 @@ def kept_sections(path: Path) -> str:
     return ""
 
 
+def run_section(
+    name: str,
+    argv: t.Sequence[str],
+    args: argparse.Namespace,
+    measure: t.Callable[[t.Any], t.Any],
+    section: t.Callable[[t.Any, Facts, argparse.Namespace], t.Sequence[str]],
+) -> int:
+    """A benchmark's whole run, after its options: ``measure(cluster)`` on a
+    private cluster (:func:`private_postgres`) between the run's facts, then
+    section ``name`` of ``args.out`` written from ``section(results, facts,
+    args)`` and printed. SIGTERM stops everything started, as Ctrl-C does."""
+    exit_on_sigterm()
+    with private_postgres() as cluster:
+        run_facts = facts(name, argv, cluster.url())
+        results = measure(cluster)
+        run_facts.end()
+    text = write_section(args.out, name, section(results, run_facts, args))
+    print(text)
+    say(f"wrote {args.out}")
+    return 0
+
+
 def common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the file to write")

@@ -404,6 +404,22 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
     ]
 
 
+def measure(url: str, args: argparse.Namespace) -> dict[str, t.Any]:
+    """Both cleanups in rounds, the boundary case (checked) and the guard's price."""
+    results: dict[str, t.Any] = {"deletes": [], "drop": []}
+    for i in range(args.cleanups):
+        say(f"round {i + 1}/{args.cleanups}")
+        setup(url, args.rows)
+        results["deletes"].append(row_deletes(url, args))
+        results["drop"].append(partition_drop(url, args))
+    results["boundary"] = boundary(url)
+    results["price"] = guard_price(url, args)
+    if results["boundary"] != {"as is": 2, "guarded": 1}:
+        raise RuntimeError(f"unexpected boundary outcome: {results['boundary']}")
+    say(f"boundary: {results['boundary']}; guard's price: {results['price']}")
+    return results
+
+
 def main(argv: t.Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
@@ -421,26 +437,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     args.cleanups = args.cleanups or (1 if args.quick else 3)
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.claims = args.claims or (30 if args.quick else 300)
-    harness.exit_on_sigterm()
-    with harness.private_postgres() as cluster:
-        url = cluster.url()
-        facts = harness.facts(NAME, argv, url)
-        results: dict[str, t.Any] = {"deletes": [], "drop": []}
-        for i in range(args.cleanups):
-            say(f"round {i + 1}/{args.cleanups}")
-            setup(url, args.rows)
-            results["deletes"].append(row_deletes(url, args))
-            results["drop"].append(partition_drop(url, args))
-        results["boundary"] = boundary(url)
-        results["price"] = guard_price(url, args)
-        facts.end()
-    if results["boundary"] != {"as is": 2, "guarded": 1}:
-        raise RuntimeError(f"unexpected boundary outcome: {results['boundary']}")
-    say(f"boundary: {results['boundary']}; guard's price: {results['price']}")
-    text = harness.write_section(args.out, NAME, section(results, facts, args))
-    print(text)
-    say(f"wrote {args.out}")
-    return 0
+    return harness.run_section(
+        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
+    )
 
 
 if __name__ == "__main__":

@@ -131,6 +131,26 @@ def _target(port: int, variant: Variant) -> Target:
     return Target(port, variant.path, variant.key_mode, REPLAY_KEY)
 
 
+def measure(
+    load: Generator, target: Target, meter: CpuMeter, seconds: float, run_id: str
+) -> report.Sample:
+    """One variant's run in one round: its throughput and latency, and the CPU
+    time ``meter``'s processes and the whole machine spent meanwhile."""
+    before, machine_before = meter.snapshot(), procstats.machine_ticks()
+    got = load.run(target, seconds, run_id)
+    cpu = meter.seconds_between(before, meter.snapshot())
+    busy, total = (b - a for a, b in zip(machine_before, procstats.machine_ticks(), strict=True))
+    return report.Sample(
+        got.requests,
+        got.rate,
+        got.p50_ms,
+        got.p99_ms,
+        cpu * 1000 / got.requests,
+        busy=busy / total if total else math.nan,
+        server_share=cpu / (total * procstats.CLOCK_TICK) if total else math.nan,
+    )
+
+
 def run_engine(
     engine: str,
     url: str,
@@ -167,22 +187,12 @@ def run_engine(
         for round_no in range(1, args.rounds + 1):
             rng.shuffle(order)
             for variant in order:
-                before, machine_before = meter.snapshot(), procstats.machine_ticks()
-                got = load.run(
-                    _target(server.port, variant), args.duration, f"{run}-{round_no}-{variant.name}"
-                )
-                cpu = meter.seconds_between(before, meter.snapshot())
-                busy, total = (
-                    b - a for a, b in zip(machine_before, procstats.machine_ticks(), strict=True)
-                )
-                sample = report.Sample(
-                    got.requests,
-                    got.rate,
-                    got.p50_ms,
-                    got.p99_ms,
-                    cpu * 1000 / got.requests,
-                    busy=busy / total if total else math.nan,
-                    server_share=cpu / (total * procstats.CLOCK_TICK) if total else math.nan,
+                sample = measure(
+                    load,
+                    _target(server.port, variant),
+                    meter,
+                    args.duration,
+                    f"{run}-{round_no}-{variant.name}",
                 )
                 result.samples[variant.name].append(sample)
                 _say(

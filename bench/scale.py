@@ -271,16 +271,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     args.large = args.large or (20_000 if args.quick else 10_000_000)
     args.rounds = args.rounds or (2 if args.quick else 10)
     args.claims = args.claims or (50 if args.quick else 500)
-    harness.exit_on_sigterm()
-    with harness.private_postgres() as cluster:
-        url = cluster.url()
-        facts = harness.facts(NAME, argv, url)
-        results = measure(url, args)
-        facts.end()
-    text = harness.write_section(args.out, NAME, section(results, facts, args))
-    print(text)
-    say(f"wrote {args.out}")
-    return 0
+    return harness.run_section(
+        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
+    )
 
 
 if __name__ == "__main__":

@@ -38,11 +38,22 @@ def _quiet_options() -> list[str]:
 
 
 class Gunicorn:
-    """``gunicorn -w N 'bench.app:create_app()'`` (sync workers) on 127.0.0.1."""
+    """``gunicorn -w N 'bench.app:create_app()'`` (sync workers) on 127.0.0.1;
+    another ``app`` (a factory call, as gunicorn spells it) and more of the
+    workers' environment (``env``) where given."""
 
-    def __init__(self, database_url: str, workers: int = 3) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        workers: int = 3,
+        *,
+        app: str = "bench.app:create_app()",
+        env: t.Mapping[str, str] | None = None,
+    ) -> None:
         self.database_url = database_url
         self.workers = workers
+        self.app = app
+        self.env = dict(env or {})
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="bench-gunicorn-", suffix=".log")[1])
@@ -63,6 +74,7 @@ class Gunicorn:
             **os.environ,
             DATABASE_ENV: self.database_url,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **self.env,
         }
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
@@ -81,7 +93,7 @@ class Gunicorn:
                     "--log-level",
                     "info",
                     *_quiet_options(),
-                    "bench.app:create_app()",
+                    self.app,
                 ],
                 cwd=ROOT,
                 env=env,

@@ -30,6 +30,7 @@ from bench.harness import (
     write_section,
 )
 from bench.report import CLAIM_HOW
+from bench.telemetry_app import VARIANTS as VARIANTS_OTEL
 from bench.variants import CLAIM_PATHS, VARIANTS
 from bench.wire import CountingProxy
 from tests.conftest import POSTGRES_ENV, postgres_url
@@ -334,3 +335,53 @@ def test_sections_are_replaced_in_place_and_kept(tmp_path: Path) -> None:
     assert read_data(data_comment("bench.c", {"ratio": math.nan})) == {"bench.c": {"ratio": None}}
     assert times(math.nan) == "n/a"
     assert times(1.234) == "1.23x"
+
+
+@pytest.mark.slow
+def test_telemetry_bench_runs_every_variant(tmp_path: Path) -> None:
+    """``python -m bench.telemetry --quick`` on SQLite and psycopg 3: every
+    variant's gunicorn starts with its set-up (the run fails otherwise: an
+    ``opentelemetry`` module in a ``no-api`` worker, an SDK in an ``api`` one),
+    every case answers 2xx, and the section lands in the file with the rest of
+    it kept. Counts are checked, never timings: when the extension has its
+    instrumentation, the SDK and Prometheus variants saw its requests executed
+    and replayed."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\nkept\n")
+    command = [
+        sys.executable,
+        "-m",
+        "bench.telemetry",
+        "--quick",
+        "--engines",
+        "sqlite,psycopg",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nkept\n")
+    section = _section(text, "bench.telemetry")
+    data = read_data(text)["bench.telemetry"]
+    variants = list(VARIANTS_OTEL)
+    for engine in ("sqlite", "psycopg"):
+        cases = data[engine]["cases"]
+        assert set(cases) == {
+            *variants,
+            *(f"{variant} replay" for variant in variants),
+            "floor",
+        }
+        rows = _table(section[section.index(f"### {engine}") :])
+        for name in cases:
+            assert int(rows[name][6].replace(",", "")) > 0, rows[name]
+        assert cases["api"]["ratio"] == cases["api replay"]["ratio"] == 1.0
+        assert "`no-api`: 0 opentelemetry modules" in section
+        recorded = data[engine]["recorded"]
+        assert set(recorded) == {"sdk", "sdk-flask", "flask-only", "prometheus"}
+        assert recorded["flask-only"] == {}  # the extension's meter is a no-op one there
+        if importlib.util.find_spec("flask_idempotency._telemetry") is not None:
+            for variant in ("sdk", "sdk-flask", "prometheus"):
+                assert recorded[variant]["executed"] > 0, recorded
+                assert recorded[variant]["replayed"] > 0, recorded
+    assert "`sdk` / `api`, new key (target at least 0.97" in section
