@@ -59,8 +59,10 @@ def read_figures(app: Flask) -> dict[str, float]:
     """One snapshot of ``app``'s figures, by gauge name (raises on a database error)."""
     with app.app_context():
         state = app_state(app)
-        now = state.clock()
         with state.db.engine.connect() as conn:
+            # The database's clock, as the recovery job's: the stuck-lease alert
+            # reads "past their lease" from here, whatever this host's clock says.
+            now = state.now(conn)
             live, in_flight, past_lease = state.store.live_counts(conn, now)
             found: dict[str, float] = {
                 figures.RECORDS_LIVE: live,

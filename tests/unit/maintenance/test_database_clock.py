@@ -23,6 +23,7 @@ import pytest
 from flask import Flask
 
 import flask_idempotency.extension as extension
+from flask_idempotency._maintenance import gauges
 from flask_idempotency._storage import (
     COMPLETED,
     IN_PROGRESS,
@@ -30,6 +31,7 @@ from flask_idempotency._storage import (
     new_fencing_token,
     operation_values,
 )
+from flask_idempotency._telemetry import figures
 from flask_idempotency.jobs import purge_expired, recover_abandoned
 from tests.conftest import insert_records, record_rows, reset_tables
 from tests.support import testapp
@@ -111,6 +113,16 @@ def test_recovery_on_a_host_ahead_leaves_a_live_lease(ahead: Flask) -> None:
     result = cli(ahead, "recover")
     assert result.exit_code == 0, result.output
     assert keys(ahead) == {"running"}
+
+
+def test_the_gauges_on_a_host_ahead_count_a_live_lease_as_live(ahead: Flask) -> None:
+    """The stuck-lease alert reads "past their lease" from the gauges: a host
+    ahead must not page for an operation whose lease is running."""
+    put(ahead, "running", locked_until=db_now(ahead) + dt.timedelta(minutes=2))
+    put(ahead, "abandoned", locked_until=db_now(ahead) - dt.timedelta(seconds=5))
+
+    found = gauges.read_figures(ahead)
+    assert (found[figures.RECORDS_IN_FLIGHT], found[figures.RECORDS_PAST_LEASE]) == (2, 1)
 
 
 def test_purge_on_a_host_ahead_keeps_a_record_in_its_window(ahead: Flask) -> None:
