@@ -147,8 +147,10 @@ def add_event(
         "created_at": now or state.clock(),
         "attempts": 0,
     }
-    trace_context = propagation.current_carrier_text()
-    if trace_context is not None:  # only then: an untraced emit writes what it always did
+    trace_context = propagation.current_carrier_text(baggage=state.settings.trace_baggage)
+    # Only with a context: an untraced emit writes what it always did, and an
+    # outbox from before traces (no column; a WARNING says what to run) still works.
+    if trace_context is not None and outbox_sql.has_trace_context(session.connection(), table):
         values["trace_context"] = trace_context
     sql = outbox_sql.for_session(session)
     if not sql.insert_event(session, table, values):
