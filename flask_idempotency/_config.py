@@ -235,6 +235,7 @@ class Settings:
     relay_wake: bool = True
     inbox_ttl: timedelta = timedelta(days=7)
     metrics_interval: timedelta = timedelta(seconds=30)
+    trace_baggage: bool = False
     #: ``None``, ``"session"``, ``"transaction"`` or ``"transaction+prepared"``.
     database_pooler: str | None = None
     relay_listen_url: str | None = None
@@ -316,6 +317,7 @@ class Settings:
                 values.get("METRICS_INTERVAL", timedelta(seconds=30)),
                 "IDEMPOTENCY_METRICS_INTERVAL",
             ),
+            trace_baggage=as_bool(values.get("TRACE_BAGGAGE", False), "IDEMPOTENCY_TRACE_BAGGAGE"),
             database_pooler=resolve_pooler(
                 values.get("DATABASE_POOLER"), "IDEMPOTENCY_DATABASE_POOLER"
             ),

@@ -63,6 +63,7 @@ from ._maintenance import runner
 from ._maintenance.jobs import purge_expired, recover_abandoned
 from ._messaging.admin import outbox_stats, purge_published, retry_parked
 from ._storage import OVERRIDABLE, Hold, inbox, release_verdict
+from ._storage import outbox as outbox_sql
 from ._storage.schema import OUTBOX_TABLE_NAME, inbox_table, outbox_table
 
 __all__ = ["idempotency_cli"]
@@ -96,13 +97,26 @@ idempotency_cli = AppGroup(
 
 @_command("create-tables")
 def create_tables() -> None:
-    """Create the idempotency tables (only those) if they do not exist."""
+    """Create the idempotency tables (only those) if they do not exist.
+
+    Never a column of a table that exists: an outbox from a release before
+    traces, without ``trace_context``, exits 78 with the statement to run (or
+    run your migrations), as the changelog's schema changes say."""
     state = _cli.current_state()
     metadata = state.db.metadata
-    own = (state.store.table, state.job_lock_table, outbox_table(metadata), inbox_table(metadata))
+    outbox = outbox_table(metadata)
+    own = (state.store.table, state.job_lock_table, outbox, inbox_table(metadata))
     for table in own:
         table.create(state.db.engine, checkfirst=True)
         _cli.report(f"{table.name}: present")
+    with state.db.engine.connect() as conn:
+        if outbox_sql.lacks_trace_context(conn, outbox):
+            statement = outbox_sql.add_trace_context_sql(conn.dialect, outbox)
+            raise _cli.Misconfigured(
+                f"{outbox.name} has no column {outbox_sql.TRACE_CONTEXT} (created by a release "
+                f"before traces; create-tables adds no columns): run {statement} "
+                "or your migrations"
+            )
 
 
 @_command("purge")

@@ -214,6 +214,15 @@ SETTINGS: tuple[Setting, ...] = (
         " does not answer within `IDEMPOTENCY_READY_TIMEOUT`, reports nothing for that"
         " interval. See [Observability](observability.md).",
     ),
+    Setting(
+        "TRACE_BAGGAGE",
+        False,
+        "With the `otel` extra: also store the request's W3C `baggage` with each outbox event"
+        " and send it on the event's message to every consumer. Off, only `traceparent` and"
+        " `tracestate` (cut to 32 members, 512 characters) travel: a request's baggage may be"
+        " its client's, and is not passed on unless the app trusts it. See"
+        " [Traces](tracing.md#what-travels-and-whom-to-trust).",
+    ),
 )
 
 #: Each setting's default, by its name without the prefix (``"TTL"``, ...).

@@ -41,8 +41,8 @@ class OutboxEvent:
     created_at: dt.datetime
     attempts: int
     #: The trace context of the request that emitted the event (``traceparent``,
-    #: ``tracestate``...; empty without one). The relay publishes the event
-    #: under it and puts the publish's context in ``headers``.
+    #: ``tracestate``, ``baggage`` if the app opted in; empty without one). The
+    #: relay publishes the event under it and puts the publish's context in ``headers``.
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -122,8 +122,10 @@ def add_event(
     :class:`~flask_idempotency.errors.EventIdConflictError` and adds nothing,
     leaving the transaction usable. Headers are not compared, nor the trace
     context: the event keeps the one of its first emit. With a current span
-    (OpenTelemetry), its context is stored with the event (``trace_context``)
-    and continued by the relay. The event is
+    (OpenTelemetry), its context is stored with the event (``trace_context``:
+    ``traceparent`` and a bounded ``tracestate``, ``baggage`` only with
+    ``IDEMPOTENCY_TRACE_BAGGAGE``) and continued by the relay; an outbox without
+    that column (the release before traces) stores none. The event is
     published by the relay once the session's transaction commits, and never if
     it rolls back. Returns ``event_id``. Call in an app context of an app with
     the extension registered.
@@ -147,8 +149,10 @@ def add_event(
         "created_at": now or state.clock(),
         "attempts": 0,
     }
-    trace_context = propagation.current_carrier_text()
-    if trace_context is not None:  # only then: an untraced emit writes what it always did
+    trace_context = propagation.current_carrier_text(baggage=state.settings.trace_baggage)
+    # Only with a context: an untraced emit writes what it always did, and an
+    # outbox from before traces (no column; a WARNING says what to run) still works.
+    if trace_context is not None and outbox_sql.has_trace_context(session.connection(), table):
         values["trace_context"] = trace_context
     sql = outbox_sql.for_session(session)
     if not sql.insert_event(session, table, values):

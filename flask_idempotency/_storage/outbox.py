@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
+import threading
 import typing as t
+import weakref
 
 import sqlalchemy as sa
 
@@ -27,6 +30,59 @@ from .sql import database_now
 
 _R = t.TypeVar("_R")
 _E = t.TypeVar("_E")
+
+logger = logging.getLogger("flask_idempotency")
+
+#: The column a release added to the outbox for traces; an outbox created
+#: before it works without it (no trace context stored) until it is added.
+TRACE_CONTEXT = "trace_context"
+
+_trace_column: weakref.WeakKeyDictionary[sa.Engine, bool] = weakref.WeakKeyDictionary()
+_trace_column_lock = threading.Lock()
+
+
+def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:
+    """The statement that adds ``trace_context`` to ``table`` on ``dialect``,
+    as the table declares it (``TEXT``; ``LONGTEXT`` on MySQL/MariaDB)."""
+    column = table.c[TRACE_CONTEXT]
+    quote = dialect.identifier_preparer
+    kind = column.type.compile(dialect=dialect)
+    return f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {quote.quote(column.name)} {kind}"
+
+
+def lacks_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
+    """Whether ``table`` exists on ``conn`` without ``trace_context`` (an outbox
+    created by a release before traces), read now; ``False`` without the table."""
+    try:
+        columns = sa.inspect(conn).get_columns(table.name, schema=table.schema)
+    except sa.exc.NoSuchTableError:
+        return False
+    return TRACE_CONTEXT not in {c["name"].lower() for c in columns}
+
+
+def has_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
+    """Whether the outbox behind ``conn`` has ``trace_context``: read once per
+    engine (a column added later is used by processes started after), with one
+    WARNING per engine naming the statement to run when it is missing."""
+    engine = conn.engine
+    known = _trace_column.get(engine)
+    if known is not None:
+        return known
+    missing = lacks_trace_context(conn, table)
+    with _trace_column_lock:
+        if engine in _trace_column:
+            return _trace_column[engine]
+        _trace_column[engine] = not missing
+    if missing:
+        logger.warning(
+            "outbox: %s has no column %s (a table from a release before traces): events "
+            "are stored and published without their trace context until you run: %s "
+            "(or your migrations), then restart",
+            table.name,
+            TRACE_CONTEXT,
+            add_trace_context_sql(engine.dialect, table),
+        )
+    return not missing
 
 
 class OutboxDialect:
@@ -97,10 +153,13 @@ class Leases:
     def _now(self, conn: sa.Connection) -> dt.datetime:
         return database_now(conn) if self.database_clock else self.clock()
 
-    def _pending(self, now: dt.datetime) -> sa.Select[t.Any]:
+    def _pending(self, conn: sa.Connection, now: dt.datetime) -> sa.Select[t.Any]:
         c = self.table.c
+        columns: list[t.Any] = [self.table]
+        if not has_trace_context(conn, self.table):  # an outbox from before traces
+            columns = [column for column in c if column.name != TRACE_CONTEXT]
         return (
-            sa.select(self.table)
+            sa.select(*columns)
             .where(
                 c.published_at.is_(None),
                 c.failed_at.is_(None),
@@ -140,7 +199,7 @@ class Leases:
                 dialect.lock_writers(conn, self.table, "attempts")
                 now = self._now(conn)
                 leased_until = now + lease
-                query = dialect.skip_locked_take(self._pending(now).limit(batch))
+                query = dialect.skip_locked_take(self._pending(conn, now).limit(batch))
                 rows = list(conn.execute(query))
                 taken = [make(row) for row in rows]
                 if rows:

@@ -14,6 +14,12 @@ that came in (an extracted parent), so nothing is written either.
 
 A carrier is a ``dict[str, str]`` of header names (lower case, as the
 propagators write them) and values; the outbox keeps it as compact JSON text.
+
+What the outbox stores and the relay forwards is bounded (:func:`carried`):
+W3C ``traceparent`` and ``tracestate`` (cut to the size W3C advises), and
+``baggage`` only when the app opts in (``IDEMPOTENCY_TRACE_BAGGAGE``), since
+a request's context may come from its client: a client's baggage is not
+written into every event and sent to every consumer unless the app wants it.
 """
 
 from __future__ import annotations
@@ -104,35 +110,88 @@ def _clean(carrier: t.Mapping[str, t.Any]) -> dict[str, str]:
     return {str(k): v for k, v in carrier.items() if isinstance(v, str) and v}
 
 
+# -- what the outbox stores and the relay forwards --------------------------------------------
+
+#: W3C trace context: at most 32 list-members in ``tracestate``; above 512
+#: characters a propagator may cut it, members over 128 characters first,
+#: then from the end (the specification's advice).
+TRACESTATE_MAX_MEMBERS = 32
+TRACESTATE_MAX_CHARS = 512
+_TRACESTATE_LONG_MEMBER = 128
+#: W3C baggage: a propagator must carry at least 8192 bytes; more is cut from the end.
+BAGGAGE_MAX_CHARS = 8192
+
+
+def _cut(members: list[str], limit: int) -> str | None:
+    while members and len(",".join(members)) > limit:
+        members.pop()
+    return ",".join(members) or None
+
+
+def bounded_tracestate(value: str) -> str | None:
+    """``value`` cut to W3C's advice: 32 members, 512 characters (members over
+    128 characters dropped first, then members from the end); ``None`` when
+    nothing is left."""
+    members = [m.strip() for m in value.split(",") if m.strip()][:TRACESTATE_MAX_MEMBERS]
+    if len(",".join(members)) > TRACESTATE_MAX_CHARS:
+        members = [m for m in members if len(m) <= _TRACESTATE_LONG_MEMBER]
+    return _cut(members, TRACESTATE_MAX_CHARS)
+
+
+def carried(carrier: t.Mapping[str, t.Any], *, baggage: bool) -> dict[str, str]:
+    """What of ``carrier`` the outbox stores and the relay forwards: its
+    ``traceparent``, its ``tracestate`` bounded (:func:`bounded_tracestate`)
+    and, when ``baggage`` is true, its ``baggage`` (at most 8192 characters,
+    members cut from the end); nothing else a propagator wrote."""
+    kept: dict[str, str] = {}
+    for name, value in _clean(carrier).items():
+        key = name.lower()
+        cut: str | None = value
+        if key == "tracestate":
+            cut = bounded_tracestate(value)
+        elif key == "baggage":
+            if not baggage:
+                continue
+            cut = _cut([m.strip() for m in value.split(",") if m.strip()], BAGGAGE_MAX_CHARS)
+        elif key != "traceparent":
+            continue
+        if cut:
+            kept[key] = cut
+    return kept
+
+
 # -- the outbox: the emitting request's context, stored with the event ------------------------
 
 
 @safety.quietly(safety.nothing)
-def current_carrier_text() -> str | None:
+def current_carrier_text(*, baggage: bool = False) -> str | None:
     """The current context (the request's span) as compact JSON text for the
-    outbox's ``trace_context`` column; ``None`` when there is none to carry
-    (no API, no SDK and no incoming context, or an invalid span)."""
+    outbox's ``trace_context`` column, bounded by :func:`carried` (``baggage``:
+    the app's ``IDEMPOTENCY_TRACE_BAGGAGE``); ``None`` when there is none to
+    carry (no API, no SDK and no incoming context, or an invalid span)."""
     api = _otel()
     if api is None:
         return None
     carrier: dict[str, str] = {}
     api.propagate.inject(carrier)
-    carrier = _clean(carrier)
+    carrier = carried(carrier, baggage=baggage)
     if not carrier:
         return None
     return json.dumps(carrier, separators=(",", ":"), sort_keys=True)
 
 
 def carrier_from_text(text: str | bytes | None) -> dict[str, str]:
-    """The carrier stored as ``text``; empty for ``None`` or anything unreadable
-    (a column written by other means never stops the relay)."""
+    """The carrier stored as ``text``, bounded by :func:`carried` (``baggage``
+    kept when stored: it was stored only when the emitting app opted in);
+    empty for ``None`` or anything unreadable (a column written by other means
+    never stops the relay)."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except ValueError:
         return {}
-    return _clean(value) if isinstance(value, dict) else {}
+    return carried(value, baggage=True) if isinstance(value, dict) else {}
 
 
 # -- the relay: publish under the stored context ---------------------------------------------
@@ -150,11 +209,13 @@ def publishing(
     """A PRODUCER span whose parent is ``stored`` (the emitting request's
     context), around one publish; yields the headers the message carries: the
     context of that span (so the consumer's span is its child), or, without
-    the API, ``stored`` as it is. Empty when there is nothing to carry.
+    the API, ``stored`` as it is. Only what :func:`carried` keeps, ``baggage``
+    only when ``stored`` has it; empty when there is nothing to carry.
     An exception is recorded on the span and propagates."""
+    stored = carried(stored or {}, baggage=True)
     api = _otel()
     if api is None:
-        yield dict(stored or {})
+        yield stored
         return
     parent = _parent(api, stored)
     attributes = {
@@ -172,7 +233,7 @@ def publishing(
         headers: dict[str, str] = {}
         api.propagate.inject(headers)
         with safety.errors_recorded(span, api.trace):
-            yield _clean(headers)
+            yield carried(headers, baggage="baggage" in stored)
 
 
 # -- the inbox: continue the trace the message carries ----------------------------------------
@@ -188,12 +249,7 @@ def consuming(headers: t.Mapping[str, t.Any] | None, *, consumer: str) -> t.Iter
     if api is None:
         yield None
         return
-    carrier = {
-        _name(k).lower(): v.decode("latin-1") if isinstance(v, bytes) else v
-        for k, v in (headers or {}).items()
-        if isinstance(v, str | bytes)
-    }
-    parent = _parent(api, carrier)
+    parent = _parent(api, _text_headers(headers))
     attributes = {
         "messaging.operation.name": "process",
         "messaging.operation.type": "process",
@@ -270,11 +326,17 @@ def start_attempt(
     """Start the CLIENT span of one attempt under the current context and give
     the headers to send: a copy of ``headers`` with this span's context
     injected (any ``traceparent``, ``tracestate`` already there replaced).
-    Without the API: ``(None, headers)`` unchanged. Never the key in an
-    attribute: only the attempt's number, method, status and server."""
+    With no current span, a context the caller put in ``headers`` itself (a
+    ``traceparent`` it continues) is the span's parent instead, so every
+    attempt stays in the caller's trace. Without the API: ``(None, headers)``
+    unchanged. Never the key in an attribute: only the attempt's number,
+    method, status and server."""
     api = _otel()
     if api is None:
         return None, headers
+    parent = None
+    if headers and not api.trace.get_current_span().get_span_context().is_valid:
+        parent = _parent(api, _text_headers(headers))
     attributes: dict[str, t.Any] = {"http.request.method": method, "idempotency.attempt": attempt}
     if attempt > 1:
         attributes["http.request.resend_count"] = attempt - 1
@@ -283,10 +345,10 @@ def start_attempt(
     if port:
         attributes["server.port"] = port
     span = _tracer(api).start_span(
-        CLIENT_ATTEMPT, kind=api.trace.SpanKind.CLIENT, attributes=attributes
+        CLIENT_ATTEMPT, context=parent, kind=api.trace.SpanKind.CLIENT, attributes=attributes
     )
     carrier: dict[str, str] = {}
-    api.propagate.inject(carrier, context=api.trace.set_span_in_context(span))
+    api.propagate.inject(carrier, context=api.trace.set_span_in_context(span, parent))
     if not carrier:
         return Attempt(api, span), headers
     names = {k.lower() for k in carrier}
@@ -295,6 +357,15 @@ def start_attempt(
     }
     sent.update(carrier)
     return Attempt(api, span), sent
+
+
+def _text_headers(headers: t.Mapping[t.Any, t.Any] | None) -> dict[str, str]:
+    """``headers`` as a carrier: names lower-cased, ``bytes`` decoded, other values left out."""
+    return {
+        _name(k).lower(): v.decode("latin-1") if isinstance(v, bytes) else v
+        for k, v in (headers or {}).items()
+        if isinstance(v, str | bytes)
+    }
 
 
 def _name(key: t.Any) -> str:

@@ -29,6 +29,7 @@ from werkzeug.wrappers import Request, Response
 from flask_idempotency import inbox
 from flask_idempotency._messaging.outbox import add_event
 from flask_idempotency._messaging.relay import relay_once
+from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.client import IdempotentSession
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock
@@ -37,9 +38,11 @@ from tests.support.live import ROOT
 from tests.support.outbox import post, relay_command, reset, rows
 from tests.support.tracing import (
     named,
+    parent_id,
     parse_traceparent,
     sdk_tracing,
     stored_context,
+    traceparent,
     without_sdk,
 )
 
@@ -155,22 +158,49 @@ def test_without_an_sdk_no_traceparent_is_sent(downstream: tuple[str, Recorder])
         assert recorder.seen[0]["idempotency-key"] == recorder.seen[1]["idempotency-key"]
 
 
-def test_a_callers_traceparent_is_replaced_by_the_attempts(
+def test_a_callers_traceparent_is_replaced_by_the_attempts_under_a_current_span(
     downstream: tuple[str, Recorder],
 ) -> None:
-    """A header the caller set by hand (or another instrumentation) names a span
-    that is not the attempt's: the attempt's own context replaces it, in any case."""
+    """With a current span, a header the caller set by hand (or another
+    instrumentation) names a span that is not the attempt's: the attempt, a
+    child of the current span, sends its own context instead."""
     url, recorder = downstream
     stale = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
     http = IdempotentSession(total=0)
-    with sdk_tracing() as (_, exporter):
-        http.post(url, json={}, headers={"TraceParent": stale})
+    with sdk_tracing() as (provider, exporter):
+        with provider.get_tracer("test").start_as_current_span("caller") as caller:
+            http.post(url, json={}, headers={"TraceParent": stale})
         [attempt] = named(exporter.get_finished_spans(), "idempotency.client attempt")
     [seen] = recorder.seen
+    assert attempt.context.trace_id == caller.get_span_context().trace_id != int("1" * 32, 16)
     assert parse_traceparent(seen["traceparent"]) == (
         attempt.context.trace_id,
         attempt.context.span_id,
     )
+
+
+def test_with_no_current_span_the_attempts_continue_the_callers_own_traceparent(
+    downstream: tuple[str, Recorder],
+) -> None:
+    """A caller that propagates its trace by hand (a worker continuing a job's
+    trace from a message, no span current): every attempt is a child of the
+    context its ``traceparent`` names, in the one trace, with the one key."""
+    url, recorder = downstream
+    recorder.statuses = [503, 503]
+    caller_trace, caller_span = int("12" * 16, 16), int("34" * 8, 16)
+    caller = traceparent(caller_trace, caller_span)
+    http = IdempotentSession(total=3, backoff_factor=0, backoff_jitter=0)
+    with sdk_tracing() as (_, exporter):
+        response = http.post(url, json={}, headers={"traceparent": caller})
+        attempts = named(exporter.get_finished_spans(), "idempotency.client attempt")
+    assert response.status_code == 201
+    assert len(attempts) == len(recorder.seen) == 3
+    assert {s.context.trace_id for s in attempts} == {caller_trace}
+    assert {parent_id(s) for s in attempts} == {caller_span}
+    assert [parse_traceparent(seen["traceparent"]) for seen in recorder.seen] == [
+        (caller_trace, s.context.span_id) for s in attempts
+    ]
+    assert len({seen["idempotency-key"] for seen in recorder.seen}) == 1
 
 
 # -- the outbox, the relay and the inbox -------------------------------------------------------
@@ -271,6 +301,59 @@ def test_an_untraced_event_is_published_with_its_own_headers_only(app: Flask) ->
         publisher = ListPublisher()
         assert relay_once(app, publisher) == 1
         assert publisher.events[0].headers == {"x": "y"}
+
+
+def test_an_outbox_from_before_traces_works_without_its_column_until_it_is_added(
+    app: Flask, database_url: str, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``idempotency_outbox`` created by the release before traces (no
+    ``trace_context``): a traced emit answers 201 and stores its event without
+    the context, the relay publishes it, one WARNING per engine names the
+    ALTER TABLE to run, and ``create-tables``, which adds no columns, exits 78
+    with that statement. Once it has run, a new process stores the context."""
+    from flask_idempotency._storage.outbox import add_trace_context_sql
+
+    with app.app_context():
+        engine = outbox_app.db.engine
+        table = outbox_table(outbox_app.db.metadata)
+        alter = add_trace_context_sql(engine.dialect, table)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE idempotency_outbox DROP COLUMN trace_context"))
+    with sdk_tracing() as (provider, _), caplog.at_level("WARNING", "flask_idempotency"):
+        with provider.get_tracer("test").start_as_current_span("request"):
+            assert post(app, key="k1").status_code == 201
+            assert post(app, key="k2").status_code == 201
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 2
+        assert len(publisher.events) == 2
+    warnings = [r.getMessage() for r in caplog.records if "trace_context" in r.getMessage()]
+    assert len(warnings) == 1
+    assert alter in warnings[0]
+    result = app.test_cli_runner().invoke(args=["idempotency", "create-tables"])
+    assert result.exit_code == 78
+    assert alter in result.output
+    with app.app_context():
+        with outbox_app.db.engine.connect() as conn:
+            assert "trace_context" not in {
+                c["name"] for c in sa.inspect(conn).get_columns("idempotency_outbox")
+            }
+        with outbox_app.db.engine.begin() as conn:
+            conn.execute(sa.text(alter))
+        outbox_app.db.engine.dispose()
+    assert app.test_cli_runner().invoke(args=["idempotency", "create-tables"]).exit_code == 0
+    upgraded = outbox_app.create_app(database_url, clock=clock)  # a process started after
+    try:
+        with (
+            sdk_tracing() as (provider, _),
+            provider.get_tracer("test").start_as_current_span("request") as span,
+        ):
+            assert post(upgraded, key="k3").status_code == 201
+        stored = stored_context(rows(upgraded)[-1]["trace_context"])
+        assert stored is not None
+        assert parse_traceparent(stored["traceparent"])[1] == span.get_span_context().span_id
+    finally:
+        with upgraded.app_context():
+            outbox_app.db.engine.dispose()
 
 
 def test_a_stored_context_is_carried_by_a_relay_without_an_sdk(app: Flask) -> None:
@@ -526,11 +609,17 @@ def test_http_https_and_proxy_pools_open_traced_connections() -> None:
     http.close()
 
 
-def test_baggage_travels_with_the_event_to_the_consumer(app: Flask) -> None:
-    """Whatever the app's propagator carries travels too: W3C baggage set in the
-    request reaches the consumer's handler through the outbox and the message."""
+@pytest.mark.parametrize("opted_in", [True, False], ids=["trace_baggage", "default"])
+def test_baggage_travels_with_the_event_only_when_the_app_opts_in(
+    database_url: str, clock: Clock, opted_in: bool
+) -> None:
+    """With ``IDEMPOTENCY_TRACE_BAGGAGE``, W3C baggage set in the request
+    reaches the consumer's handler through the outbox and the message; by
+    default the event keeps and sends only its trace context."""
     from opentelemetry import baggage, context
 
+    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_TRACE_BAGGAGE=opted_in)
+    reset(database_url)
     seen: list[object] = []
     with sdk_tracing() as (provider, _):
         token = context.attach(baggage.set_baggage("tenant.tier", "gold"))
@@ -542,7 +631,8 @@ def test_baggage_travels_with_the_event_to_the_consumer(app: Flask) -> None:
         publisher = ListPublisher()
         assert relay_once(app, publisher) == 1
         [event] = publisher.events
-        assert event.headers["baggage"] == "tenant.tier=gold"
+        assert event.headers.get("baggage") == ("tenant.tier=gold" if opted_in else None)
+        assert "traceparent" in event.headers
         with (
             app.app_context(),
             inbox.process(
@@ -550,9 +640,57 @@ def test_baggage_travels_with_the_event_to_the_consumer(app: Flask) -> None:
             ),
         ):
             seen.append(baggage.get_baggage("tenant.tier"))
+        with app.app_context():
+            outbox_app.db.engine.dispose()
     [row] = rows(app)
-    assert stored_context(row["trace_context"])["baggage"] == "tenant.tier=gold"  # type: ignore[index]
-    assert seen == ["gold"]
+    stored = stored_context(row["trace_context"])
+    assert stored is not None
+    assert stored.get("baggage") == ("tenant.tier=gold" if opted_in else None)
+    assert seen == (["gold"] if opted_in else [None])
+
+
+def test_a_clients_context_is_bounded_and_its_baggage_kept_back(app: Flask) -> None:
+    """Through Flask's instrumentation, the documented set-up: a client sends a
+    ``traceparent`` of its own, a 32-member ``tracestate`` of 6 KB and 7 KB of
+    baggage. The event stores, and its message carries, the request's
+    ``traceparent`` (the client's trace, which the app's instrumentation chose
+    to continue) and the ``tracestate`` cut to 512 characters (the long
+    members first, then from the end); never the client's baggage."""
+    from opentelemetry.instrumentation.flask import FlaskInstrumentor
+
+    client_trace = int("ab" * 16, 16)
+    long = [f"l{i}=" + "v" * 200 for i in range(16)]
+    short = [f"s{i:02d}=" + "w" * 29 for i in range(16)]  # 33 characters each
+    state = ",".join(m for pair in zip(long, short, strict=True) for m in pair)
+    baggage = "tenant=admin,user.role=superuser," + ",".join(
+        f"role{i}=" + "A" * 40 for i in range(150)
+    )
+    headers = {
+        "Idempotency-Key": "k1",
+        "traceparent": traceparent(client_trace, int("cd" * 8, 16)),
+        "tracestate": state,
+        "baggage": baggage,
+    }
+    with sdk_tracing() as (provider, _):
+        FlaskInstrumentor().instrument_app(app, tracer_provider=provider)
+        try:
+            response = app.test_client().post("/orders", json={"amount": 5}, headers=headers)
+        finally:
+            FlaskInstrumentor().uninstrument_app(app)
+        assert response.status_code == 201
+        publisher = ListPublisher()
+        assert relay_once(app, publisher) == 1
+    kept = ",".join(short[:15])  # 509 characters: a 16th member would pass 512
+    [row] = rows(app)
+    stored = stored_context(row["trace_context"])
+    assert stored is not None
+    assert sorted(stored) == ["traceparent", "tracestate"]
+    assert parse_traceparent(stored["traceparent"])[0] == client_trace
+    assert stored["tracestate"] == kept
+    [event] = publisher.events
+    assert sorted(event.headers) == ["traceparent", "tracestate"]
+    assert event.headers["tracestate"] == kept
+    assert parse_traceparent(event.headers["traceparent"])[0] == client_trace
 
 
 def test_only_the_telemetry_package_imports_opentelemetry() -> None:
