@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import re
+import typing as t
 
 from sqlalchemy import exc as sa_exc
 
@@ -233,6 +235,47 @@ def privilege_refused(exc: BaseException) -> bool:
     if module in _MYSQL_MODULES:
         return _mysql_errno(orig) in _MYSQL_PRIVILEGE
     return False
+
+
+# A table the statement names does not exist: PostgreSQL undefined_table
+# ('relation "t" does not exist'), MySQL/MariaDB ER_NO_SUCH_TABLE ("Table 'db.t'
+# doesn't exist"), SQLite "no such table: t". Each names the table, so the table
+# found missing is the one the database says, not one the statement mentions.
+_PG_UNDEFINED_TABLE = "42P01"
+_MYSQL_NO_SUCH_TABLE = 1146
+_MISSING_TABLE_NAME = {
+    "pg": re.compile(r'relation "([^"]+)" does not exist'),
+    "mysql": re.compile(r"Table '([^']+)' doesn't exist"),
+    "sqlite": re.compile(r"no such table: (\S+)"),
+}
+
+
+def missing_table(exc: BaseException, tables: t.Iterable[str]) -> str | None:
+    """Which of ``tables`` the database says does not exist, or ``None``: the
+    error is another one, or the missing table is not among ``tables`` (a table
+    of the app's, whose absence is the app's own error).
+
+    Not a :func:`classify` failure: no retry succeeds until someone creates the
+    table (``flask idempotency create-tables``, or the app's migrations). A
+    schema-qualified name (``schema.table``, ``db.table``) matches its table.
+    """
+    orig = _driver_error(exc)
+    module = _module(orig)
+    if module in _PG_MODULES:
+        engine = "pg" if sqlstate(orig) == _PG_UNDEFINED_TABLE else None
+    elif module in _MYSQL_MODULES:
+        engine = "mysql" if _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE else None
+    elif module in _SQLITE_MODULES:
+        engine = "sqlite"
+    else:
+        engine = None
+    if engine is None:
+        return None
+    found = _MISSING_TABLE_NAME[engine].search(str(orig))
+    if found is None:
+        return None
+    name = found.group(1).rsplit(".", 1)[-1]
+    return name if name in set(tables) else None
 
 
 def read_only(exc: BaseException) -> bool:
