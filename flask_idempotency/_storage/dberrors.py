@@ -258,6 +258,8 @@ def missing_table(exc: BaseException, tables: t.Iterable[str]) -> str | None:
     Not a :func:`classify` failure: no retry succeeds until someone creates the
     table (``flask idempotency create-tables``, or the app's migrations). A
     schema-qualified name (``schema.table``, ``db.table``) matches its table.
+    The code says the error's kind; the message which table (or, in a message
+    in another language, the failed statement, when it names one of ``tables``).
     """
     orig = _driver_error(exc)
     module = _module(orig)
@@ -266,16 +268,20 @@ def missing_table(exc: BaseException, tables: t.Iterable[str]) -> str | None:
     elif module in _MYSQL_MODULES:
         engine = "mysql" if _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE else None
     elif module in _SQLITE_MODULES:
-        engine = "sqlite"
+        engine = "sqlite" if "no such table" in str(orig) else None
     else:
         engine = None
     if engine is None:
         return None
+    wanted = set(tables)
     found = _MISSING_TABLE_NAME[engine].search(str(orig))
     if found is None:
-        return None
+        # A server that words its messages in another language (lc_messages):
+        # the statement names the table, when it names one of ours only.
+        named = [table for table in wanted if names_table(exc, table)]
+        return named[0] if len(named) == 1 else None
     name = found.group(1).rsplit(".", 1)[-1]
-    return name if name in set(tables) else None
+    return name if name in wanted else None
 
 
 def read_only(exc: BaseException) -> bool:

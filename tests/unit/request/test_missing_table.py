@@ -73,6 +73,16 @@ def test_a_missing_record_table_answers_500_problem_and_a_retry_runs_once_create
     assert _count(empty_app, "idempotency_keys") == 1
 
 
+def test_an_optimistic_route_without_its_record_table_keeps_nothing(
+    empty_app: Flask, otel: Otel
+) -> None:
+    """The view runs first there; the record's write fails, and rolls its work back."""
+    problem = assert_problem(post(empty_app.test_client(), "/optimistic", CHARGE, key="k1"), 500)
+    assert problem["type"] == MISCONFIGURED
+    assert _count(empty_app, "ledger") == 0
+    assert otel.outcomes() == {("misconfigured", "/optimistic", "POST"): 1}
+
+
 def test_a_missing_outbox_answers_500_problem_and_keeps_nothing(
     empty_app: Flask, otel: Otel, caplog: pytest.LogCaptureFixture
 ) -> None:
