@@ -14,6 +14,7 @@ import typing as t
 
 from flask import Flask, current_app, g, has_app_context
 
+from ._storage import database_now
 from .errors import MissingKeyError
 from .keys import derive_scoped_key
 
@@ -63,10 +64,19 @@ class AppState:
     job_lock_table: sa.Table
     in_process: ProcessJobs
     #: The app was given its own clock (``Idempotency(clock=...)``, as tests do):
-    #: it then also drives the job locks, which otherwise read the database's.
+    #: it then also drives the job locks, the jobs and the operator's commands,
+    #: which otherwise read the database's.
     custom_clock: bool = False
     #: Each route's settings (the app's, with the route's overrides), built once.
     route_settings: dict[t.Any, Settings] = dataclasses.field(default_factory=dict)
+
+    def now(self, conn: sa.Connection) -> dt.datetime:
+        """The time that coordinates processes, as the jobs and the operator's
+        commands judge leases and retention by it: the database's clock, read on
+        ``conn``, which every host shares (a host whose clock runs ahead cannot
+        see a live lease as over, or a record in its window as expired); the
+        app's own clock where it was given one (tests)."""
+        return self.clock() if self.custom_clock else database_now(conn)
 
 
 def resolve_app(app: Flask | None = None) -> Flask:

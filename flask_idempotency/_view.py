@@ -84,12 +84,15 @@ class ViewAPI:
         a key (a route that does not require one) there is nothing to resume:
         ``fn`` simply runs.
 
-        A result that is not JSON data cannot be saved, yet ``fn`` has run: the
+        A result that is not JSON data, or is larger than the database takes
+        in one statement (MySQL's ``max_allowed_packet``, SQLite's length
+        limit, PostgreSQL's 1 GB), cannot be saved, yet ``fn`` has run: the
         step is marked done without a result (no retry runs ``fn`` again), the
-        ``TypeError`` is logged at ERROR on the ``flask_idempotency`` logger,
-        and :class:`~flask_idempotency.errors.StepNotStoredError` (500
+        cause is logged at ERROR on the ``flask_idempotency`` logger, and
+        :class:`~flask_idempotency.errors.StepNotStoredError` (500
         ``step-not-stored``) is raised, for this request and every retry with
-        the key until an operator releases it (``--override recovery-points``).
+        the key until an operator releases it (``--override recovery-points``:
+        the retry then runs ``fn`` again) or it expires.
         """
         state = self._request_state()
         if state is None:

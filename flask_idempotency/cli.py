@@ -131,24 +131,33 @@ def stats() -> None:
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
-        numbers = state.store.stats(conn, state.clock())
+        now = state.now(conn)
+        numbers = state.store.stats(conn, now)
         has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
         if inbox.table_exists(conn):
-            numbers.update(inbox.stats(conn, state.clock()))
+            numbers.update(inbox.stats(conn, now))
     numbers["oldest_in_progress"] = _cli.iso(numbers["oldest_in_progress"])
     if has_outbox:
         numbers.update(outbox_stats(resolve_app()))
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 
-def _load(scope: str, key: str) -> t.Any:
+def _load_or_none(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
+    """The record (or ``None``), and the time to judge it at: the database's
+    (``state.now``), not this host's, whose clock may run ahead of the hosts
+    that hold leases."""
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
-        record = state.store.load(conn, scope, key)
+        return state.store.load(conn, scope, key), state.now(conn)
+
+
+def _load(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
+    """As :func:`_load_or_none`; no record is an error."""
+    record, now = _load_or_none(scope, key)
     if record is None:
         raise CommandError(f"no record for scope {scope!r} and key {key!r}")
-    return record
+    return record, now
 
 
 @_command("show")
@@ -156,7 +165,7 @@ def _load(scope: str, key: str) -> t.Any:
 @click.argument("key", callback=key_argument)
 def show(scope: str, key: str) -> None:
     """Print one record as JSON (the body as text when it is UTF-8)."""
-    record = _load(scope, key)
+    record, _ = _load(scope, key)
     body: str | None = None
     if record.response_body is not None:
         try:
@@ -225,10 +234,10 @@ def release(scope: str, key: str, yes: bool, overrides: tuple[str, ...]) -> None
     whose view committed work of its own (never). An expired record is
     released whatever it holds: requests already treat it as absent.
     """
-    record = _load(scope, key)
+    record, now = _load(scope, key)
     state = _cli.current_state()
     held = frozenset(Hold(value) for value in overrides)
-    verdict = release_verdict(record, state.clock(), held)
+    verdict = release_verdict(record, now, held)
     if not verdict.allowed:
         raise CommandError(f"not released: {verdict.reason}")
     if not yes:
@@ -242,22 +251,22 @@ def release(scope: str, key: str, yes: bool, overrides: tuple[str, ...]) -> None
         # Only the record shown, and only if the rule still lets it go: if it
         # completed, a step was saved, or a new operation took the key while
         # the operator read the prompt, it is left alone.
-        deleted = state.store.delete_releasable(conn, record, state.clock(), held)
+        deleted = state.store.delete_releasable(conn, record, state.now(conn), held)
     if deleted:
         _cli.report(f"released, {verdict.reason}" if verdict.overridden else "released")
         return
-    now = state.store.load_committed(state.db.engine, scope, key)
-    if now is None:
+    current, now = _load_or_none(scope, key)
+    if current is None:
         _cli.report("already gone")
         return
-    if now.fencing_token == record.fencing_token:
-        again = release_verdict(now, state.clock(), held)
+    if current.fencing_token == record.fencing_token:
+        again = release_verdict(current, now, held)
         if not again.allowed:
             raise CommandError(
                 f"the record changed while you confirmed; not released: {again.reason}"
             )
     raise CommandError(
-        f"the record changed while you confirmed (now {now.status}); nothing was "
+        f"the record changed while you confirmed (now {current.status}); nothing was "
         "released. Look again with 'show'."
     )
 
@@ -295,7 +304,7 @@ def list_records(key: str | None, scope_prefix: str | None, status: str | None, 
         records = state.store.find(
             conn, key=key, scope_prefix=scope_prefix, status=status, limit=limit
         )
-    now = state.clock()
+        now = state.now(conn)
     click.echo(
         json.dumps(
             [

@@ -243,10 +243,12 @@ class FailedAfterCommitError(ProblemError):
 
 class StepNotStoredError(ProblemError):
     """A step (``idem.step``) ran but its result could not be saved: it is not
-    JSON-serializable, a programming error of the view (500). The step is
-    marked done without a result, so no retry runs it again: every retry with
-    the key gets this answer until an operator releases the record
-    (``flask idempotency release --override recovery-points``) or it expires."""
+    JSON-serializable, or larger than the database takes, a programming error
+    of the view (500). The step is marked done without a result, so no retry
+    runs it again: every retry with the key gets this answer until an operator
+    releases the record (``flask idempotency release --override
+    recovery-points``, after which the retry runs the step again) or it
+    expires."""
 
     slug = "step-not-stored"
     title = "A step of the operation ran but its result could not be saved"

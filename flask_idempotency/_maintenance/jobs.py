@@ -118,17 +118,21 @@ def purge_expired(
             has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
         outbox = outbox_table(state.db.metadata)
 
-        def outbox_cutoff() -> dt.datetime:
-            return state.clock() - state.settings.outbox_retention
+        # Expiry is judged by the database's clock (state.now), read in each
+        # batch's transaction: a host whose clock runs ahead cannot purge a
+        # record still inside its retention window.
+        def outbox_cutoff(conn: sa.Connection) -> dt.datetime:
+            return state.now(conn) - state.settings.outbox_retention
 
         if dry_run:
             with engine.connect() as conn:
-                report.deleted = state.store.count_expired(conn, state.clock())
+                now = state.now(conn)
+                report.deleted = state.store.count_expired(conn, now)
                 if has_inbox:
-                    report.inbox_deleted = inbox.count_expired(conn, state.clock())
+                    report.inbox_deleted = inbox.count_expired(conn, now)
                 if has_outbox:
                     report.outbox_deleted = outbox_sql.count_purgeable(
-                        conn, outbox, outbox_cutoff()
+                        conn, outbox, outbox_cutoff(conn)
                     )
             return report
         # Where the previous batch ended (its latest expires_at): the next one
@@ -138,17 +142,17 @@ def purge_expired(
 
         def records() -> int:
             with engine.begin() as conn:
-                batch = state.store.purge_batch(conn, state.clock(), size, after=after[0])
+                batch = state.store.purge_batch(conn, state.now(conn), size, after=after[0])
             after[0] = batch.last
             return batch.rows
 
         def inbox_ids() -> int:
             with engine.begin() as conn:
-                return inbox.purge_batch(conn, state.clock(), size)
+                return inbox.purge_batch(conn, state.now(conn), size)
 
         def published() -> int:
             with engine.begin() as conn:
-                return outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(), size)
+                return outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(conn), size)
 
         report.deleted, report.batches, going = _in_batches(records, size, keep_going)
         if has_inbox and going:
@@ -243,8 +247,11 @@ def recover_abandoned(
     with app.app_context():
         state = app_state(app)
         engine = state.db.engine
+        # Leases are judged by the database's clock (state.now), read in each
+        # transaction: a host whose clock runs ahead cannot see a live lease as
+        # over and release an operation that is running.
         with engine.connect() as conn:
-            abandoned = state.store.find_abandoned(conn, state.clock(), limit)
+            abandoned = state.store.find_abandoned(conn, state.now(conn), limit)
         for record in abandoned:
             if not keep_going():
                 break
@@ -253,7 +260,7 @@ def recover_abandoned(
                 # completed with the answer the view's commit stored.
                 with engine.begin() as conn:
                     settled = state.store.settle_committed(
-                        conn, record.scope, record.key, record.fencing_token, state.clock()
+                        conn, record.scope, record.key, record.fencing_token, state.now(conn)
                     )
                 if settled:
                     report.completed += 1
@@ -277,7 +284,7 @@ def recover_abandoned(
                 )
                 # The rule every entry point follows (the CLI's release too):
                 # never a live lease, recovery points or a committed outcome.
-                now = state.clock()
+                now = state.now(conn)
                 released = (
                     current is not None
                     and release_verdict(current, now).allowed
@@ -288,7 +295,7 @@ def recover_abandoned(
             elif (
                 current is not None
                 and current.status == IN_PROGRESS
-                and not current.lease_live(state.clock())
+                and not current.lease_live(now)
             ):
                 # Left for the client's retry: finished steps, or derived keys
                 # handed out (a kept operation, see Flow._keep_operation).

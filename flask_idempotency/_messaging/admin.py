@@ -39,10 +39,11 @@ def purge_published(
         table = outbox_table(state.db.metadata)
         if older_than is None:
             older_than = state.settings.outbox_retention
-        cutoff = state.clock() - older_than
         total = 0
         while True:
             with state.db.engine.begin() as conn:
+                # The database's clock, as the cleanup job's (state.now).
+                cutoff = state.now(conn) - older_than
                 deleted = outbox_sql.purge_published_batch(conn, table, cutoff, batch)
             total += deleted
             if deleted < batch:

@@ -21,9 +21,12 @@ import json
 import logging
 import typing as t
 
+from sqlalchemy import exc as sa_exc
+
 from .. import signals
 from .._context import resolve_app
-from ..errors import LeaseLostError, StepNotStoredError
+from .._storage import is_unstored, unstored_mark
+from ..errors import LeaseLostError, StepNotStoredError, TooLargeToStore
 from .claim_guard import Claim
 
 if t.TYPE_CHECKING:
@@ -45,22 +48,32 @@ class RecoveryRun:
 
 logger = logging.getLogger("flask_idempotency")
 
-#: The recovery point of a step that ran but whose result could not be saved.
-UNSTORED = "flask_idempotency:result-not-stored"
 
-
-def _unstored(saved: t.Any) -> bool:
-    return isinstance(saved, dict) and len(saved) == 1 and UNSTORED in saved
-
-
-def _not_stored(name: str) -> StepNotStoredError:
+def _not_stored(state: RequestState, name: str) -> StepNotStoredError:
+    expires = _expiry(state)
+    until = f"it expires at {expires.isoformat()}" if expires is not None else "it expires"
     return StepNotStoredError(
         f"Step {name!r} of this operation ran, but the server could not save its result "
-        "(a programming error); the operation stopped there and will not run that step "
-        "again with this idempotency key. Retrying with the same key gives this answer "
-        "until the server is fixed; the step's effect may have happened: check the "
-        "resource's state before you start a new operation with a new key."
+        "(a programming error, or a result larger than the database takes); the "
+        "operation stopped there and will not run that step again with this idempotency "
+        "key. Retrying with the same key gives this answer until an operator releases "
+        f"the operation's record or {until}. The step's effect may have happened: check "
+        "the resource's state before you start a new operation with a new key."
     )
+
+
+def _expiry(state: RequestState) -> dt.datetime | None:
+    """When the operation's record expires, read on a connection of its own
+    (``None`` where that read fails: the answer goes out all the same)."""
+    flow = state.flow
+    if flow is None or state.scope is None or state.key is None:
+        return None
+    try:
+        with flow.session.get_bind().engine.connect() as conn:
+            record = flow.store.load(conn, state.scope, state.key, stored_request=False)
+    except sa_exc.SQLAlchemyError:
+        return None
+    return record.expires_at if record is not None else None
 
 
 def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
@@ -86,8 +99,8 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
         raise ValueError("a step needs a non-empty name")
     if name in state.recovery_points:
         saved = state.recovery_points[name]
-        if _unstored(saved):
-            raise _not_stored(name)
+        if is_unstored(saved):
+            raise _not_stored(state, name)
         logger.debug("step %r of %r already done; reusing its result", name, state.key)
         return t.cast(T, saved)
     _fenced(state, name, None)
@@ -95,30 +108,42 @@ def run_step(state: RequestState, name: str, fn: t.Callable[[], T]) -> T:
     try:
         saved = json.loads(json.dumps(result))
     except (TypeError, ValueError, RecursionError) as exc:
-        # fn ran: its side effect happened. A marker takes the result's place,
-        # so no retry runs fn again (the record keeps it, as any recovery
-        # point); the client gets a problem, the developer an error line.
-        logger.error(
-            "the result of step %r of %r in scope %r (a %s) is not JSON-serializable: "
-            "the step ran but nothing could be saved, so the key answers step-not-stored "
-            "until the view is fixed and the record released",
-            name,
-            state.key,
-            state.scope,
-            type(result).__name__,
-            exc_info=exc,
-        )
-        points = {**state.recovery_points, name: {UNSTORED: type(result).__name__}}
-        _fenced(state, name, points)
-        state.recovery_points = points
-        raise _not_stored(name) from exc
+        _mark_unstored(state, name, type(result).__name__, "is not JSON-serializable", exc)
+        raise _not_stored(state, name) from exc
     points = {**state.recovery_points, name: saved}
-    _fenced(state, name, points)
+    try:
+        _fenced(state, name, points)
+    except TooLargeToStore as exc:
+        _mark_unstored(state, name, "too large", f"is larger than the database takes ({exc})", exc)
+        raise _not_stored(state, name) from exc
     state.recovery_points = points
     signals.step_saved.send(
         resolve_app(), scope=state.scope, key=state.key, name=name, result=saved
     )
     return t.cast(T, saved)
+
+
+def _mark_unstored(
+    state: RequestState, name: str, why: str, problem: str, exc: BaseException
+) -> None:
+    """Save the mark of a step that ran but whose result cannot be saved.
+
+    ``fn`` ran: its side effect may have happened. The mark takes the result's
+    place, so no retry runs ``fn`` again (the record keeps it, as any recovery
+    point); the client gets a problem, the developer an error line."""
+    logger.error(
+        "the result of step %r of %r in scope %r %s: the step ran but its result could "
+        "not be saved, so the key answers step-not-stored until an operator releases "
+        "the record or it expires",
+        name,
+        state.key,
+        state.scope,
+        problem,
+        exc_info=exc,
+    )
+    points = {**state.recovery_points, name: unstored_mark(why)}
+    _fenced(state, name, points)
+    state.recovery_points = points
 
 
 def _fenced(state: RequestState, name: str, points: dict[str, t.Any] | None) -> None:

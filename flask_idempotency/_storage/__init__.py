@@ -52,9 +52,11 @@ from .schema import (
     Record,
     as_utc,
     inbox_table,
+    is_unstored,
     job_lock_table,
     outbox_table,
     record_table,
+    unstored_mark,
 )
 from .sql import (
     changed_one,
@@ -90,6 +92,7 @@ __all__ = [
     "dberrors",
     "idle_bound",
     "inbox_table",
+    "is_unstored",
     "job_lock_table",
     "new_fencing_token",
     "new_holder_id",
@@ -101,4 +104,5 @@ __all__ = [
     "release_verdict",
     "returning",
     "text_param",
+    "unstored_mark",
 ]

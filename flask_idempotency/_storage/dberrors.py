@@ -237,51 +237,61 @@ def privilege_refused(exc: BaseException) -> bool:
     return False
 
 
-# A table the statement names does not exist: PostgreSQL undefined_table
-# ('relation "t" does not exist'), MySQL/MariaDB ER_NO_SUCH_TABLE ("Table 'db.t'
-# doesn't exist"), SQLite "no such table: t". Each names the table, so the table
-# found missing is the one the database says, not one the statement mentions.
-_PG_UNDEFINED_TABLE = "42P01"
-_MYSQL_NO_SUCH_TABLE = 1146
-_MISSING_TABLE_NAME = {
-    "pg": re.compile(r'relation "([^"]+)" does not exist'),
-    "mysql": re.compile(r"Table '([^']+)' doesn't exist"),
-    "sqlite": re.compile(r"no such table: (\S+)"),
-}
+# A table missing (PostgreSQL undefined_table, MySQL ER_NO_SUCH_TABLE, SQLite): named in the text.
+_PG_UNDEFINED_TABLE, _MYSQL_NO_SUCH_TABLE = "42P01", 1146
+_MISSING_TABLE_NAME = re.compile(r"""relation "([^"]+)"|Table '([^']+)'|no such table: (\S+)""")
 
 
-def missing_table(exc: BaseException, tables: t.Iterable[str]) -> str | None:
-    """Which of ``tables`` the database says does not exist, or ``None``: the
-    error is another one, or the missing table is not among ``tables`` (a table
-    of the app's, whose absence is the app's own error).
+def missing_table(exc: BaseException, tables: t.Collection[str]) -> str | None:
+    """Which of ``tables`` (``schema.table`` matching ``table``) the database says is missing,
+    or ``None``. Not a :func:`classify` failure: no retry helps until someone creates it."""
+    orig = _driver_error(exc)
+    module, text = _module(orig), str(orig)
+    if not (
+        (module in _PG_MODULES and sqlstate(orig) == _PG_UNDEFINED_TABLE)
+        or (module in _MYSQL_MODULES and _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE)
+        or (module in _SQLITE_MODULES and "no such table" in text)
+    ):
+        return None
+    found = _MISSING_TABLE_NAME.search(text)
+    if found is None:  # a message in another language (lc_messages): the statement tells
+        named = [table for table in tables if names_table(exc, table)]
+        return named[0] if len(named) == 1 else None
+    name = next(group for group in found.groups() if group).rsplit(".", 1)[-1]
+    return name if name in tables else None
 
-    Not a :func:`classify` failure: no retry succeeds until someone creates the
-    table (``flask idempotency create-tables``, or the app's migrations). A
-    schema-qualified name (``schema.table``, ``db.table``) matches its table.
-    The code says the error's kind; the message which table (or, in a message
-    in another language, the failed statement, when it names one of ``tables``).
-    """
+
+# A value or statement larger than the database takes: PostgreSQL
+# program_limit_exceeded (a field over 1 GB), MySQL/MariaDB
+# ER_NET_PACKET_TOO_LARGE (a statement over max_allowed_packet, when the server
+# answers before it drops the connection), ER_WARN_ALLOWED_PACKET_OVERFLOWED,
+# ER_DATA_TOO_LONG (strict mode), SQLite SQLITE_TOOBIG ("string or blob too
+# big", over SQLITE_LIMIT_LENGTH).
+_PG_TOO_LARGE = "54000"
+_MYSQL_TOO_LARGE = {1153, 1301, 1406}
+_SQLITE_TOOBIG = 18
+_SQLITE_TOOBIG_TEXT = "string or blob too big"
+
+
+def too_large(exc: BaseException) -> bool:
+    """Whether the database refused a statement for the size of a value in it.
+
+    Not a :func:`classify` failure: the same value is refused again on every
+    retry. (MySQL/MariaDB mostly answer a statement over ``max_allowed_packet``
+    by dropping the connection, which reads as unavailable: the store checks
+    that size before it sends one.)"""
     orig = _driver_error(exc)
     module = _module(orig)
     if module in _PG_MODULES:
-        engine = "pg" if sqlstate(orig) == _PG_UNDEFINED_TABLE else None
-    elif module in _MYSQL_MODULES:
-        engine = "mysql" if _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE else None
-    elif module in _SQLITE_MODULES:
-        engine = "sqlite" if "no such table" in str(orig) else None
-    else:
-        engine = None
-    if engine is None:
-        return None
-    wanted = set(tables)
-    found = _MISSING_TABLE_NAME[engine].search(str(orig))
-    if found is None:
-        # A server that words its messages in another language (lc_messages):
-        # the statement names the table, when it names one of ours only.
-        named = [table for table in wanted if names_table(exc, table)]
-        return named[0] if len(named) == 1 else None
-    name = found.group(1).rsplit(".", 1)[-1]
-    return name if name in wanted else None
+        return sqlstate(orig) == _PG_TOO_LARGE
+    if module in _MYSQL_MODULES:
+        return _mysql_errno(orig) in _MYSQL_TOO_LARGE
+    if module in _SQLITE_MODULES:
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF == _SQLITE_TOOBIG
+        return _SQLITE_TOOBIG_TEXT in str(orig).lower()
+    return False
 
 
 def read_only(exc: BaseException) -> bool:

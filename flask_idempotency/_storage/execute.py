@@ -5,10 +5,15 @@ from __future__ import annotations
 import typing as t
 
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
+from ..errors import TooLargeToStore
 from . import drivers
-from .dialects import Executor, dialect_for
+from .dialects import Executor, dialect_for, dialect_of
 from .sql import changed_one
+
+# Room for the rest of a statement besides its one large value.
+_STATEMENT_MARGIN = 64 * 1024
 
 
 class Statements:
@@ -23,6 +28,23 @@ class Statements:
         self.table = table
         self._compiled = drivers.Compiled(table)
         self._returning_cache: dict[int, tuple[t.Any, t.Any]] = {}
+        # The largest statement, where the engine limits it: read once per engine.
+        self._statement_limits: dict[t.Any, int | None] = {}
+
+    def refuse_oversized(self, executor: Executor, size: int) -> None:
+        """Raise :class:`TooLargeToStore` when a statement that carries a value
+        of ``size`` bytes would exceed what the engine takes in one statement
+        (MySQL's ``max_allowed_packet``, which it answers by dropping the
+        connection: the refusal must come before the statement is sent)."""
+        dialect = dialect_of(executor)
+        if not dialect.limits_statement_size:
+            return
+        engine = executor.get_bind().engine if isinstance(executor, Session) else executor.engine
+        if engine not in self._statement_limits:
+            self._statement_limits[engine] = dialect.statement_limit(executor)
+        limit = self._statement_limits[engine]
+        if limit is not None and size + _STATEMENT_MARGIN > limit:
+            raise TooLargeToStore(f"{size} bytes, max_allowed_packet is {limit}")
 
     def _connection(self, executor: Executor) -> sa.Connection:
         """The connection under ``executor`` that holds the table, in the

@@ -13,6 +13,8 @@ import typing as t
 
 import sqlalchemy as sa
 
+from ..errors import TooLargeToStore
+from . import dberrors
 from .dialects import Executor, dialect_for, dialect_of
 from .execute import Statements
 from .schema import COMPLETED, IN_PROGRESS
@@ -252,12 +254,22 @@ class HeldRecord(Statements):
         locked_until: dt.datetime,
     ) -> bool:
         """Store the recovery points and renew the lease, fenced by ``token``;
-        ``False``: the lease was lost."""
-        values = {
-            "locked_until": locked_until,
-            "recovery_points": json.dumps(points, sort_keys=True, separators=(",", ":")),
-        }
-        return self._set_held(executor, scope, key, token, values)
+        ``False``: the lease was lost.
+
+        Raises :class:`TooLargeToStore` when the points are larger than the
+        database takes (checked before sending where the engine drops the
+        connection instead of answering; else the database's refusal,
+        :func:`.dberrors.too_large`): nothing was saved, the lease unchanged.
+        """
+        saved = json.dumps(points, sort_keys=True, separators=(",", ":"))
+        self.refuse_oversized(executor, len(saved.encode()))
+        values = {"locked_until": locked_until, "recovery_points": saved}
+        try:
+            return self._set_held(executor, scope, key, token, values)
+        except sa.exc.DBAPIError as exc:
+            if dberrors.too_large(exc):
+                raise TooLargeToStore(dberrors.summary(exc)) from exc
+            raise
 
     def _set_held(
         self, executor: Executor, scope: str, key: str, token: int, values: dict[str, t.Any]

@@ -107,11 +107,27 @@ class Hold(enum.Enum):
                 "longer store its answer or steps (it is answered lease-lost), and the "
                 "next retry runs the operation again"
             )
-        return (
+        given_up = (
             f"recovery-points ({len(record.recovery_points)} step(s) "
             f"{', '.join(sorted(record.recovery_points)) or 'none, derived keys handed out'}): "
             "the next retry starts the operation afresh with new derived keys"
         )
+        unstored = record.unstored_steps
+        if not unstored:
+            return given_up
+        # A step-not-stored record: the way out re-runs a step that did its work.
+        names = ", ".join(repr(name) for name in unstored)
+        if len(unstored) == 1:
+            ran = (
+                f"step {names} ran but its result was not stored: the retry runs it again, "
+                "though its effect already happened"
+            )
+        else:
+            ran = (
+                f"steps {names} ran but their results were not stored: the retry runs them "
+                "again, though their effects already happened"
+            )
+        return f"{given_up}; {ran} (a downstream sees a new derived key): check downstream first"
 
 
 #: The holds an operator may override by naming them; a committed outcome

@@ -26,7 +26,7 @@ run while another still holds the lock. (An app given its own clock,
 ``Idempotency(clock=...)``, as tests do, uses that one instead.) The caller
 may pass its own clock's reading: a difference of more than
 :data:`SKEW_WARNING` from the database's is logged once per holder, since
-the records' leases and retention do use the app's clock. A
+requests judge the records' leases and retention by the app's clock. A
 ``last_started_at`` more than ``every`` ahead of the database's clock (a
 failover to a server whose clock is behind) is ignored, so it cannot stop the
 job for longer than ``every``.
@@ -97,9 +97,9 @@ class JobLocks:
             if abs(skew) > SKEW_WARNING:
                 self._skew_told.add(holder)
                 logger.warning(
-                    "this host's clock is %.1f s %s the database's: job locks use the "
-                    "database's, but record leases and retention use this host's; sync "
-                    "the clocks (NTP)",
+                    "this host's clock is %.1f s %s the database's: the jobs and job "
+                    "locks use the database's, but requests judge record leases and "
+                    "retention by this host's; sync the clocks (NTP)",
                     abs(skew.total_seconds()),
                     "ahead of" if skew > dt.timedelta(0) else "behind",
                 )

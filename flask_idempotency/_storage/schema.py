@@ -180,6 +180,22 @@ def inbox_table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+#: The key of the recovery point of a step that ran but whose result could
+#: not be saved (not JSON data, or larger than the database takes).
+UNSTORED = "flask_idempotency:result-not-stored"
+
+
+def unstored_mark(why: str) -> dict[str, str]:
+    """The recovery point that takes the place of a step's result that could
+    not be saved: the step is done, no retry runs its function again."""
+    return {UNSTORED: why}
+
+
+def is_unstored(saved: t.Any) -> bool:
+    """Whether a step's recovery point is :func:`unstored_mark`'s."""
+    return isinstance(saved, dict) and len(saved) == 1 and UNSTORED in saved
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One row of ``idempotency_keys``, as read."""
@@ -213,6 +229,12 @@ class Record:
         that is the operation's outcome should the request never finish. The
         operation has happened: it may not run again, even after its lease."""
         return self.status == IN_PROGRESS and self.response_code is not None
+
+    @property
+    def unstored_steps(self) -> list[str]:
+        """The steps that ran but whose result could not be saved (each marked
+        done without a result, :func:`unstored_mark`), in name order."""
+        return sorted(name for name, saved in self.recovery_points.items() if is_unstored(saved))
 
     @property
     def recoverable(self) -> bool:

@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from ..errors import ClaimWaitExceeded, TooLargeToStore
+from ..errors import ClaimWaitExceeded
 from . import dberrors, drivers
 from .admin import OperatorQueries
 from .dialects import Executor, dialect_for, dialect_of
@@ -55,9 +55,6 @@ from .sql import (
 
 __all__ = ["Store"]
 
-# Room for the rest of the INSERT besides the stored request body.
-_STATEMENT_MARGIN = 64 * 1024
-
 
 class Store(HeldRecord, OperatorQueries):
     """Statements on one ``idempotency_keys`` table.
@@ -72,8 +69,6 @@ class Store(HeldRecord, OperatorQueries):
         #: ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``: on PostgreSQL, how long the server lets a
         #: transaction that holds a claim sit idle before it ends it.
         self.claim_idle = claim_idle
-        # The largest statement, where the engine limits it: read once per engine.
-        self._statement_limits: dict[t.Any, int | None] = {}
         c = table.c
         this_key = (c.scope == text_param("w_scope"), c.key == text_param("w_key"))
         this_record = {"scope": text_param("scope"), "key": text_param("key")}
@@ -229,17 +224,8 @@ class Store(HeldRecord, OperatorQueries):
         """Refuse a stored request larger than the engine takes in one statement
         (MySQL's ``max_allowed_packet``)."""
         body = values.get("request_body")
-        if not body:
-            return
-        dialect = dialect_of(executor)
-        if not dialect.limits_statement_size:
-            return
-        engine = executor.get_bind().engine if isinstance(executor, Session) else executor.engine
-        if engine not in self._statement_limits:
-            self._statement_limits[engine] = dialect.statement_limit(executor)
-        limit = self._statement_limits[engine]
-        if limit is not None and len(body) + _STATEMENT_MARGIN > limit:
-            raise TooLargeToStore(f"{len(body)} bytes, max_allowed_packet is {limit}")
+        if body:
+            self.refuse_oversized(executor, len(body))
 
     def load(
         self, executor: Executor, scope: str, key: str, *, stored_request: bool = True

@@ -5,9 +5,11 @@
   ``INSERT`` and ``DELETE``): whether the insert won is read back from the
   fencing token, and an ``UPDATE``'s outcome is the matched-row count the
   server sends with its result.
-* A duplicate's wait is bounded with ``innodb_lock_wait_timeout`` (whole
-  seconds). The variable is per connection, not per transaction: it is
-  restored even after a failure, or the pooled connection would keep our bound.
+* A duplicate's wait is bounded with ``innodb_lock_wait_timeout`` (row locks)
+  and ``lock_wait_timeout`` (a lock on the table: ``LOCK TABLES``, a
+  migration's ``ALTER TABLE``), in whole seconds. The variables are per
+  connection, not per transaction: they are restored even after a failure, or
+  the pooled connection would keep our bound.
 * The record is read with a locking read, so that a REPEATABLE READ snapshot
   taken earlier in the transaction cannot hide the winner's row.
 * Scope and key columns are VARBINARY (the default collations fold case and
@@ -35,13 +37,23 @@ from .. import dberrors
 from ..schema import as_utc
 from .base import Dialect, Executor, Verdict, millis, write_nothing
 
+# Both bounds: innodb_lock_wait_timeout for row locks, lock_wait_timeout for
+# metadata and table locks (LOCK TABLES, a migration's ALTER TABLE), whose
+# default is a day. Either gives up with ER_LOCK_WAIT_TIMEOUT (1205).
 _SET_WAIT = sa.text(
     "SET @flask_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, "
-    "SESSION innodb_lock_wait_timeout = :v"
+    "@flask_idempotency_table_wait = @@SESSION.lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = :v, SESSION lock_wait_timeout = :v"
 )
-_RESTORE_WAIT = sa.text("SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait")
+_RESTORE_WAIT = sa.text(
+    "SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait, "
+    "SESSION lock_wait_timeout = @flask_idempotency_table_wait"
+)
 _NOW = sa.text("SELECT UTC_TIMESTAMP(6)")
 _PACKET_LIMIT = sa.text("SELECT @@max_allowed_packet")
+#: How long the no-wait probe of a record waits for a lock on its table, where
+#: ``NOWAIT`` does not cover one (MySQL): the least the server takes.
+_PROBE_WAIT = dt.timedelta(seconds=1)
 
 
 class MySQL(Dialect):
@@ -87,16 +99,29 @@ class MySQL(Dialect):
     ) -> bool | None:
         """``FOR UPDATE NOWAIT`` (MySQL 8, MariaDB 10.3): its lock error at once
         when a transaction holds the row (a duplicate's uncommitted claim
-        included), since a lock wait timeout does not say what it waited on."""
+        included), since a lock wait timeout does not say what it waited on.
+
+        The same error comes when the table itself is locked (``LOCK TABLES``,
+        a migration's ``ALTER TABLE``), which is no duplicate: then the same
+        read with a ``WHERE`` that matches no row, which takes the table's lock
+        but no row's, fails too, and its error is raised (a probe that fails
+        says "not a duplicate"). MySQL's ``NOWAIT`` covers row locks only: a
+        lock on the table is waited for at most :data:`_PROBE_WAIT`."""
+        self.set_wait(conn, _PROBE_WAIT)
         try:
-            conn.execute(query.with_for_update(nowait=True), params)
-        except sa.exc.DBAPIError as exc:
-            conn.rollback()
-            if dberrors.classify(exc) is dberrors.CONFLICT:
+            try:
+                conn.execute(query.with_for_update(nowait=True), params)
+            except sa.exc.DBAPIError as exc:
+                conn.rollback()
+                if dberrors.classify(exc) is not dberrors.CONFLICT:
+                    raise
+                conn.execute(query.where(sa.false()).with_for_update(nowait=True), params)
+                conn.rollback()
                 return True
-            raise
-        conn.rollback()
-        return False
+            conn.rollback()
+            return False
+        finally:
+            self.restore_wait(conn, None, failed=False)
 
     def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
         executor.execute(_SET_WAIT, {"v": max(1, math.ceil(millis(wait) / 1000))})

@@ -3,12 +3,14 @@ writer's lock is the database's 409 ``transaction-conflict``, never 409
 ``request-in-progress`` ("another request with this key is still running"),
 which is for a running duplicate only. On every engine: PostgreSQL (both
 drivers: a table lock, as a migration takes), SQLite (a writer holding the
-database's one write lock), MariaDB (a gap lock on the record table).
+database's one write lock), MariaDB (a gap lock on the record table, and a
+lock on the table itself).
 """
 
 from __future__ import annotations
 
 import sqlite3
+import threading
 import typing as t
 
 import pytest
@@ -81,6 +83,48 @@ def test_a_new_key_behind_an_unrelated_writer_is_a_transaction_conflict(
     assert record_rows(app) == []
     assert ledger_count(app, "held") == 0
     # The database free again, the same key runs, once.
+    assert post(app.test_client(), "/held", {}, "never-used-before").status_code == 201
+    assert ledger_count(app, "held") == 1
+
+
+def test_a_claim_behind_a_lock_on_the_record_table_is_bounded_on_mariadb(
+    database_url: str,
+) -> None:
+    """MariaDB/MySQL: a lock on the record table itself (``LOCK TABLES``, a
+    migration's ``ALTER TABLE``: a metadata lock) is waited for
+    ``lock_wait_timeout`` (a day by default), not ``innodb_lock_wait_timeout``:
+    the claim bounds both with ``IDEMPOTENCY_WAIT``, and the no-wait probe does
+    not take the table's lock for a duplicate's. The lock is held until the
+    claim is answered (30 s at most): a claim that waited for it would have
+    run, and been answered 201."""
+    if not database_url.startswith("mysql"):
+        pytest.skip("MariaDB/MySQL's metadata locks")
+    app, _ = slow_app(database_url, IDEMPOTENCY_WAIT=0.5)
+    holding, answered = threading.Event(), threading.Event()
+
+    def migration() -> None:
+        engine = sa.create_engine(database_url)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("LOCK TABLES idempotency_keys WRITE"))
+                holding.set()
+                answered.wait(30)
+                conn.execute(sa.text("UNLOCK TABLES"))
+        finally:
+            engine.dispose()
+
+    holder = threading.Thread(target=migration)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        answer = post(app.test_client(), "/held", {}, "never-used-before")
+    finally:
+        answered.set()
+        holder.join()
+    assert problem(answer, 409)["type"].endswith("transaction-conflict")
+    assert answer.headers["Retry-After"] == "1"
+    assert record_rows(app) == []
+    assert ledger_count(app, "held") == 0
     assert post(app.test_client(), "/held", {}, "never-used-before").status_code == 201
     assert ledger_count(app, "held") == 1
 

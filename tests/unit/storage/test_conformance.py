@@ -340,7 +340,9 @@ def _wait_setting(impl: Impl, conn: sa.Connection) -> t.Any:
     if impl.dialect is PostgreSQL:
         return conn.execute(sa.text("SHOW lock_timeout")).scalar_one()
     if impl.dialect is MySQL:
-        return conn.execute(sa.text("SELECT @@SESSION.innodb_lock_wait_timeout")).scalar_one()
+        # Row locks' bound and the table's (metadata locks: LOCK TABLES, ALTER TABLE).
+        bounds = "SELECT @@SESSION.innodb_lock_wait_timeout, @@SESSION.lock_wait_timeout"
+        return tuple(conn.execute(sa.text(bounds)).one())
     return conn.exec_driver_sql("PRAGMA busy_timeout").scalar_one()
 
 
