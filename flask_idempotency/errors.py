@@ -13,7 +13,8 @@ Every error of the extension is an :class:`IdempotencyError`::
     |   |   ValidationProblem, KeyReusedError, NothingToRecoverError (4xx)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
-    |   +-- FailedAfterCommitError, StepNotStoredError, DatabaseUnavailableError (5xx)
+    |   +-- FailedAfterCommitError, StepNotStoredError, DatabaseUnavailableError,
+    |       ServerMisconfiguredError (5xx)
     +-- EventIdConflictError: an outbox event id already names another event
     +-- BrokerUnavailable: a publisher cannot reach the broker (the relay retries)
     +-- StalledMessage: one event's publish stalled again and again (its failure)
@@ -50,6 +51,7 @@ __all__ = [
     "NothingToRecoverError",
     "PayloadTooLargeError",
     "ProblemError",
+    "ServerMisconfiguredError",
     "StalledMessage",
     "StepNotStoredError",
     "TransactionConflictError",
@@ -287,6 +289,18 @@ class DatabaseUnavailableError(ProblemError):
             detail, extra=extra, headers={**(headers or {}), "Retry-After": str(seconds)}
         )
         self.retry_after = seconds
+
+
+class ServerMisconfiguredError(ProblemError):
+    """The server is not set up to run the request (500): a table of the
+    extension's is missing (``flask idempotency create-tables`` or the app's
+    migrations were never run against this database). Nothing ran and nothing was
+    stored. No ``Retry-After``: waiting does not help until an operator acts; a
+    retry with the same key, once they have, is safe."""
+
+    slug = "server-misconfigured"
+    title = "The server is misconfigured"
+    code = 500
 
 
 class EventIdConflictError(IdempotencyError):

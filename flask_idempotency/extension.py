@@ -319,7 +319,8 @@ class Idempotency(ViewAPI):
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
         ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"forbidden"``
         (the app's role may not write the table: a GRANT missing),
-        ``"conflict"`` or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
+        ``"missing_table"`` (the record's table does not exist), ``"conflict"``
+        or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
         ``duration_ms`` (or ``running_ms`` while the probe is still running),
         ``error`` (the exception's class name) when it failed and ``reason``
         (fixed words naming the setting) when the database is read-only. Call

@@ -59,7 +59,8 @@ class _Probe:
     started: float  # time.monotonic()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
-    outcome: str = "running"  # "ok", a dberrors.Failure value, "read_only", "forbidden" or "error"
+    # "ok", a dberrors.Failure value, "read_only", "forbidden", "missing_table" or "error"
+    outcome: str = "running"
     error: str | None = None
     reason: str | None = None  # why a read-only database refuses writes
     duration: float = 0.0
@@ -135,6 +136,8 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
             probe.outcome, probe.reason = "read_only", reason
         elif dberrors.privilege_refused(exc):  # the write check, as a claim would be
             probe.outcome = "forbidden"
+        elif dberrors.missing_table(exc, (table.name,)) is not None:
+            probe.outcome = "missing_table"  # create-tables or the migrations never ran
         else:
             failure = dberrors.classify(exc)
             probe.outcome = failure.value if failure is not None else "error"

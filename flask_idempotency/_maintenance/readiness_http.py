@@ -36,6 +36,12 @@ def not_ready_detail(details: Details) -> str:
             "missing); every idempotent request would fail here: take this host out "
             "of rotation."
         )
+    if details.get("database") == "missing_table":
+        return (
+            "The record's table is missing from the database (run 'flask idempotency "
+            "create-tables' or the migrations); every idempotent request would fail "
+            "here: take this host out of rotation."
+        )
     if details.get("database") == "read_only":
         return (
             "The record's database does not accept writes (it is read-only); every "

@@ -19,7 +19,8 @@ from .. import _config
 from .. import _telemetry as telemetry
 from .._context import app_state
 from .._storage import dberrors
-from ..errors import ProblemError
+from .._storage.schema import OUTBOX_TABLE_NAME
+from ..errors import ProblemError, ServerMisconfiguredError
 from ..keys import resolve_key_format, resolve_key_max_length
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Flow
@@ -152,7 +153,9 @@ def protect(view: F, route: RouteOptions) -> F:
             # Wraps the whole flow (claim, view, completion, replay, the
             # no-key path): a database outage or a lock conflict anywhere
             # answers a retryable problem, never an HTML 500.
-            problem = database_problem(exc, state.db.session, state.store.table.name)
+            problem = database_problem(
+                exc, state.db.session, state.store.table.name, OUTBOX_TABLE_NAME
+            )
             if problem is None:
                 observed.fail(exc)
                 raise
@@ -217,25 +220,43 @@ def unprotected_methods(app: Flask) -> list[str]:
     return found
 
 
-def database_problem(exc: Exception, session: t.Any, records: str) -> ProblemError | None:
+def database_problem(
+    exc: Exception, session: t.Any, records: str, *others: str
+) -> ProblemError | None:
     """The problem to answer for a database failure, or ``None`` for any other error.
 
     A privilege refused on the record's table (``records``: a GRANT missing for
     the claim, the lease renewal, the completion) is this host's outage, as
     readiness says ("forbidden"); refused on a table of the app's, the app's
-    own error. Rolls ``session`` back first (a failure of that rollback is
-    expected when the connection is gone, and ignored) and logs ``exc`` once.
+    own error. The record's table, or one of ``others`` (the extension's other
+    tables a request writes: the outbox), missing answers 500
+    ``server-misconfigured``, logged at ERROR with the command that creates it;
+    a table of the app's missing is the app's own error. Rolls ``session`` back
+    first (a failure of that rollback is expected when the connection is gone,
+    and ignored) and logs ``exc`` once.
     """
+    missing = dberrors.missing_table(exc, (records, *others))
+    if missing is not None:
+        _roll_back(session)
+        logger.error(
+            "%s %s answered 500: the table %s is missing from the database: run "
+            "'flask idempotency create-tables' or the app's migrations",
+            request.method,
+            request.path,
+            missing,
+        )
+        return ServerMisconfiguredError(
+            "The server is not set up to store this request's outcome (a table is "
+            "missing): its transaction was rolled back and nothing was stored. Retry "
+            "with the same Idempotency-Key once the service's operators have fixed it."
+        )
     failure = dberrors.classify(exc)
     if failure is None and dberrors.privilege_refused(exc) and dberrors.names_table(exc, records):
         failure = dberrors.UNAVAILABLE
     if failure is None:
         return None
     problem = dberrors.problem_for(failure, exc)
-    try:
-        session.rollback()
-    except Exception:  # the connection is already broken; the original error matters
-        logger.debug("rollback after a database failure failed too", exc_info=True)
+    _roll_back(session)
     logger.warning(
         "%s %s answered %d: database %s: %s",
         request.method,
@@ -245,3 +266,10 @@ def database_problem(exc: Exception, session: t.Any, records: str) -> ProblemErr
         dberrors.summary(exc),
     )
     return problem
+
+
+def _roll_back(session: t.Any) -> None:
+    try:
+        session.rollback()
+    except Exception:  # the connection is already broken; the original error matters
+        logger.debug("rollback after a database failure failed too", exc_info=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import re
+import typing as t
 
 from sqlalchemy import exc as sa_exc
 
@@ -233,6 +235,30 @@ def privilege_refused(exc: BaseException) -> bool:
     if module in _MYSQL_MODULES:
         return _mysql_errno(orig) in _MYSQL_PRIVILEGE
     return False
+
+
+# A table missing (PostgreSQL undefined_table, MySQL ER_NO_SUCH_TABLE, SQLite): named in the text.
+_PG_UNDEFINED_TABLE, _MYSQL_NO_SUCH_TABLE = "42P01", 1146
+_MISSING_TABLE_NAME = re.compile(r"""relation "([^"]+)"|Table '([^']+)'|no such table: (\S+)""")
+
+
+def missing_table(exc: BaseException, tables: t.Collection[str]) -> str | None:
+    """Which of ``tables`` (``schema.table`` matching ``table``) the database says is missing,
+    or ``None``. Not a :func:`classify` failure: no retry helps until someone creates it."""
+    orig = _driver_error(exc)
+    module, text = _module(orig), str(orig)
+    if not (
+        (module in _PG_MODULES and sqlstate(orig) == _PG_UNDEFINED_TABLE)
+        or (module in _MYSQL_MODULES and _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE)
+        or (module in _SQLITE_MODULES and "no such table" in text)
+    ):
+        return None
+    found = _MISSING_TABLE_NAME.search(text)
+    if found is None:  # a message in another language (lc_messages): the statement tells
+        named = [table for table in tables if names_table(exc, table)]
+        return named[0] if len(named) == 1 else None
+    name = next(group for group in found.groups() if group).rsplit(".", 1)[-1]
+    return name if name in tables else None
 
 
 # A value or statement larger than the database takes: PostgreSQL

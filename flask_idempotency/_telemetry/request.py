@@ -27,6 +27,7 @@ from ..errors import (
     MalformedBodyError,
     MissingKeyError,
     PayloadTooLargeError,
+    ServerMisconfiguredError,
     TransactionConflictError,
     UnsupportedMediaTypeError,
     ValidationProblem,
@@ -65,6 +66,8 @@ FAILED = "failed"
 FAILED_AFTER_COMMIT = "failed_after_commit"
 #: No key on a route that does not require one (or ``skip`` said so): run unprotected.
 PASSED_THROUGH = "passed_through"
+#: 500 ``server-misconfigured``: a table of the extension's is missing. Nothing stored.
+MISCONFIGURED = "misconfigured"
 
 OUTCOMES = (
     EXECUTED,
@@ -80,6 +83,7 @@ OUTCOMES = (
     FAILED,
     FAILED_AFTER_COMMIT,
     PASSED_THROUGH,
+    MISCONFIGURED,
 )
 #: ``idempotency.key_refusal``, with ``key_refused`` only.
 KEY_REFUSALS = ("missing", "malformed", "too_long")
@@ -87,7 +91,7 @@ KEY_REFUSALS = ("missing", "malformed", "too_long")
 _REPLAYS = frozenset({REPLAYED, WAITED_REPLAYED})
 #: Outcomes logged at WARNING: this side failed. The rest (the client's
 #: mistakes and duplicates included) at INFO.
-_WARNINGS = frozenset({UNAVAILABLE, BUSY, LEASE_LOST, FAILED, FAILED_AFTER_COMMIT})
+_WARNINGS = frozenset({UNAVAILABLE, BUSY, LEASE_LOST, FAILED, FAILED_AFTER_COMMIT, MISCONFIGURED})
 
 _INVALID_PAYLOAD = (
     MalformedBodyError,
@@ -118,6 +122,8 @@ def outcome_of(error: BaseException) -> tuple[str, str | None]:
         return UNAVAILABLE, None
     if isinstance(error, FailedAfterCommitError):
         return FAILED_AFTER_COMMIT, None
+    if isinstance(error, ServerMisconfiguredError):
+        return MISCONFIGURED, None
     return FAILED, None
 
 

@@ -124,9 +124,31 @@ def test_the_page_shows_the_files_the_tests_use() -> None:
     assert "```{literalinclude} examples/prometheus/idempotency-rules.yml\n" in page
 
 
+def test_every_range_holds_five_scrapes_at_a_one_minute_scrape_interval() -> None:
+    """rate() and increase() need two samples in their window: at Prometheus' default
+    1-minute scrape, a window of a minute or two holds one when the evaluation falls
+    between scrapes. Every range and offset of the rules and of the dashboard's page is
+    at least 5 minutes, and the unit tests scrape every minute and evaluate between
+    the scrapes."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    texts = [RULES.read_text(encoding="utf-8"), *dashboard_queries()]
+    ranges = [
+        (text, amount, unit)
+        for text in texts
+        for amount, unit in re.findall(r"(?:\[|offset )(\d+)([smhd])\b", text)
+    ]
+    assert len(ranges) > 40
+    short = [(amount + unit) for _, amount, unit in ranges if int(amount) * units[unit] < 300]
+    assert short == []
+    tests = yaml.safe_load(RULES_TESTS.read_text(encoding="utf-8"))
+    assert tests["evaluation_interval"] == "15s"
+    assert {case["interval"] for case in tests["tests"]} == {"1m"}
+
+
 def test_the_job_alerts_windows_are_three_intervals_of_the_defaults() -> None:
-    """IdempotencyJobNotRunning looks back 3 default intervals of each job (at least a
-    minute: a few scrape intervals), so a change of a default shows here."""
+    """IdempotencyJobNotRunning looks back 3 default intervals of each job (at least 5
+    minutes: 5 scrapes at a 1-minute scrape interval), so a change of a default shows
+    here."""
     from datetime import timedelta
 
     from flask_idempotency import config
@@ -146,5 +168,5 @@ def test_the_job_alerts_windows_are_three_intervals_of_the_defaults() -> None:
             windows[job] = timedelta(minutes=int(window))
     assert windows.keys() == every.keys()
     for job, interval in every.items():
-        wanted = max(3 * interval, timedelta(minutes=1))
+        wanted = max(3 * interval, timedelta(minutes=5))
         assert wanted <= windows[job] < wanted + timedelta(minutes=1), job

@@ -148,6 +148,7 @@ PUBLIC: dict[str, set[str]] = {
         "PROBLEM_TYPE_BASE",
         "PayloadTooLargeError",
         "ProblemError",
+        "ServerMisconfiguredError",
         "StalledMessage",
         "StepNotStoredError",
         "TransactionConflictError",

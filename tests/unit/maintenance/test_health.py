@@ -101,7 +101,8 @@ def test_not_ready_without_the_record_table(database_url: str) -> None:
         assert problem["type"].endswith("/database-unavailable")
         assert problem["status"] == 503
         assert problem["ready"] is False
-        assert problem["database"] == "error"
+        assert problem["database"] == "missing_table"
+        assert "flask idempotency create-tables" in problem["detail"]
         assert problem["error"] in ("ProgrammingError", "OperationalError")  # PG, SQLite
         assert int(response.headers["Retry-After"]) >= 1
         assert response.headers["Cache-Control"] == "no-store"
