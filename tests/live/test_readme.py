@@ -118,7 +118,19 @@ def quickstart(tmp_path: Path) -> Path:
 
 
 def test_every_block_is_python_sh_or_json() -> None:
-    assert {lang for _, _, lang, _ in blocks()} <= {"python", "sh", "json"}
+    # Each other language has its check: promql and yaml (the monitoring page's
+    # dashboard and scrape configuration) in tests/unit/test_monitoring.py, sql
+    # (tracing's ALTER for an older outbox) in tests/unit/test_tracing.py; text
+    # is a drawing (a trace's spans), no code.
+    assert {lang for _, _, lang, _ in blocks()} <= {
+        "python",
+        "sh",
+        "json",
+        "promql",
+        "yaml",
+        "sql",
+        "text",
+    }
     assert len(blocks("python", [README])) >= 2
     assert len(blocks("python", PAGES)) >= 10
 
@@ -282,10 +294,10 @@ def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
     sh(f'{sys.executable} -c "{make}"', shop, {"PYTHONPATH": str(shop)})
     out = sh(block_with("sh", "idempotency show"), shop, {"PYTHONPATH": str(shop)})
     assert '"scope": "user:alice"' in out
-    assert "released" in out
+    # The newest of the key's scopes (bob's) was found; completed, it is refused.
+    assert "release: exit 1" in out
     remaining = sh("flask --app shop idempotency list --key order-42", shop)
-    # The newest of the key's scopes (bob's) was the one released.
-    assert [r["scope"] for r in json.loads(remaining)] == ["user:alice"]
+    assert [r["scope"] for r in json.loads(remaining)] == ["user:bob", "user:alice"]
 
 
 def test_exit_code_block_against_the_quickstart(tmp_path: Path) -> None:
@@ -332,7 +344,10 @@ def test_migration_block(tmp_path: Path) -> None:
 
 def test_jobs_block_starts_the_web_app_and_the_scheduler(tmp_path: Path) -> None:
     shop = quickstart(tmp_path)
-    web, jobs = (line.split("#")[0].strip() for line in block_with("sh", "gunicorn").splitlines())
+    web, jobs = (
+        line.split("#")[0].strip()
+        for line in block_with("sh", "idempotency scheduler").splitlines()
+    )
     sh(web.replace("gunicorn", "gunicorn --check-config", 1), shop, {"PYTHONPATH": str(shop)})
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(shop)}
     proc = subprocess.Popen(

@@ -317,8 +317,10 @@ def test_an_outbox_from_before_traces_works_without_its_column_until_it_is_added
         engine = outbox_app.db.engine
         table = outbox_table(outbox_app.db.metadata)
         alter = add_trace_context_sql(engine.dialect, table)
-        with engine.begin() as conn:
-            conn.execute(sa.text("ALTER TABLE idempotency_outbox DROP COLUMN trace_context"))
+    # The statement docs/tracing.md tells an operator to run is the one run here.
+    assert f"{alter};" in (ROOT / "docs" / "tracing.md").read_text(encoding="utf-8")
+    with app.app_context(), engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE idempotency_outbox DROP COLUMN trace_context"))
     with sdk_tracing() as (provider, _), caplog.at_level("WARNING", "flask_idempotency"):
         with provider.get_tracer("test").start_as_current_span("request"):
             assert post(app, key="k1").status_code == 201
