@@ -429,7 +429,7 @@ def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]
     """The example app in a subprocess, on PostgreSQL through the proxy."""
     from example_app import app as example
 
-    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
+    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url, **pgbouncer.declared(pg_url)})
     with scratch.app_context():
         example.db.drop_all()
         example.db.create_all()
