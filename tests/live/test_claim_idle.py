@@ -203,12 +203,15 @@ def test_a_stricter_server_setting_is_kept(
 
 def _idle_claim_pids(url: str, since: float) -> list[int]:
     """Backends of this database idle in a transaction whose last statement wrote
-    the test app's ledger (the frozen server's view, paused after its write)."""
+    the test app's ledger (the frozen server's view, paused after its write).
+    Behind the pooler the server connection may be older than the test (PgBouncer
+    reuses it): its transaction is not."""
+    began = "xact_start" if pgbouncer.is_pooled(url) else "backend_start"
     rows = run_sql(
         url,
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
         "AND state = 'idle in transaction' AND query ILIKE '%ledger%' "
-        "AND backend_start >= to_timestamp(:since)",
+        f"AND {began} >= to_timestamp(:since)",
         since=since,
     )
     return [int(r[0]) for r in rows]
