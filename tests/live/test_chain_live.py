@@ -231,9 +231,20 @@ def start_chain(
 def relay_and_consumer(dbs: dict[str, str], broker: Broker) -> t.Iterator[tuple[Flask, Flask]]:
     """The order service's app (to run its relay) and the shipping service's app
     (to consume), in this process; their connections closed afterwards."""
-    orders_app = orders.create_app({"SQLALCHEMY_DATABASE_URI": dbs["orders"], **broker.config()})
+    # Behind the suite's PgBouncer: the pooler declared, as the example's docs say.
+    orders_app = orders.create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": dbs["orders"],
+            **broker.config(),
+            **pgbouncer.declared(dbs["orders"]),
+        }
+    )
     shipping_app = shipping.create_app(
-        {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
+        {
+            "SQLALCHEMY_DATABASE_URI": dbs["shipping"],
+            **broker.config(),
+            **pgbouncer.declared(dbs["shipping"]),
+        }
     )
     try:
         yield orders_app, shipping_app
