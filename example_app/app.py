@@ -141,7 +141,24 @@ class PaymentSchema(AmountSchema):
     )
 
 
-def engine_options(database_url: str) -> dict[str, t.Any]:
+#: The server-side bound on each statement (ms): above IDEMPOTENCY_WAIT (10 s), so
+#: a duplicate waiting for the first request still gets its 409 or replay, not a
+#: cancel.
+STATEMENT_TIMEOUT_MS = 15_000
+
+
+def behind_transaction_pooler(app: Flask) -> bool:
+    """Whether the app's PostgreSQL is reached through a transaction pooler
+    (PgBouncer's ``pool_mode = transaction``): ``IDEMPOTENCY_DATABASE_POOLER`` in
+    the config, else ``EXAMPLE_DATABASE_POOLER`` from the environment (the same
+    values: ``transaction``, ``transaction+prepared``, ``session``)."""
+    if not app.config.get("IDEMPOTENCY_DATABASE_POOLER"):
+        app.config["IDEMPOTENCY_DATABASE_POOLER"] = os.environ.get("EXAMPLE_DATABASE_POOLER")
+    pooler = str(app.config["IDEMPOTENCY_DATABASE_POOLER"] or "").strip().lower()
+    return pooler.startswith("transaction")
+
+
+def engine_options(database_url: str, pooler: str | None = None) -> dict[str, t.Any]:
     """Engine settings that fail fast when the database is unreachable.
 
     Without them, a host cut off from its database hangs each request until the
@@ -151,37 +168,48 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
     driver for: ``postgresql+psycopg2://`` (``[postgresql]``),
     ``postgresql+psycopg://`` (``[psycopg]``), ``mysql+pymysql://``
     (``[mysql]``); another driver gets the pool settings only.
+
+    ``pooler`` is ``IDEMPOTENCY_DATABASE_POOLER``. Behind a transaction pooler
+    the server's settings are not sent with the connection (PgBouncer refuses a
+    connection's ``options``, and a server connection is shared): the statement
+    timeout is set in each transaction instead (:func:`init_database`), and the
+    pooler keeps its own connections to the server alive. psycopg 3 then
+    prepares no statement (``prepare_threshold=None``), which a pooler that does
+    not track them (``"transaction"``) would mix up between clients.
     """
     url = sa.engine.make_url(database_url)
     backend, driver = url.get_backend_name(), url.get_driver_name()
     if backend == "postgresql" and driver in ("psycopg2", "psycopg"):  # libpq parameters
-        # connect_args' options replace the URL's: keep those (a search_path, say).
-        given = url.query.get("options", "")
-        options = given if isinstance(given, str) else " ".join(given)
+        connect_args: dict[str, t.Any] = {
+            "connect_timeout": 2,  # seconds to connect and log in (libpq's least)
+            # A silent database: these end the wait, not a slow query (whose
+            # server still acknowledges and answers probes).
+            "tcp_user_timeout": 2_000,  # ms: sent data unacknowledged -> dead
+            "keepalives": 1,  # awaiting a reply: probe the peer
+            "keepalives_idle": 1,  # after 1 s of silence,
+            "keepalives_interval": 1,  # then every 1 s;
+            "keepalives_count": 2,  # dead when unanswered (tcp_user_timeout caps it)
+        }
+        mode = (pooler or "").strip().lower()
+        if not mode.startswith("transaction"):
+            # connect_args' options replace the URL's: keep those (a search_path, say).
+            given = url.query.get("options", "")
+            options = given if isinstance(given, str) else " ".join(given)
+            # The tcp_ settings are the server's side of the connection: it
+            # drops a session whose host went silent (cut off, powered off)
+            # within about 5 s, and with it whatever that session held; a live
+            # host's kernel answers the probes.
+            connect_args["options"] = (
+                f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS} -c tcp_keepalives_idle=2"
+                " -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3"
+                " -c tcp_user_timeout=5000"
+            ).strip()
+        elif mode == "transaction" and driver == "psycopg":
+            connect_args["prepare_threshold"] = None
         return {
             "pool_pre_ping": True,  # replace connections that died while pooled
             "pool_timeout": 5,  # wait at most 5 s for a pooled connection
-            "connect_args": {
-                "connect_timeout": 2,  # seconds to connect and log in (libpq's least)
-                # A silent database: these end the wait, not a slow query (whose
-                # server still acknowledges and answers probes).
-                "tcp_user_timeout": 2_000,  # ms: sent data unacknowledged -> dead
-                "keepalives": 1,  # awaiting a reply: probe the peer
-                "keepalives_idle": 1,  # after 1 s of silence,
-                "keepalives_interval": 1,  # then every 1 s;
-                "keepalives_count": 2,  # dead when unanswered (tcp_user_timeout caps it)
-                # statement_timeout: above IDEMPOTENCY_WAIT (10 s), so a duplicate
-                # waiting for the first request still gets its 409 or replay, not a
-                # cancel. The tcp_ settings are the server's side of the
-                # connection: it drops a session whose host went silent (cut off,
-                # powered off) within about 5 s, and with it whatever that
-                # session held; a live host's kernel answers the probes.
-                "options": (
-                    f"{options} -c statement_timeout=15000 -c tcp_keepalives_idle=2"
-                    " -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3"
-                    " -c tcp_user_timeout=5000"
-                ).strip(),
-            },
+            "connect_args": connect_args,
         }
     if backend in ("mysql", "mariadb") and driver in ("pymysql", "mysqldb"):
         return {
@@ -192,6 +220,31 @@ def engine_options(database_url: str) -> dict[str, t.Any]:
     if backend != "sqlite":
         return {"pool_pre_ping": True, "pool_timeout": 5}
     return {}
+
+
+def init_database(app: Flask, db: SQLAlchemy) -> None:
+    """``db.init_app`` with :func:`engine_options` (``SQLALCHEMY_ENGINE_OPTIONS`` in
+    the config added, and winning). Behind a transaction pooler on PostgreSQL,
+    each transaction begins with its statement timeout
+    (``set_config(..., true)``, ``SET LOCAL``: it ends with the transaction, so
+    the next client of that server connection never sees it)."""
+    url = app.config["SQLALCHEMY_DATABASE_URI"]
+    pooled = behind_transaction_pooler(app)
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+        **engine_options(url, app.config["IDEMPOTENCY_DATABASE_POOLER"]),
+        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
+    }
+    db.init_app(app)
+    if not pooled or sa.engine.make_url(url).get_backend_name() != "postgresql":
+        return
+    with app.app_context():
+        engine = db.engine
+
+    @sa.event.listens_for(engine, "begin")
+    def bound_statements(conn: sa.Connection) -> None:
+        conn.exec_driver_sql(
+            f"SELECT set_config('statement_timeout', '{STATEMENT_TIMEOUT_MS}', true)"
+        )
 
 
 def create_tables(app: Flask, db: SQLAlchemy) -> None:
@@ -215,7 +268,9 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     """Build the app. ``config`` overrides; the database comes from
     ``EXAMPLE_DATABASE_URL`` (with its driver: ``postgresql+psycopg2://user@host/db``,
     ``postgresql+psycopg://...``, ``mysql+pymysql://...``) or defaults to SQLite
-    in the instance folder.
+    in the instance folder. Behind a transaction pooler, set
+    ``EXAMPLE_DATABASE_POOLER=transaction`` (or ``IDEMPOTENCY_DATABASE_POOLER``
+    in ``config``).
     ``SQLALCHEMY_ENGINE_OPTIONS`` in ``config`` are added to (and win over)
     :func:`engine_options`."""
     app = Flask(__name__)
@@ -230,11 +285,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     if config:
         app.config.update(config)
-    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
-        **engine_options(app.config["SQLALCHEMY_DATABASE_URI"]),
-        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
-    }
-    db.init_app(app)
+    init_database(app, db)
     idem.init_app(app, db)
     app.register_blueprint(bp)
     # Every HTTP error as problem+json (401 from merchant(), 404, 405, 413...).

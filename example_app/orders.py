@@ -41,8 +41,8 @@ from .app import (
     ID_MAX,
     AmountSchema,
     create_tables,
-    engine_options,
     http_problem,
+    init_database,
     problem,
 )
 
@@ -205,7 +205,9 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     driver, as ``postgresql+psycopg2://user@host/orders``), the payments service
     ``EXAMPLE_PAYMENTS_URL`` (default ``http://127.0.0.1:5000``), where it calls as
     merchant ``EXAMPLE_PAYMENTS_MERCHANT`` (default ``orders``), and the broker
-    ``EXAMPLE_BROKER_URL`` (see ``broker.py``)."""
+    ``EXAMPLE_BROKER_URL`` (see ``broker.py``). Behind a transaction pooler
+    (``EXAMPLE_DATABASE_POOLER=transaction``) its relay LISTENs on
+    ``EXAMPLE_ORDERS_LISTEN_URL``, a direct URL to the orders database."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
         "EXAMPLE_ORDERS_DATABASE_URL", DEFAULT_DATABASE_URL
@@ -218,20 +220,19 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     # Longer than the charge can take (connect 3 s + read 5 s per attempt, within
     # the session's 12 s budget), so a live request never loses its lease.
     app.config["IDEMPOTENCY_LEASE"] = dt.timedelta(seconds=30)
+    # Behind a transaction pooler (EXAMPLE_DATABASE_POOLER), where its relay
+    # LISTENs: the database itself, not the pooler (else the relay polls).
+    app.config["IDEMPOTENCY_RELAY_LISTEN_URL"] = os.environ.get("EXAMPLE_ORDERS_LISTEN_URL")
     if config:
         app.config.update(config)
     broker.configure(app)
     app.config.setdefault("IDEMPOTENCY_PUBLISHER", broker.publisher(app))
-    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
-        **engine_options(app.config["SQLALCHEMY_DATABASE_URI"]),
-        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
-    }
     # One session per app, shared by its requests' threads: requests' Session is
     # safe for concurrent requests that do not change its settings.
     app.extensions["example_orders_http"] = IdempotentSession(
         total=3, backoff_factor=0.2, backoff_max=2, deadline=12
     )
-    db.init_app(app)
+    init_database(app, db)
     idem.init_app(app, db)
     app.register_blueprint(bp)
     # Every HTTP error as problem+json (404, 405, 401 from tenant(), 413...); the

@@ -28,7 +28,7 @@ from sqlalchemy import orm
 from flask_idempotency import Idempotency, inbox
 
 from . import broker
-from .app import create_tables, engine_options
+from .app import create_tables, init_database
 
 db = SQLAlchemy()
 idem = Idempotency()  # for its inbox table and the cleanup of expired ids
@@ -143,11 +143,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     if config:
         app.config.update(config)
     broker.configure(app)
-    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
-        **engine_options(app.config["SQLALCHEMY_DATABASE_URI"]),
-        **app.config.get("SQLALCHEMY_ENGINE_OPTIONS", {}),
-    }
-    db.init_app(app)
+    init_database(app, db)
     idem.init_app(app, db)
     create_tables(app, db)
     return app

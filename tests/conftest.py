@@ -26,6 +26,7 @@ header says so.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import tempfile
@@ -428,7 +429,7 @@ def example_behind_proxy(pg_url: str, proxy: TcpProxy) -> t.Iterator[LiveServer]
     """The example app in a subprocess, on PostgreSQL through the proxy."""
     from example_app import app as example
 
-    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url})
+    scratch = example.create_app({"SQLALCHEMY_DATABASE_URI": pg_url, **pgbouncer.declared(pg_url)})
     with scratch.app_context():
         example.db.drop_all()
         example.db.create_all()
@@ -497,3 +498,17 @@ def record_rows(app: Flask) -> list[dict[str, t.Any]]:
                 if isinstance(row[name], bytes):
                     row[name] = row[name].decode("utf-8")
         return rows
+
+
+@pytest.fixture
+def pooled_role() -> t.Iterator[t.Callable[..., str]]:
+    """``pooled_role(url, lock_timeout="300ms")``: ``url`` as a role of its own whose
+    sessions start with those settings (``ALTER ROLE ... SET``), dropped when the
+    test ends: the settings a direct connection passes in ``options=``, which a
+    transaction pooler refuses (:func:`tests.support.pgbouncer.role_with_settings`)."""
+    with contextlib.ExitStack() as roles:
+
+        def make(url: str, **settings: str) -> str:
+            return roles.enter_context(pgbouncer.role_with_settings(url, **settings))
+
+        yield make

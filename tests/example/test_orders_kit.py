@@ -22,6 +22,7 @@ from flask_idempotency.testing import (
     assert_exactly_one,
 )
 from tests.conftest import postgres_url
+from tests.support import pgbouncer
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,8 @@ def idempotency_config(request: pytest.FixtureRequest, tmp_path: Path) -> KitCon
             "IDEMPOTENCY_LEASE": 2,
             "IDEMPOTENCY_WAIT": 1,
             "EXAMPLE_BROKER_FOLDER": str(tmp_path / "broker"),
+            # Behind the suite's PgBouncer: declared, as the example's docs say.
+            **pgbouncer.declared(database),
         },
     )
 

@@ -25,6 +25,7 @@ from flask_idempotency.testing import (
     reuse_key,
 )
 from tests.conftest import postgres_url
+from tests.support import pgbouncer
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,8 @@ def idempotency_config(request: pytest.FixtureRequest, tmp_path: Path) -> KitCon
         app="example_app.app:create_app",
         database=database,
         # A duplicate waits 1 s for a running first request before its 409.
-        app_config={"IDEMPOTENCY_WAIT": 1},
+        # Behind the suite's PgBouncer: declared, as the example's docs say.
+        app_config={"IDEMPOTENCY_WAIT": 1, **pgbouncer.declared(database)},
     )
 
 

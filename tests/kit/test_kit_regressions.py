@@ -38,6 +38,7 @@ from flask_idempotency.testing._control import Control, TraceEntry
 from flask_idempotency.testing._database import Provisioned, sweep_stale
 from flask_idempotency.testing._proxy import TcpProxy, upstream_of
 from tests.conftest import postgres_url
+from tests.support import pgbouncer
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.kit.user_app:create_app"
@@ -196,7 +197,8 @@ def idempotency_config(request: pytest.FixtureRequest) -> KitConfig:
         database=database,
         workers=1,
         threads=4,
-        app_config={"IDEMPOTENCY_WAIT": 1, **extra},
+        # Behind the suite's PgBouncer: configured as docs/poolers.md says.
+        app_config={"IDEMPOTENCY_WAIT": 1, **pgbouncer.user_config(database), **extra},
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import mysql_url, postgres_url
+from tests.support import pgbouncer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "test_idempotency_kit.py"
@@ -42,6 +43,8 @@ def run_example(
     # The project imports the app (the example's, or the broken one) from this
     # repository, as a user's tests import theirs from their own.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(project)])
+    if pgbouncer.is_pooled(database):  # the example app's setting behind a pooler
+        env["EXAMPLE_DATABASE_POOLER"] = "transaction"
     return subprocess.run(
         [
             sys.executable,

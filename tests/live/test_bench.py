@@ -34,6 +34,7 @@ from bench.telemetry_app import VARIANTS as VARIANTS_OTEL
 from bench.variants import CLAIM_PATHS, VARIANTS
 from bench.wire import CountingProxy
 from tests.conftest import POSTGRES_ENV, postgres_url
+from tests.support import pgbouncer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +105,12 @@ def test_harness_on_both_postgresql_drivers(tmp_path: Path) -> None:
     """Both PostgreSQL engines: every variant answered, and the round trips are
     the claim's: the extension's one string and the pipeline as few as psycopg2's
     batch, one by one three more, and the comparison written out."""
+    if pgbouncer.is_pooled(postgres_url()):
+        pytest.skip(
+            "not applicable behind a transaction pooler: it counts the drivers' round trips"
+            " to the server (and psycopg's prepared statements), which the pooler relays"
+            " and the pooled engines turn off"
+        )
     # The suite's PostgreSQL, in a schema of the run's own.
     configured = os.environ.get(POSTGRES_ENV) or postgres_url()
     env = {**os.environ, POSTGRES_ENV: configured}
@@ -136,6 +143,12 @@ def test_harness_on_both_postgresql_drivers(tmp_path: Path) -> None:
 def test_outbox_bench_runs_every_relay_and_broker(pg_url: str, tmp_path: Path) -> None:
     """``python -m bench.outbox`` in a tiny mode: every latency variant and every
     embedded broker has a figure, and the section lands in the output file."""
+    if pgbouncer.is_pooled(pg_url):
+        pytest.skip(
+            "not applicable behind a transaction pooler: bench/outbox.py times relays on"
+            " engines of its own, set up for a direct connection (psycopg's prepared"
+            " statements on)"
+        )
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\nkept\n")
     command = [
@@ -178,6 +191,12 @@ def _driver_connection(url: str | sa.URL) -> t.Iterator[t.Any]:
 
 @pytest.fixture
 def wire() -> t.Iterator[CountingProxy]:
+    if pgbouncer.is_pooled(postgres_url()):
+        pytest.skip(
+            "not applicable behind a transaction pooler: it counts a driver's exchanges"
+            " with the server on a connection of its own (psycopg's prepared statements"
+            " among them, which the pooled engines turn off)"
+        )
     with CountingProxy(postgres_url()) as proxy:
         yield proxy
 

@@ -40,6 +40,7 @@ from example_app import broker as example_broker
 from example_app import orders, shipping
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
+from tests.support import pgbouncer
 from tests.support.live import start_ready
 
 AMQP_ENV = "IDEMPOTENCY_TEST_AMQP_URL"
@@ -146,8 +147,9 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> t.Iterator[Broker]
 
 
 @pytest.fixture
-def dbs(pg_url: str) -> t.Iterator[dict[str, str]]:
-    """A database URL per service: a schema of its own on the suite's PostgreSQL."""
+def dbs(pg_url: str, pooled_role: t.Callable[..., str]) -> t.Iterator[dict[str, str]]:
+    """A database URL per service: a schema of its own on the suite's PostgreSQL
+    (behind the pooler, a role per service whose search_path it is)."""
     tag = uuid.uuid4().hex[:10]
     schemas = {name: f"chain_{name}_{tag}" for name in ("orders", "payments", "shipping")}
     admin = sa.create_engine(pg_url)
@@ -155,12 +157,15 @@ def dbs(pg_url: str) -> t.Iterator[dict[str, str]]:
         for schema in schemas.values():
             conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
     url = sa.make_url(pg_url)
-    yield {
-        name: url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
-            hide_password=False
-        )
-        for name, schema in schemas.items()
-    }
+    if pgbouncer.is_pooled(pg_url):
+        yield {name: pooled_role(pg_url, search_path=schema) for name, schema in schemas.items()}
+    else:
+        yield {
+            name: url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+                hide_password=False
+            )
+            for name, schema in schemas.items()
+        }
     with admin.begin() as conn:
         for schema in schemas.values():
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
@@ -226,9 +231,20 @@ def start_chain(
 def relay_and_consumer(dbs: dict[str, str], broker: Broker) -> t.Iterator[tuple[Flask, Flask]]:
     """The order service's app (to run its relay) and the shipping service's app
     (to consume), in this process; their connections closed afterwards."""
-    orders_app = orders.create_app({"SQLALCHEMY_DATABASE_URI": dbs["orders"], **broker.config()})
+    # Behind the suite's PgBouncer: the pooler declared, as the example's docs say.
+    orders_app = orders.create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": dbs["orders"],
+            **broker.config(),
+            **pgbouncer.declared(dbs["orders"]),
+        }
+    )
     shipping_app = shipping.create_app(
-        {"SQLALCHEMY_DATABASE_URI": dbs["shipping"], **broker.config()}
+        {
+            "SQLALCHEMY_DATABASE_URI": dbs["shipping"],
+            **broker.config(),
+            **pgbouncer.declared(dbs["shipping"]),
+        }
     )
     try:
         yield orders_app, shipping_app

@@ -29,6 +29,7 @@ from sqlalchemy import orm
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
 from tests.conftest import postgres_url, reset_tables, run_sql
+from tests.support import pgbouncer
 from tests.support.live import LiveServer
 
 db = SQLAlchemy()
@@ -166,7 +167,9 @@ def test_the_bound_does_not_outlive_the_claims_transaction(claim_app: tuple[Flas
         db.session.rollback()
 
 
-def test_a_stricter_server_setting_is_kept(claim_app: tuple[Flask, str]) -> None:
+def test_a_stricter_server_setting_is_kept(
+    claim_app: tuple[Flask, str], pooled_role: t.Callable[..., str]
+) -> None:
     """The claim never loosens a shorter idle_in_transaction_session_timeout the
     operator set (here on the connection): it only tightens."""
     _, url = claim_app
@@ -175,7 +178,10 @@ def test_a_stricter_server_setting_is_kept(claim_app: tuple[Flask, str]) -> None
     made = sa.make_url(url)
     given = made.query.get("options", "")  # a search_path, when the suite uses a schema
     options = f"{given} -c idle_in_transaction_session_timeout=200".strip()
-    engine = sa.create_engine(made.update_query_dict({"options": options}))
+    if pgbouncer.is_pooled(url):  # behind the pooler: the role's setting (the operator's)
+        engine = sa.create_engine(pooled_role(url, idle_in_transaction_session_timeout="200"))
+    else:
+        engine = sa.create_engine(made.update_query_dict({"options": options}))
     try:
         with engine.connect() as conn:
             conn.execute(_PG_SET_IDLE, {"idle": "500ms"})
@@ -197,12 +203,15 @@ def test_a_stricter_server_setting_is_kept(claim_app: tuple[Flask, str]) -> None
 
 def _idle_claim_pids(url: str, since: float) -> list[int]:
     """Backends of this database idle in a transaction whose last statement wrote
-    the test app's ledger (the frozen server's view, paused after its write)."""
+    the test app's ledger (the frozen server's view, paused after its write).
+    Behind the pooler the server connection may be older than the test (PgBouncer
+    reuses it): its transaction is not."""
+    began = "xact_start" if pgbouncer.is_pooled(url) else "backend_start"
     rows = run_sql(
         url,
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
         "AND state = 'idle in transaction' AND query ILIKE '%ledger%' "
-        "AND backend_start >= to_timestamp(:since)",
+        f"AND {began} >= to_timestamp(:since)",
         since=since,
     )
     return [int(r[0]) for r in rows]

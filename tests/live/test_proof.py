@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import POSTGRES_ENV, reset_tables, run_sql
+from tests.conftest import POSTGRES_ENV, direct_postgres_url, reset_tables, run_sql
+from tests.support import pgbouncer
 from tests.support.live import MERCHANT, LiveServer, concurrently
 
 pytestmark = pytest.mark.slow
@@ -206,6 +207,13 @@ def test_sqlite_concurrent_duplicates_run_once(tmp_path: Path) -> None:
 def test_configured_postgres_is_used_when_named(pg_url: str) -> None:
     import os
 
+    if pgbouncer.is_pooled(pg_url):
+        # Through the suite's PgBouncer: its upstream is the server named (or the
+        # embedded one), the very cluster the pooled URL reaches.
+        direct = direct_postgres_url(sa.make_url(pg_url).get_driver_name())
+        cluster = "SELECT system_identifier FROM pg_control_system()"
+        assert run_sql(pg_url, cluster) == run_sql(direct, cluster)
+        pg_url = direct
     if os.environ.get(POSTGRES_ENV):
         configured, used = sa.make_url(os.environ[POSTGRES_ENV]), sa.make_url(pg_url)
         assert (used.host, used.port, used.database) == (

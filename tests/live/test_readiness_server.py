@@ -30,6 +30,7 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency
 from flask_idempotency.errors import PROBLEM_JSON
+from tests.support import pgbouncer
 from tests.support.private_servers import free_port
 from tests.support.tcp_proxy import TcpProxy
 
@@ -206,6 +207,8 @@ class Gunicorn:
             "BENCH_READY_HOST": "127.0.0.1",
             "BENCH_PARTITION_CONFIG": json.dumps({"IDEMPOTENCY_READY_TIMEOUT": 2}),
         }
+        if pgbouncer.is_pooled(database_url):  # the example's setting behind a pooler
+            env["EXAMPLE_DATABASE_POOLER"] = "transaction"
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -287,7 +290,7 @@ def _example_tables(url: str) -> None:
     """The example's tables, made once: its workers would race to make them."""
     from example_app import app as example
 
-    made = example.create_app({"SQLALCHEMY_DATABASE_URI": url})
+    made = example.create_app({"SQLALCHEMY_DATABASE_URI": url, **pgbouncer.declared(url)})
     with made.app_context():
         example.db.engine.dispose()
 

@@ -41,6 +41,7 @@ from sqlalchemy import orm
 from werkzeug.serving import make_server
 
 from flask_idempotency import client, signals
+from tests.support import pgbouncer
 
 OPTIONS = ("crash_at", "crash_file", "broken_keys")
 
@@ -96,6 +97,8 @@ def _shipping(config: dict[str, t.Any], options: dict[str, t.Any]) -> None:
 def main() -> None:
     service, port, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     options = {k: config.pop(k) for k in OPTIONS if k in config}
+    # Behind the suite's PgBouncer: the pooler declared, as the example's docs say.
+    config = {**pgbouncer.declared(config.get("SQLALCHEMY_DATABASE_URI") or "sqlite://"), **config}
     if "IDEMPOTENCY_LEASE" in config:
         config["IDEMPOTENCY_LEASE"] = float(config["IDEMPOTENCY_LEASE"])
     if service == "shipping":

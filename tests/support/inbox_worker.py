@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 
 from flask_idempotency._messaging import inbox
+from tests.support import pgbouncer
 
 CONSUMER = "shipping"
 
@@ -61,7 +62,9 @@ def counts(engine: sa.Engine) -> tuple[int, int, int]:
 
 
 def main(url: str, *paths: str) -> None:
-    engine = sa.create_engine(url, pool_size=1)
+    # Behind the suite's PgBouncer: psycopg 3 prepares nothing, as docs/poolers.md says.
+    options = pgbouncer.user_config(url).get("SQLALCHEMY_ENGINE_OPTIONS", {})
+    engine = sa.create_engine(url, pool_size=1, connect_args=options.get("connect_args", {}))
     with orm.Session(engine) as session:
         deliver = make_consumer(session)
         for path in paths:

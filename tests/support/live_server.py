@@ -21,6 +21,7 @@ from flask import request
 from werkzeug.serving import make_server
 
 from flask_idempotency import signals
+from tests.support import pgbouncer
 
 
 def _crash_at(point: str) -> t.Callable[..., None]:
@@ -35,6 +36,8 @@ def main() -> None:
     which, url = sys.argv[1], sys.argv[2]
     if which == "example":
         os.environ["EXAMPLE_DATABASE_URL"] = url
+        if pgbouncer.is_pooled(url):  # as its README says behind a transaction pooler
+            os.environ["EXAMPLE_DATABASE_POOLER"] = "transaction"
         from example_app import create_app
 
         app = create_app({"SQLALCHEMY_ENGINE_OPTIONS": {"pool_size": 40, "max_overflow": 10}})

@@ -72,9 +72,14 @@ def create_app(
     database_url: str, *, clock: t.Callable[[], dt.datetime] | None = None, **config: t.Any
 ) -> Flask:
     app = Flask(__name__)
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=database_url, **{**pgbouncer.user_config(database_url), **config}
-    )
+    pooled = pgbouncer.user_config(database_url)
+    if "SQLALCHEMY_ENGINE_OPTIONS" in pooled and "SQLALCHEMY_ENGINE_OPTIONS" in config:
+        # A test's pool settings, on top of the pooler's (psycopg 3 prepares nothing).
+        config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+            **pooled["SQLALCHEMY_ENGINE_OPTIONS"],
+            **config["SQLALCHEMY_ENGINE_OPTIONS"],
+        }
+    app.config.update(SQLALCHEMY_DATABASE_URI=database_url, **{**pooled, **config})
     db.init_app(app)
     idem.init_app(app, db, clock=clock)
     app.add_url_rule("/orders", "orders", idem.idempotent()(_order), methods=["POST"])

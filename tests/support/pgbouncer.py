@@ -3,7 +3,10 @@
 Debian's ``pgbouncer`` package (``/usr/sbin/pgbouncer``, or ``pgbouncer`` on
 ``PATH``); :func:`missing` says why it cannot run here, for the skip reason.
 It listens on a free port of 127.0.0.1 only, lets clients in without a password
-(``auth_type = trust``) and passes the upstream's own credentials on.
+(``auth_type = trust``) and passes the upstream's own credentials on. A role a
+test creates logs in through it as itself, as behind a production PgBouncer with
+``auth_query``: PgBouncer asks the server (as the upstream's user, ``auth_user``)
+whether the role exists, so no role needs an ``auth_file`` line of its own.
 
 PgBouncer refuses to run as root: as root it is started with ``-u``, as the owner
 of the upstream's socket directory (the embedded pgserver's own user, the only
@@ -17,6 +20,7 @@ transaction pooler and configure itself as a user would
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -25,6 +29,7 @@ import subprocess
 import tempfile
 import time
 import typing as t
+import uuid
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -57,7 +62,20 @@ def missing() -> str | None:
 
 def is_pooled(url: str | sa.URL) -> bool:
     """Whether ``url`` goes through the tests' PgBouncer."""
-    return sa.make_url(url).query.get("application_name") == POOLED_APP
+    name = sa.make_url(url).query.get("application_name")
+    return isinstance(name, str) and (name == POOLED_APP or name.startswith(f"{POOLED_APP}/"))
+
+
+def named(url: str, name: str) -> str:
+    """``url`` whose connections are named ``name`` in ``pg_stat_activity``. Through
+    the pooler the name stays marked (``idempotency-tests-pgbouncer/<name>``), and
+    it is the relay's LISTEN connection, on the direct URL, that is named ``name``
+    (:func:`declared`): the one a test looks for, the app's own connections being
+    the pooler's, shared."""
+    parsed = sa.make_url(url)
+    if is_pooled(parsed):
+        name = f"{POOLED_APP}/{name}"
+    return parsed.update_query_dict({"application_name": name}).render_as_string(False)
 
 
 #: Set by the suite to its PostgreSQL's direct URL (psycopg2's spelling) once the
@@ -65,27 +83,72 @@ def is_pooled(url: str | sa.URL) -> bool:
 DIRECT_ENV = "IDEMPOTENCY_TEST_DIRECT_POSTGRES_URL"
 
 
-def user_config(url: str) -> dict[str, t.Any]:
-    """The config a user sets behind a transaction pooler (docs/poolers.md), for an
-    app on ``url``; ``{}`` unless ``url`` goes through the tests' PgBouncer:
-    the pooler declared, the relay's LISTEN on the direct URL, and psycopg 3's
-    automatic prepared statements off (with the test apps' pool size)."""
+def declared(url: str) -> dict[str, t.Any]:
+    """The extension's config for an app on ``url`` behind the tests' PgBouncer
+    (``{}`` for a direct URL): the pooler declared, the relay's LISTEN on the
+    direct URL (docs/poolers.md). The example app sets its engine up itself."""
     parsed = sa.make_url(url)
     if not is_pooled(parsed):
         return {}
     config: dict[str, t.Any] = {"IDEMPOTENCY_DATABASE_POOLER": "transaction"}
     direct = os.environ.get(DIRECT_ENV)
     if direct:
-        config["IDEMPOTENCY_RELAY_LISTEN_URL"] = (
-            sa.make_url(direct).set(drivername=parsed.drivername).render_as_string(False)
-        )
-    if parsed.drivername == "postgresql+psycopg":
+        listen = sa.make_url(direct).set(drivername=parsed.drivername)
+        given = parsed.query.get("application_name")
+        if isinstance(given, str) and given.startswith(f"{POOLED_APP}/"):  # named()
+            listen = listen.update_query_dict({"application_name": given.split("/", 1)[1]})
+        config["IDEMPOTENCY_RELAY_LISTEN_URL"] = listen.render_as_string(False)
+    return config
+
+
+def user_config(url: str) -> dict[str, t.Any]:
+    """The config a user sets behind a transaction pooler (docs/poolers.md), for an
+    app on ``url``; ``{}`` unless ``url`` goes through the tests' PgBouncer:
+    :func:`declared`, and psycopg 3's automatic prepared statements off (with
+    the test apps' pool size)."""
+    parsed = sa.make_url(url)
+    config = declared(url)
+    if config and parsed.drivername == "postgresql+psycopg":
         config["SQLALCHEMY_ENGINE_OPTIONS"] = {
             "pool_size": 40,
             "max_overflow": 10,
             "connect_args": {"prepare_threshold": None},
         }
     return config
+
+
+@contextlib.contextmanager
+def role_with_settings(url: str, **settings: str) -> t.Iterator[str]:
+    """``url`` as a role of its own whose sessions start with ``settings``
+    (``ALTER ROLE ... SET lock_timeout = '300ms'``): how a user behind a
+    transaction pooler gives its connections the server settings that a direct
+    connection passes in ``options=`` (which PgBouncer refuses, and which would
+    follow a shared server connection to another client). The role is a member
+    of ``url``'s user, so it may do whatever that user may; it logs in through
+    the pooler as itself (``auth_query``). Dropped afterwards, what it owned
+    handed back to ``url``'s user."""
+    parsed = sa.make_url(url)
+    role = f"pooled_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(parsed, poolclass=sa.NullPool)
+    with admin.begin() as conn:
+        owner = conn.execute(sa.text("SELECT current_user")).scalar_one()
+    try:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'CREATE ROLE {role} LOGIN IN ROLE "{owner}"'))
+            for name, value in settings.items():
+                quoted = value.replace("'", "''")
+                conn.execute(sa.text(f"ALTER ROLE {role} SET {name} = '{quoted}'"))
+        yield parsed.set(username=role).render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": role}
+            ).first()
+            if exists:
+                conn.execute(sa.text(f'REASSIGN OWNED BY {role} TO "{owner}"'))
+                conn.execute(sa.text(f"DROP OWNED BY {role}"))
+                conn.execute(sa.text(f"DROP ROLE {role}"))
+        admin.dispose()
 
 
 def _free_port() -> int:
@@ -121,9 +184,13 @@ class PgBouncer:
         if up.password:
             # PgBouncer has no password of a client's to pass on (auth_type =
             # trust): every client reaches the server as the upstream's user then.
-            # Without one, each client reaches it as itself (roles tests create).
             parts.append(f"user={_quote(up.username or 'postgres')}")
             parts.append(f"password={_quote(str(up.password))}")
+        else:
+            # Each client reaches it as itself; a role missing from auth_file
+            # (one a test created) is looked up by auth_query (PgBouncer's
+            # default: pg_shadow), run as the upstream's user.
+            parts.append(f"auth_user={_quote(up.username or 'postgres')}")
         owner = pwd.getpwuid(os.stat(host).st_uid).pw_name if host.startswith("/") else None
         return " ".join(parts), owner
 

@@ -45,7 +45,7 @@ from flask_idempotency._storage import text_param
 from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.cli import idempotency_cli
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
-from tests.support import outbox_app
+from tests.support import outbox_app, pgbouncer
 from tests.support.live import ROOT
 from tests.support.tables import recreate_tables
 from tests.support.tcp_proxy import TcpProxy, upstream_of
@@ -418,7 +418,7 @@ def test_every_command_with_the_database_down_exits_69_in_one_line(
     assert "SELECT" not in line
 
 
-def read_only_app(database_url: str, tmp_path: Path) -> Flask:
+def read_only_app(database_url: str, tmp_path: Path, pooled_role: t.Callable[..., str]) -> Flask:
     """The app on the same database, through connections that cannot write:
     PostgreSQL ``default_transaction_read_only`` (a replica after failover
     answers the same), MariaDB/MySQL ``SET SESSION TRANSACTION READ ONLY``,
@@ -426,7 +426,10 @@ def read_only_app(database_url: str, tmp_path: Path) -> Flask:
     url = sa.make_url(database_url)
     config: dict[str, t.Any] = {"IDEMPOTENCY_PUBLISHER": CallablePublisher(lambda ev: None)}
     backend = url.get_backend_name()
-    if backend == "postgresql":
+    if backend == "postgresql" and pgbouncer.is_pooled(database_url):
+        # Behind the pooler: a role whose sessions are read-only.
+        url = sa.make_url(pooled_role(database_url, default_transaction_read_only="on"))
+    elif backend == "postgresql":
         given = url.query.get("options", "")
         options = f"{given if isinstance(given, str) else ' '.join(given)}"
         url = url.update_query_dict(
@@ -448,7 +451,11 @@ READS = ["purge --dry-run", "stats", "list", "create-tables"]
 
 @pytest.mark.parametrize("command", WRITES + READS)
 def test_a_read_only_database_fails_writes_with_69_and_serves_reads(
-    make_app: t.Callable[..., Flask], database_url: str, tmp_path: Path, command: str
+    make_app: t.Callable[..., Flask],
+    database_url: str,
+    tmp_path: Path,
+    command: str,
+    pooled_role: t.Callable[..., str],
 ) -> None:
     writer = make_app()
     seed(writer, events=1, parked=1, expired=2)
@@ -473,7 +480,7 @@ def test_a_read_only_database_fails_writes_with_69_and_serves_reads(
             )
         outbox_app.db.engine.dispose()
     before = (outbox_rows(database_url), record_count(database_url))
-    app = read_only_app(database_url, tmp_path)
+    app = read_only_app(database_url, tmp_path, pooled_role)
     try:
         result = invoke(app, *COMMANDS[command])
     finally:

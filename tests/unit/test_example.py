@@ -28,6 +28,8 @@ from werkzeug.serving import make_server
 
 from example_app import app as example
 from example_app import broker, orders, shipping
+from tests.conftest import direct_postgres_url, run_sql
+from tests.support import pgbouncer
 from tests.support.live import ROOT
 
 CHARGE = {"customer_id": "cus_1", "amount": 1250, "currency": "EUR"}
@@ -36,7 +38,9 @@ MERCHANT = "shop-1"
 
 @pytest.fixture
 def app(database_url: str) -> t.Iterator[Flask]:
-    app = example.create_app({"SQLALCHEMY_DATABASE_URI": database_url})
+    app = example.create_app(
+        {"SQLALCHEMY_DATABASE_URI": database_url, **pgbouncer.declared(database_url)}
+    )
     with app.app_context():
         # The tests' own app has a different "ledger" table in the same database.
         example.db.drop_all()
@@ -200,6 +204,7 @@ def order_service(database_url: str, tmp_path: Path) -> t.Iterator[Flask]:
     app = orders.create_app(
         {
             "SQLALCHEMY_DATABASE_URI": database_url,
+            **pgbouncer.declared(database_url),
             "PAYMENTS_URL": f"http://127.0.0.1:{server.server_port}",
             "EXAMPLE_BROKER_FOLDER": str(tmp_path / "broker"),
         }
@@ -313,12 +318,48 @@ def test_the_fail_fast_settings_reach_postgresql_through_each_driver(pg_url: str
     """The example's engine options are libpq parameters: psycopg2 and psycopg 3
     (``pg_url`` is each in turn) both pass them, so the server applies the
     statement timeout either way."""
+    if pgbouncer.is_pooled(pg_url):
+        pytest.skip(
+            "not applicable behind a transaction pooler: the statement timeout is not a"
+            " connection's option there (see the test after this one)"
+        )
     engine = sa.create_engine(pg_url, **example.engine_options(pg_url))
     try:
         with engine.connect() as conn:
             assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "15s"
     finally:
         engine.dispose()
+
+
+def test_behind_a_transaction_pooler_each_transaction_has_the_statement_timeout(
+    pg_url: str,
+) -> None:
+    """Declared behind a transaction pooler (EXAMPLE_DATABASE_POOLER), the example
+    sends no ``options`` (PgBouncer refuses them) and sets its statement timeout
+    in each transaction, where it ends with it: a session after it, on the same
+    server connection, has the server's own."""
+    app = example.create_app(
+        {"SQLALCHEMY_DATABASE_URI": pg_url, "IDEMPOTENCY_DATABASE_POOLER": "transaction"}
+    )
+    options = app.config["SQLALCHEMY_ENGINE_OPTIONS"]
+    assert "options" not in options["connect_args"]
+    assert options["connect_args"]["keepalives"] == 1  # the client's own side stays
+    if sa.make_url(pg_url).get_driver_name() == "psycopg":
+        assert options["connect_args"]["prepare_threshold"] is None
+    show = sa.text("SHOW statement_timeout")
+    server_default = run_sql(direct_postgres_url(), "SHOW statement_timeout")[0][0]
+    assert server_default != "15s"
+    try:
+        with app.app_context():
+            assert example.db.session.execute(show).scalar_one() == "15s"
+            example.db.session.rollback()
+            with example.db.engine.connect() as conn:
+                conn.exec_driver_sql("COMMIT")  # out of the transaction, on the same connection
+                assert conn.execute(show).scalar_one() == server_default
+                conn.rollback()
+    finally:
+        with app.app_context():
+            example.db.engine.dispose()
 
 
 @pytest.mark.parametrize("ident", [str(2**31 - 1), str(2**31), str(2**63), "99999999999999999999"])

@@ -38,6 +38,7 @@ from example_app import app as example
 from example_app import orders, shipping
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
+from tests.support import pgbouncer
 from tests.support.tracing import named, sdk_tracing
 
 ORDER = {"customer_id": "cus_traced", "amount": 1990, "currency": "EUR"}
@@ -116,7 +117,13 @@ def _serve_chain(
     payments = example.create_app({"SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path / 'p.db'}"})
     payments_server = Served(payments)
     order_app = orders.create_app(
-        {"SQLALCHEMY_DATABASE_URI": database_url, "PAYMENTS_URL": payments_server.url, **broker}
+        {
+            "SQLALCHEMY_DATABASE_URI": database_url,
+            "PAYMENTS_URL": payments_server.url,
+            **broker,
+            # Behind the suite's PgBouncer: the pooler declared, as the example's docs say.
+            **pgbouncer.declared(database_url),
+        }
     )
     with order_app.app_context():
         orders.db.drop_all()

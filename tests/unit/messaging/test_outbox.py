@@ -33,7 +33,7 @@ from flask_idempotency._storage.schema import (
 from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock, run_sql
-from tests.support import outbox_app
+from tests.support import outbox_app, pgbouncer
 from tests.support.outbox import post, relay_command, reset, rows
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -638,11 +638,7 @@ def test_the_foreground_relay_survives_losing_its_listen_connection(
     connection: the relay keeps running, listens again on a new one, and
     publishes what is committed afterwards (it used to exit with the error)."""
     name = f"relay-{uuid.uuid4().hex[:10]}"
-    url = (
-        sa.make_url(pg_url)
-        .update_query_dict({"application_name": name})
-        .render_as_string(hide_password=False)
-    )
+    url = pgbouncer.named(pg_url, name)  # behind the pooler: its LISTEN connection's name
     app = outbox_app.create_app(pg_url)
     reset(pg_url)
     out = tmp_path / "published.jsonl"

@@ -37,7 +37,7 @@ from flask_idempotency._storage.schema import as_utc, outbox_table
 from flask_idempotency.errors import BrokerUnavailable
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher
 from tests.conftest import Clock, mysql_url, postgres_url
-from tests.support import outbox_app
+from tests.support import outbox_app, pgbouncer
 from tests.support.broker import RABBITMQ, Broker, collect, delete_queue, drain, text, waiting
 from tests.support.outbox import reset
 from tests.support.tcp_proxy import TcpProxy, upstream_of
@@ -88,7 +88,9 @@ def with_pg_options(url: str, options: str, driver: str) -> str:
 
 
 @pytest.fixture(params=["psycopg2", "psycopg", "mysql"])
-def timing_out(request: pytest.FixtureRequest) -> tuple[str, str, dict[str, t.Any]]:
+def timing_out(
+    request: pytest.FixtureRequest, pooled_role: t.Callable[..., str]
+) -> tuple[str, str, dict[str, t.Any]]:
     """(plain URL, app URL, engine options) of a database whose server ends an
     idle transaction, or an idle connection, after 1 s: PostgreSQL (psycopg2
     and psycopg 3) with ``idle_in_transaction_session_timeout`` and
@@ -100,6 +102,14 @@ def timing_out(request: pytest.FixtureRequest) -> tuple[str, str, dict[str, t.An
         options = {"connect_args": {"init_command": "SET SESSION wait_timeout = 1"}}
         return url, url, options
     url = postgres_url()
+    if pgbouncer.is_pooled(url):  # behind the pooler: the role's settings
+        driven = sa.make_url(url).set(drivername=f"postgresql+{request.param}")
+        role = pooled_role(
+            driven.render_as_string(hide_password=False),
+            idle_in_transaction_session_timeout="1000",
+            idle_session_timeout="1000",
+        )
+        return url, role, {}
     timeouts = "-cidle_in_transaction_session_timeout=1000 -cidle_session_timeout=1000"
     return url, with_pg_options(url, timeouts, request.param), {}
 

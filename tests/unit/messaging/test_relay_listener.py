@@ -33,8 +33,8 @@ from flask_idempotency._maintenance import scheduler as scheduler_module
 from flask_idempotency._maintenance.scheduler import JobScheduler, RelayWaker
 from flask_idempotency._messaging.listener import Listener
 from flask_idempotency.publishers import ListPublisher
-from tests.conftest import run_sql
-from tests.support import outbox_app
+from tests.conftest import direct_postgres_url, run_sql
+from tests.support import outbox_app, pgbouncer
 from tests.support.live import ROOT
 from tests.support.outbox import relay_command, reset
 from tests.support.tcp_proxy import TcpProxy, upstream_of
@@ -44,9 +44,10 @@ SOON = 10.0  # generous: a bound for the test, not a timing assertion
 
 def on_driver(pg_url: str, driver: str, name: str) -> str:
     """``pg_url`` through ``driver``, its connections named ``name`` in
-    pg_stat_activity."""
+    pg_stat_activity (behind the suite's PgBouncer: its relay's LISTEN
+    connection, on IDEMPOTENCY_RELAY_LISTEN_URL, :func:`pgbouncer.named`)."""
     url = sa.make_url(pg_url).set(drivername=f"postgresql+{driver}")
-    return url.update_query_dict({"application_name": name}).render_as_string(hide_password=False)
+    return pgbouncer.named(url.render_as_string(hide_password=False), name)
 
 
 @pytest.fixture(params=["psycopg2", "psycopg"])
@@ -173,12 +174,24 @@ def test_a_scheduler_whose_first_listen_failed_listens_once_the_database_is_back
     monkeypatch.setattr(RelayWaker, "RELISTEN", 0.3)
     reset(pg_url)
     publisher = ListPublisher()
-    with TcpProxy(upstream_of(pg_url)) as proxy:
-        app = outbox_app.create_app(
-            proxy.url(on_driver(pg_url, driver, f"relisten-{uuid.uuid4().hex[:10]}")),
-            IDEMPOTENCY_PUBLISHER=publisher,
-            IDEMPOTENCY_RELAY_EVERY=60,
-        )
+    name = f"relisten-{uuid.uuid4().hex[:10]}"
+    pooled = pgbouncer.is_pooled(pg_url)
+    # Behind the pooler, the database that is away is the LISTEN's, the direct one.
+    server = direct_postgres_url(driver) if pooled else pg_url
+    with TcpProxy(upstream_of(server)) as proxy:
+        if pooled:
+            app = outbox_app.create_app(
+                on_driver(pg_url, driver, name),
+                IDEMPOTENCY_RELAY_LISTEN_URL=proxy.url(on_driver(server, driver, name)),
+                IDEMPOTENCY_PUBLISHER=publisher,
+                IDEMPOTENCY_RELAY_EVERY=60,
+            )
+        else:
+            app = outbox_app.create_app(
+                proxy.url(on_driver(pg_url, driver, name)),
+                IDEMPOTENCY_PUBLISHER=publisher,
+                IDEMPOTENCY_RELAY_EVERY=60,
+            )
         proxy.cut()
         with started_scheduler(app) as jobs:
             assert jobs.waker is not None

@@ -23,7 +23,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
@@ -31,7 +30,7 @@ from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import run_sql
-from tests.support import outbox_app
+from tests.support import outbox_app, pgbouncer
 from tests.support.live import ROOT
 from tests.support.outbox import post, relay_command, reset, rows
 
@@ -60,9 +59,7 @@ def named(url: str) -> tuple[str, str]:
     its connections, the LISTEN one among them, can be told apart in
     pg_stat_activity from those of other tests sharing the server."""
     name = f"wake-{uuid.uuid4().hex[:10]}"
-    return sa.make_url(url).update_query_dict({"application_name": name}).render_as_string(
-        hide_password=False
-    ), name
+    return pgbouncer.named(url, name), name
 
 
 def listening(pg_url: str, name: str) -> int:

@@ -574,7 +574,7 @@ def test_cli_create_tables(database_url: str) -> None:
 
 @pytest.mark.parametrize("apps_own", ["server default", "connection", "transaction"])
 def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
-    pg_url: str, clock: Clock, apps_own: str
+    pg_url: str, clock: Clock, apps_own: str, pooled_role: t.Callable[..., str]
 ) -> None:
     """The claim's bounded wait must not leak into the app's own statements: the
     view (and an error handler after a refusal) sees the app's own lock_timeout,
@@ -585,10 +585,9 @@ def test_lock_timeout_is_restored_for_the_view_and_after_a_refusal(
     url = pg_url
     expected = None
     if apps_own == "connection" and pgbouncer.is_pooled(pg_url):
-        pytest.skip(
-            "PgBouncer (1.18) refuses a connection's options= (unsupported startup parameter)"
-        )
-    if apps_own == "connection":
+        # Behind the pooler, the connection's own setting is the role's.
+        url, expected = pooled_role(pg_url, lock_timeout="4321ms"), "4321ms"
+    elif apps_own == "connection":
         # Added to the URL's own options (a configured server's carry the test
         # schema's search_path), not in place of them.
         parsed = sa.make_url(pg_url)

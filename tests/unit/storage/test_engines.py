@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from flask import Flask, request
 
 from tests.conftest import Clock, ledger_count, pg_options, record_rows, reset_tables
-from tests.support import testapp
+from tests.support import pgbouncer, testapp
 from tests.support.flow import assert_problem
 from tests.support.gates import Gates, send
 
@@ -228,13 +228,19 @@ def _engine_timeout_options(database_url: str) -> dict[str, t.Any]:
     return {"connect_args": {"timeout": 1}}
 
 
-def test_engines_own_lock_timeout_is_a_409_not_a_500(database_url: str) -> None:
+def test_engines_own_lock_timeout_is_a_409_not_a_500(
+    database_url: str, pooled_role: t.Callable[..., str]
+) -> None:
     """No bound of ours (IDEMPOTENCY_WAIT=None): the engine's own lock timeout
     (PostgreSQL lock_timeout, innodb_lock_wait_timeout, SQLite's busy timeout)
     ends the wait, and the client still gets the documented 409."""
-    options = _engine_timeout_options(database_url)
+    url = database_url
+    if pgbouncer.is_pooled(database_url):  # behind the pooler: the role's lock_timeout
+        url, options = pooled_role(database_url, lock_timeout="1000"), {"pool_size": 10}
+    else:
+        options = _engine_timeout_options(database_url)
     on_connect = options.pop("_on_connect", None)
-    app, gates = slow_app(database_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
+    app, gates = slow_app(url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
     if on_connect is not None:
         with app.app_context():
             sa.event.listen(testapp.db.engine, "connect", on_connect)
@@ -395,11 +401,18 @@ def test_claim_follows_the_apps_schema_translate_map(pg_url: str) -> None:
         engine.dispose()
 
 
-def test_apps_statement_timeout_ending_the_wait_is_a_409(pg_url: str) -> None:
+def test_apps_statement_timeout_ending_the_wait_is_a_409(
+    pg_url: str, pooled_role: t.Callable[..., str]
+) -> None:
     """No bound of ours, and the app's statement_timeout (not lock_timeout) ends
     the duplicate's wait on the claim: the documented 409, not a 503."""
-    options = {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=700")}}
-    app, gates = slow_app(pg_url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
+    url, options = (
+        pg_url,
+        {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=700")}},
+    )
+    if pgbouncer.is_pooled(pg_url):  # behind the pooler: the role's statement_timeout
+        url, options = pooled_role(pg_url, statement_timeout="700"), {}
+    app, gates = slow_app(url, IDEMPOTENCY_WAIT=None, SQLALCHEMY_ENGINE_OPTIONS=options)
     assert_duplicate_gets_409_and_one_charge(app, gates)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
 from tests.conftest import Clock, pg_options, run_sql
+from tests.support import pgbouncer
 from tests.support.live import MERCHANT, LiveServer, Reply
 from tests.support.tcp_proxy import TcpProxy
 
@@ -303,12 +304,18 @@ def pg_app(pg_url: str) -> t.Iterator[Flask]:
 
 
 @pytest.fixture
-def impatient_app(pg_url: str) -> t.Iterator[Flask]:
-    """The app on PostgreSQL with a short lock_timeout for its own statements."""
-    app = create_app(
-        pg_url,
-        engine_options={"connect_args": {"options": pg_options(pg_url, "-c lock_timeout=300ms")}},
-    )
+def impatient_app(pg_url: str, pooled_role: t.Callable[..., str]) -> t.Iterator[Flask]:
+    """The app on PostgreSQL with a short lock_timeout for its own statements
+    (behind the pooler: its role's)."""
+    if pgbouncer.is_pooled(pg_url):
+        app = create_app(pooled_role(pg_url, lock_timeout="300ms"))
+    else:
+        app = create_app(
+            pg_url,
+            engine_options={
+                "connect_args": {"options": pg_options(pg_url, "-c lock_timeout=300ms")}
+            },
+        )
     reset(pg_url)
     yield app
     with app.app_context():
@@ -597,10 +604,14 @@ def test_exhausted_pool_answers_503(pg_url: str) -> None:
             db.engine.dispose()
 
 
-def test_statement_timeout_answers_503(pg_url: str) -> None:
-    """The server cancelled a statement that ran past ``statement_timeout``."""
-    options = {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=300")}}
-    app = create_app(pg_url, engine_options=options)
+def test_statement_timeout_answers_503(pg_url: str, pooled_role: t.Callable[..., str]) -> None:
+    """The server cancelled a statement that ran past ``statement_timeout``
+    (behind the pooler: its role's)."""
+    if pgbouncer.is_pooled(pg_url):
+        app = create_app(pooled_role(pg_url, statement_timeout="300"))
+    else:
+        options = {"connect_args": {"options": pg_options(pg_url, "-c statement_timeout=300")}}
+        app = create_app(pg_url, engine_options=options)
     reset(pg_url)
     key = str(uuid.uuid4())
     engine = sa.create_engine(pg_url)

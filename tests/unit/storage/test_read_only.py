@@ -36,6 +36,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency._storage.schema import record_table
 from flask_idempotency.errors import PROBLEM_JSON
 from tests.conftest import mysql_url, postgres_url
+from tests.support import pgbouncer
 from tests.support.private_servers import PgCluster, PrivateMariaDB, mariadb_binaries
 from tests.support.tables import recreate_tables
 
@@ -177,11 +178,15 @@ Target = tuple[str, str, dict[str, t.Any]]  # writable URL, read-only URL, engin
 
 
 @pytest.fixture(params=["psycopg2", "psycopg", "sqlite", "mysql"])
-def read_only_target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+def read_only_target(
+    request: pytest.FixtureRequest, tmp_path: Path, pooled_role: t.Callable[..., str]
+) -> Target:
     """A writable URL, and a read-only way into the same database."""
     if request.param in ("psycopg2", "psycopg"):
         url = sa.make_url(postgres_url()).set(drivername=f"postgresql+{request.param}")
         writable = url.render_as_string(hide_password=False)
+        if pgbouncer.is_pooled(writable):  # a read-only role's sessions
+            return writable, pooled_role(writable, default_transaction_read_only="on"), {}
         return writable, _with_options(writable, "-c default_transaction_read_only=on"), {}
     if request.param == "mysql":
         found = mysql_url()

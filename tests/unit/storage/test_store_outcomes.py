@@ -38,7 +38,7 @@ from flask_idempotency._storage import (
     new_fencing_token,
 )
 from tests.conftest import reset_tables
-from tests.support import testapp
+from tests.support import pgbouncer, testapp
 from tests.support.claims import HOUR, claim_values, claimed_in_one_round_trip_each
 
 
@@ -207,7 +207,9 @@ def test_the_claim_is_one_round_trip_on_psycopg2_and_psycopg_3(
         pass  # the claims and their exchanges are checked as they run
 
 
-def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) -> None:
+def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(
+    pg_url: str, pooled_role: t.Callable[..., str]
+) -> None:
     """A claim whose host goes quiet right after it (a partition, a frozen
     process) is ended by the server's ``idle_in_transaction_session_timeout``,
     whatever the driver: psycopg 3's pipeline mode, once used for the claim,
@@ -216,10 +218,14 @@ def test_the_servers_own_idle_timeout_still_ends_a_claim_left_idle(pg_url: str) 
     reset_tables(pg_url)
     store = Store(testapp.db.metadata.tables["idempotency_keys"])
     url = sa.make_url(pg_url)
-    options = f"{url.query.get('options', '')} -c idle_in_transaction_session_timeout=500"
-    engine = sa.create_engine(
-        url.update_query_dict({"options": options.strip()}), poolclass=sa.NullPool
-    )
+    if pgbouncer.is_pooled(pg_url):  # behind the pooler: the role's setting
+        role = pooled_role(pg_url, idle_in_transaction_session_timeout="500")
+        engine = sa.create_engine(role, poolclass=sa.NullPool)
+    else:
+        options = f"{url.query.get('options', '')} -c idle_in_transaction_session_timeout=500"
+        engine = sa.create_engine(
+            url.update_query_dict({"options": options.strip()}), poolclass=sa.NullPool
+        )
     try:
         now = dt.datetime.now(dt.timezone.utc)
         values = claim_values(str(uuid.uuid4()), now)
