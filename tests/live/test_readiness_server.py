@@ -235,10 +235,18 @@ class Gunicorn:
         # a worker still booting when the database is cut would fail to boot,
         # and gunicorn would stop), and ready.
         deadline = time.monotonic() + 60
-        while _listeners(ready_port) < workers or _ready_status(ready_port) != 200:
-            assert self.proc.poll() is None, "gunicorn exited"
-            assert time.monotonic() < deadline, "gunicorn's workers never all answered readiness"
-            time.sleep(0.2)
+        try:
+            while _listeners(ready_port) < workers or _ready_status(ready_port) != 200:
+                assert self.proc.poll() is None, "gunicorn exited"
+                assert time.monotonic() < deadline, (
+                    "gunicorn's workers never all answered readiness"
+                )
+                time.sleep(0.2)
+        except BaseException:
+            # No caller holds it yet to stop it: left running, it would outlive
+            # the test and fail the next one on this worker (a ResourceWarning).
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:
