@@ -65,7 +65,8 @@ def providers(setup: str) -> tuple[t.Any, t.Any, t.Callable[[], None]]:
         closing.append(meters.shutdown)
     if setup in ("traces", "sdk"):
         tracers = TracerProvider()
-        tracers.add_span_processor(BatchSpanProcessor(Dropping()))
+        # A queue that holds a whole loop's spans: none dropped, each one exported.
+        tracers.add_span_processor(BatchSpanProcessor(Dropping(), max_queue_size=1_000_000))
         closing.append(tracers.shutdown)
     return meters, tracers, lambda: [close() for close in closing] and None
 
@@ -150,7 +151,9 @@ def main(argv: t.Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20000, help="loop length of `calls`")
-    parser.add_argument("--requests", type=int, default=400, help="requests per round")
+    parser.add_argument(
+        "--requests", type=int, default=400, help="requests per round (0: calls only)"
+    )
     args = parser.parse_args(argv)
 
     flask_app = app()
@@ -164,7 +167,7 @@ def main(argv: t.Sequence[str] | None = None) -> None:
             new, replay = calls(make, args.calls)
             figures.setdefault((setup, "calls new"), []).append(new)
             figures.setdefault((setup, "calls replay"), []).append(replay)
-            if setup != "none":
+            if setup != "none" and args.requests > 0:
                 new, replay = requests(flask_app, args.requests)
                 figures.setdefault((setup, "request new"), []).append(new)
                 figures.setdefault((setup, "request replay"), []).append(replay)
