@@ -160,8 +160,14 @@ class Timed:
             try:
                 if request.parent is None:
                     request.parent = request.spans.parent()
+                replay = self.kind == "replay"
                 self._phase = request.spans.Phase(
-                    "idempotency " + self.kind, request.parent, request.route
+                    _NAMES[self.kind],
+                    request.parent,
+                    request.route,
+                    # A replay's outcome is marked before it starts and stays.
+                    request.marked if replay else None,
+                    not replay,  # a replay runs no statement: no child spans
                 )
             except Exception:  # telemetry never fails a request
                 logger.debug("tracing: starting a span failed", exc_info=True)
@@ -187,6 +193,8 @@ class Timed:
         except Exception:  # telemetry never fails a request
             logger.debug("tracing: ending a span failed", exc_info=True)
 
+
+_NAMES = {kind: "idempotency " + kind for kind in ("claim", "replay", "complete")}
 
 _KNOWN = (
     MissingKeyError,
@@ -315,8 +323,7 @@ class RequestTelemetry:
                 logger.debug("metrics: recording the request failed", exc_info=True)
         trace_id = span_id = None
         if self.spans is not None:
-            self.spans.mark_current(outcome)
-            trace_id, span_id = self.spans.current_ids()
+            trace_id, span_id = self.spans.mark_current(outcome)
         level = logging.WARNING if outcome in _WARNINGS else logging.INFO
         if logger.isEnabledFor(level):
             extra: dict[str, t.Any] = {

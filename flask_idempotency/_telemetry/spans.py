@@ -7,8 +7,11 @@ first request: a child of its claim), ``idempotency replay`` and
 reached the view (the Flask server span, as ``opentelemetry-instrumentation-flask``
 makes it), with ``http.route`` and, where known, ``idempotency.outcome``; an
 error is recorded on the span it went through, with status ERROR, as
-:func:`.safety.record_error` says (its type, never its text). A span the
-SDK does not record (none configured, or sampled out) is never made current.
+:func:`.safety.record_error` says (its type, never its text). The claim and
+the completion are the current span while they run (a database
+instrumentation's statement spans are their children); the replay, which runs
+no statement, is not. A span the SDK does not record (none configured, or
+sampled out) is never made current.
 """
 
 from __future__ import annotations
@@ -54,18 +57,45 @@ def parent() -> context.Context:
     return context.get_current()
 
 
+#: Span attribute sets, built once each (bounded: routes x outcomes); the SDK
+#: copies what it is handed, so one dictionary serves every span.
+_attributes: dict[tuple[str, str | None], dict[str, str]] = {}
+
+
+def attributes(route: str, outcome: str | None) -> dict[str, str]:
+    """``http.route`` and, if known, ``idempotency.outcome``."""
+    key = (route, outcome)
+    found = _attributes.get(key)
+    if found is None:
+        found = {"http.route": route}
+        if outcome is not None:
+            found["idempotency.outcome"] = outcome
+        _attributes[key] = found
+    return found
+
+
 class Phase:
-    """One span of the request flow, current while it runs."""
+    """One span of the request flow. ``current``: made the current span while
+    it runs, for the spans of what runs inside (a database instrumentation's
+    statements); a phase that runs nothing traced (the replay) is not, which
+    spares the context's attach and detach. ``outcome``: known at its start,
+    set then (one attribute pass in the SDK instead of two)."""
 
-    __slots__ = ("_token", "span", "started_ns")
+    __slots__ = ("_outcome", "_token", "span", "started_ns")
 
-    def __init__(self, name: str, parent: context.Context, route: str) -> None:
+    def __init__(
+        self, name: str, parent: context.Context, route: str, outcome: str | None, current: bool
+    ) -> None:
         self.started_ns = time.time_ns()
+        self._outcome = outcome
         self.span: Span = tracer().start_span(
-            name, context=parent, attributes={"http.route": route}, start_time=self.started_ns
+            name,
+            context=parent,
+            attributes=attributes(route, outcome),
+            start_time=self.started_ns,
         )
         self._token: object | None = None
-        if self.span.is_recording():
+        if current and self.span.is_recording():
             self._token = context.attach(trace.set_span_in_context(self.span, parent))
 
     def end(self, outcome: str | None, error: BaseException | None) -> None:
@@ -73,9 +103,10 @@ class Phase:
             context.detach(t.cast(t.Any, self._token))
             self._token = None
         span = self.span
-        if span.is_recording():
-            if outcome is not None:
-                span.set_attribute("idempotency.outcome", outcome)
+        said = outcome is None or outcome == self._outcome
+        if not (said and error is None) and span.is_recording():
+            if not said:
+                span.set_attribute("idempotency.outcome", t.cast(str, outcome))
             if error is not None:
                 record_error(span, error, trace)
         span.end()
@@ -85,27 +116,21 @@ class Phase:
         once it is over)."""
         if not self.span.is_recording():
             return
-        attributes = {"http.route": route}
-        if outcome is not None:
-            attributes["idempotency.outcome"] = outcome
         tracer().start_span(
             name,
             context=trace.set_span_in_context(self.span),
-            attributes=attributes,
+            attributes=attributes(route, outcome),
             start_time=self.started_ns,
         ).end()
 
 
-def mark_current(outcome: str) -> None:
-    """Put the outcome on the current span (the Flask server span)."""
+def mark_current(outcome: str) -> tuple[str, str] | tuple[None, None]:
+    """Put the outcome on the current span (the Flask server span); its trace
+    and span ids, in hex, if a span is active."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute("idempotency.outcome", outcome)
-
-
-def current_ids() -> tuple[str, str] | tuple[None, None]:
-    """The current span's trace and span ids, in hex, if a span is active."""
-    ctx = trace.get_current_span().get_span_context()
+    ctx = span.get_span_context()
     if not ctx.is_valid:
         return None, None
     return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from flask import Flask, request
+from opentelemetry import trace
 from opentelemetry.instrumentation.flask import FlaskInstrumentor
 from opentelemetry.trace import SpanKind, StatusCode
 
 from flask_idempotency._context import app_state
+from flask_idempotency._request import claim as claim_module
 from flask_idempotency._telemetry import OUTCOMES
 from flask_idempotency._telemetry.request import KEY_REFUSALS
 from tests.conftest import Clock, ledger_count, postgres_url, reset_tables
@@ -175,6 +177,42 @@ def test_a_duplicate_in_flight_and_one_that_waited_then_replayed(
     [claim_span] = [s for s in otel.spans() if s.context.span_id == wait_span.parent.span_id]
     assert claim_span.name == "idempotency claim"
     assert wait_span.attributes["idempotency.outcome"] == "waited_replayed"
+
+
+def test_the_claim_and_the_completion_are_current_while_they_run(
+    otel: Otel, app: Flask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database instrumentation's statement spans nest under the phase that
+    sent them: the store's claim and completion run with it current. The
+    replay, which sends no statement, is not made current."""
+    store = app_state(app).store
+    seen: list[tuple[str, str]] = []
+
+    def watched(name: str, function: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+        def call(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            seen.append((name, getattr(trace.get_current_span(), "name", "no span")))
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(store, "claim", watched("claim", store.claim))
+    monkeypatch.setattr(store, "complete", watched("complete", store.complete))
+    monkeypatch.setattr(claim_module, "replay", watched("replay", claim_module.replay))
+    client = app.test_client()
+    assert post(client, "/charges", CHARGE, key="k1").status_code == 201
+    assert post(client, "/charges", CHARGE, key="k1").status_code == 201
+    assert seen == [
+        ("claim", "idempotency claim"),
+        ("complete", "idempotency complete"),
+        ("claim", "idempotency claim"),
+        ("replay", "idempotency claim"),
+    ]
+    assert sorted(s.name for s in otel.spans()) == [
+        "idempotency claim",
+        "idempotency claim",
+        "idempotency complete",
+        "idempotency replay",
+    ]
 
 
 def test_database_outage_and_lock_conflict_are_their_own_outcomes(
