@@ -129,13 +129,23 @@ class LoggedJobs(JobScheduler):
         return bool(ran)
 
 
+def set_from_signal(event: threading.Event) -> None:
+    """Set ``event`` from a signal handler: on another thread, never in the
+    handler itself. The handler runs on the main thread between two of its
+    bytecodes, possibly inside ``event.wait()`` while that holds the event's
+    (non-reentrant) lock; ``event.set()`` there would wait for that lock for
+    ever, and the process would ignore SIGTERM (seen: a scheduler that never
+    stopped). The thread takes the lock once the main thread lets it go."""
+    threading.Thread(target=event.set, name="idempotency-stop", daemon=True).start()
+
+
 def run_scheduler(app: Flask, report: Report) -> None:
     """Run every job of ``app`` until SIGTERM or SIGINT; the jobs' lines logged."""
     jobs = LoggedJobs(app)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        stop.set()
+        set_from_signal(stop)
 
     summaries = _JobSummaries()
     logger.addFilter(summaries)
@@ -211,8 +221,8 @@ def run_relay(app: Flask, *, batch: int, poll: float, wake: bool, report: Report
     trouble = Trouble()
 
     def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-        listener.interrupt()
+        set_from_signal(stop)
+        listener.interrupt()  # a write to its pipe: safe in a handler
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     how = "LISTEN idempotency_outbox and polling" if listener.listening else "polling"
