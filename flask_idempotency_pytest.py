@@ -2,8 +2,8 @@
 ``fault`` and ``downstream`` fixtures (and ``idempotency_config``), documented in
 ``docs/testing-kit.md``.
 
-Registered through the ``pytest11`` entry point (``pip install
-flask-idempotency[testing]``), or by ``-p flask_idempotency_pytest`` (or its
+Registered through the ``pytest11`` entry point (installing the
+``testing`` extra), or by ``-p flask_idempotency_pytest`` (or its
 older name ``-p flask_idempotency.testing.plugin``, the same plugin) or
 ``pytest_plugins = [...]`` of either name. ``-p no:flask_idempotency_pytest``
 turns it off.

@@ -1,6 +1,6 @@
 """An HTTP client that retries POSTs safely: one ``Idempotency-Key`` for all attempts.
 
-Needs ``requests`` (``pip install "Flask-Idempotency[client]"``)::
+Needs ``requests``, the ``client`` extra (see the installation page)::
 
     from flask_idempotency.client import IdempotentSession
 

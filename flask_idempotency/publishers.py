@@ -1,7 +1,7 @@
 """Publishers for the outbox relay (:class:`~flask_idempotency.relay.Publisher`).
 
-* :class:`KombuPublisher`: a message broker through kombu (``pip install
-  flask-idempotency[kombu]``). On AMQP it publishes with publisher confirms, so
+* :class:`KombuPublisher`: a message broker through kombu (the ``kombu``
+  extra). On AMQP it publishes with publisher confirms, so
   ``publish`` returns only once the broker has the message: "published" in the
   outbox then means the broker took it. ``memory://`` and ``filesystem://`` work
   for development and tests.

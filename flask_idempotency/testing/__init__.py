@@ -2,7 +2,7 @@
 retried request takes effect once.
 
 The pytest plugin (the module ``flask_idempotency_pytest``, registered by
-``pip install flask-idempotency[testing]``; ``flask_idempotency.testing.plugin``
+installing the ``testing`` extra; ``flask_idempotency.testing.plugin``
 loads it too) gives a test four fixtures: ``api``
 (your app served by a real WSGI server in a subprocess, restartable), ``db``
 (a database of the test's own on your database server), ``fault`` (one-shot
