@@ -66,9 +66,10 @@ API_LINK = re.compile(
 
 def section_text(source: str, markdown: str) -> str:
     """A generated section as a page holds it."""
+    body = f"\n{markdown.strip()}\n\n" if markdown.strip() else ""
     return (
-        f"{GENERATED_START} (Sphinx renders them instead):\n{source.strip()}\n-->\n\n"
-        f"{markdown.strip()}\n\n{GENERATED_END}\n"
+        f"{GENERATED_START} (Sphinx renders them instead):\n{source.strip()}\n-->\n"
+        f"{body}{GENERATED_END}\n"
     )
 
 
