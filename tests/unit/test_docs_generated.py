@@ -67,3 +67,22 @@ def test_links_to_api_objects_reach_an_anchor() -> None:
             if match["anchor"] not in anchors.get(target, set()):
                 broken.append(f"{page.relative_to(ROOT)}: {match[0]}")
     assert not broken, "\n".join(broken)
+
+
+def test_prose_has_no_sphinx_roles() -> None:
+    """GitHub shows a role (``{class}`~flask_idempotency.errors.ProblemError` ``) as
+    is: prose links to an object's anchor instead, which Sphinx reads as a reference."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from idempotency_docs import GENERATED
+
+    role = re.compile(r"(?<!`)\{[a-z]+(?::[a-z]+)?\}`")
+    found = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if "_build" in page.parts:
+            continue
+        text = GENERATED.sub("", page.read_text(encoding="utf-8"))
+        text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        found += [f"{page.relative_to(ROOT)}: {m[0]}" for m in role.finditer(text)]
+    assert not found, "\n".join(found)
