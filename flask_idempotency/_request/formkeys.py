@@ -6,9 +6,11 @@ form instead: ``idempotency_field()`` writes a hidden input whose value is a
 ``SECRET_KEY`` (itsdangerous, as Flask signs its session; ``SECRET_KEY_FALLBACKS``
 still verify). The payload holds:
 
-* a fresh random key (a UUID4): the record's key, so every submission of one
-  rendered form (a double click, a reload of the result, back and submit
-  again) is one operation, and two renderings (two tabs) are two;
+* a fresh random key, a UUID4 (which every ``IDEMPOTENCY_KEY_FORMAT`` but a
+  regular expression accepts: the recovery job re-sends it as the header): the
+  record's key, so every submission of one rendered form (a double click, a
+  reload of the result, back and submit again) is one operation, and two
+  renderings (two tabs) are two;
 * the endpoint the form posts to: a token is refused on another form;
 * a digest of the caller's scope, computed as the target route computes it:
   a token is refused for another user or session;
@@ -158,7 +160,7 @@ def form_key(endpoint: str | None = None) -> str:
     settings = _route_settings(route)
     scope = _scope_for(target, route, settings)
     issued = int(app_state().clock().timestamp())
-    payload = [uuid.uuid4().hex, target, _scope_digest(scope), issued]
+    payload = [str(uuid.uuid4()), target, _scope_digest(scope), issued]
     return TOKEN_PREFIX + serializer.dumps(payload)
 
 
