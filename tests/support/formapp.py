@@ -43,6 +43,7 @@ def create_app(
     clock: t.Callable[[], t.Any],
     *,
     csrf: str | None = None,
+    create: bool = True,
     **config: t.Any,
 ) -> Flask:
     """``csrf``: ``None`` (no CSRFProtect), ``"before"`` (CSRFProtect set up before
@@ -178,9 +179,10 @@ def create_app(
             )
             return page, status
 
-    with app.app_context():
-        db.drop_all()
-        db.create_all()
+    if create:  # False: a second host on the same database
+        with app.app_context():
+            db.drop_all()
+            db.create_all()
     return app
 
 
