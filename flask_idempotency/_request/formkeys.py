@@ -56,7 +56,8 @@ from ..errors import (
     ServerMisconfiguredError,
 )
 from ..keys import key_from_request
-from .forms import is_form
+from .body import read_body
+from .forms import URLENCODED, consumed, is_form
 from .route import RouteOptions
 from .steps import RECOVERY_ENVIRON_KEY
 
@@ -230,6 +231,12 @@ def field_value(settings: Settings) -> str | None:
     if not settings.form_field or not is_form():
         return None
     try:
+        if request.mimetype == URLENCODED and not consumed():
+            # Keep the bytes as sent for the view (a signature over the raw
+            # body): werkzeug parses a form from a cached body without
+            # consuming it. A multipart form is parsed from the stream, as
+            # its files are spooled rather than held in memory.
+            read_body()
         values = request.form.getlist(settings.form_field)
     except RequestEntityTooLarge:
         raise PayloadTooLargeError(

@@ -146,6 +146,12 @@ def create_app(
         db.session.flush()
         return {"id": order.id}, 201
 
+    @app.post("/webhook")
+    @idem.idempotent
+    def webhook() -> t.Any:
+        # A view that checks a signature over the body as sent.
+        return {"raw": request.get_data(as_text=True), "form": request.form.to_dict()}
+
     @app.get("/orders/<int:order_id>")
     def order_page(order_id: int) -> t.Any:
         return render_template_string(ORDER, order=db.get_or_404(Order, order_id))

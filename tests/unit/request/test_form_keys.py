@@ -428,3 +428,13 @@ def test_the_token_reveals_no_caller(shop: Flask) -> None:
     # The digest is keyed: the plain SHA-256 of any scope it could stand for is not it.
     candidates = ["checkout", "checkout|anonymous", "user:1"]
     assert all(hashlib.sha256(c.encode()).hexdigest()[:32] != payload[2] for c in candidates)
+
+
+@pytest.mark.parametrize("key", [None, "header"])
+def test_the_view_still_reads_a_form_body_as_sent(shop: Flask, key: str | None) -> None:
+    headers = {"Idempotency-Key": '"w1"'} if key else {}
+    body = "event=paid&amount=12"
+    answer = shop.test_client().post(
+        "/webhook", data=body, content_type="application/x-www-form-urlencoded", headers=headers
+    )
+    assert answer.json == {"raw": body, "form": {"event": "paid", "amount": "12"}}
