@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import typing as t
 
 from flask import Response, current_app, request
@@ -24,12 +25,12 @@ from .._context import RequestState, resolve_app, set_request_state
 from .._storage import Record, Store, dberrors
 from .._telemetry import RequestTelemetry
 from ..errors import (
+    ConflictError,
     LeaseLostError,
     MissingKeyError,
     NothingToRecoverError,
     RecordGone,
 )
-from ..keys import key_from_request
 from ..scope import resolve_scope
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
@@ -41,6 +42,7 @@ from .finish import (
     release,
     settle_commit,
 )
+from .formkeys import check_binding, expired_error, form_ignored_fields, request_key
 from .optimistic import run_optimistic
 from .route import RouteOptions
 from .session_guard import NoCommitGuard
@@ -49,6 +51,11 @@ from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 logger = logging.getLogger("flask_idempotency")
 
 Clock = t.Callable[[], dt.datetime]
+
+# How often a browser's duplicate looks again at a record still in progress on
+# a committed claim: soon at first (most views are quick), then every half second.
+_FIRST_POLL = 0.05
+_LAST_POLL = 0.5
 
 
 def _commit_in_doubt(exc: BaseException) -> bool:
@@ -108,9 +115,7 @@ class Flow:
                 RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
             return self._run_unprotected(view, kwargs)
-        key = key_from_request(
-            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
-        )
+        key, form_token = request_key(settings)
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
@@ -126,18 +131,34 @@ class Flow:
         else:  # the recovery job's re-run, not a client's request: the job counts it
             self.telemetry.ignore()
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
-        payload, fingerprint = request_fingerprint(route.schema, route.exclude)
+        if form_token is not None and recovery is None:
+            check_binding(form_token, scope)
+        payload, fingerprint = request_fingerprint(
+            route.schema, route.exclude, form_ignored_fields(settings)
+        )
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )
         set_request_state(state)
-        if route.optimistic and recovery is None:
+        # A rendered form past its max age may still find its record (a reload of
+        # the order it placed): it replays or resumes that, never starts one.
+        expired_form = form_token is not None and form_token.expired
+        if route.optimistic and recovery is None and not expired_form:
             return run_optimistic(self, view, kwargs, state, fingerprint)
 
         try:
             with self.telemetry.claim():
-                outcome = claim_key(self, scope, key, fingerprint, allow_new=recovery is None)
+                outcome = self._claim(
+                    scope,
+                    key,
+                    fingerprint,
+                    allow_new=recovery is None and not expired_form,
+                    replay=expired_form,
+                    patient=form_token is not None,
+                )
         except RecordGone:
+            if expired_form:
+                raise expired_error(settings) from None
             raise NothingToRecoverError(
                 "No abandoned record to resume for this key; another request finished it."
             ) from None
@@ -177,6 +198,38 @@ class Flow:
             failure_answer=None if route.commit_claim else (lambda: failure_answer(self)),
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
+
+    def _claim(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        allow_new: bool,
+        replay: bool,
+        patient: bool,
+    ) -> t.Any:
+        """:func:`.claim.claim_key`; ``patient`` (a browser's form) waits out a
+        duplicate still running on a committed claim (a leased route, where no
+        row lock makes it wait) for up to ``IDEMPOTENCY_WAIT``, polling, and
+        answers what it ends with: the second click of a double click gets the
+        first's answer, not a 409 page the browser would show instead."""
+        budget = self.settings.wait or self.settings.lease
+        deadline = time.monotonic() + budget.total_seconds()
+        pause = _FIRST_POLL
+        while True:
+            try:
+                return claim_key(self, scope, key, fingerprint, allow_new=allow_new, replay=replay)
+            except ConflictError as exc:
+                # Only "in progress" (not a busy database, nor a lost lease).
+                if not patient or type(exc) is not ConflictError:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self.session.rollback()
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _LAST_POLL)
 
     def answer_existing(
         self, record: Record, fingerprint: str, now: dt.datetime

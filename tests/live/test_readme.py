@@ -132,10 +132,12 @@ def test_every_block_is_python_sh_or_json() -> None:
     # dashboard and scrape configuration) in tests/unit/test_monitoring.py, sql
     # (tracing's ALTER for an older outbox) in tests/unit/test_tracing.py; text
     # is a drawing (a trace's spans), no code.
+    # html+jinja (the forms page's templates) is parsed by Jinja below.
     assert {lang for _, _, lang, _ in blocks()} <= {
         "python",
         "sh",
         "json",
+        "html+jinja",
         "promql",
         "yaml",
         "sql",
@@ -177,8 +179,8 @@ def run_blocks(documents: t.Sequence[Path]) -> dict[str, t.Any]:
         # Each app's pooled connections closed, not left to the garbage collector
         # (psycopg 3 warns about an unclosed connection in whichever test it runs).
         for made in apps:
-            with made.app_context():
-                namespace["db"].engine.dispose()
+            with made.app_context():  # each app's own SQLAlchemy (docs/forms.md has two)
+                made.extensions["sqlalchemy"].engine.dispose()
     return namespace
 
 
@@ -367,3 +369,15 @@ def test_jobs_block_starts_the_web_app_and_the_scheduler(tmp_path: Path) -> None
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_each_template_block_parses() -> None:
+    import jinja2
+
+    templates = blocks("html+jinja")
+    assert templates  # README and docs/forms.md show the form helper
+    for name, line, _, code in templates:
+        try:
+            jinja2.Environment().parse(code)
+        except jinja2.TemplateSyntaxError as exc:  # pragma: no cover - the failure's message
+            pytest.fail(f"{name}:{line}: {exc}")
