@@ -69,11 +69,13 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "kombu": ("kombu", "flask_idempotency.publishers"),
     "otel": ("opentelemetry.metrics", "opentelemetry.trace", "opentelemetry.propagate"),
     "testing": ("pytest", "flask_idempotency.testing", "flask_idempotency_pytest"),
+    "forms": ("flask_wtf", "flask_idempotency.forms"),
     "bench": ("matplotlib", "opentelemetry.sdk", "opentelemetry.exporter.prometheus"),
 }
 #: The other distributions a line names, with the module each provides.
 PACKAGE_IMPORTS = {
     "build": "build",
+    "flask-wtf": "flask_wtf",
     "pytest": "pytest",
     "opentelemetry-sdk": "opentelemetry.sdk",
     "opentelemetry-exporter-prometheus": "opentelemetry.exporter.prometheus",
