@@ -3,6 +3,7 @@ readiness; what a view calls on it comes from :class:`._view.ViewAPI`."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import typing as t
@@ -27,7 +28,7 @@ from ._request import session_guard
 from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, route_options
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
-from ._request.route import RouteOptions
+from ._request.route import RouteOptions, view_name
 from ._storage import Store, inbox_table, job_lock_table, outbox_table, pooler, record_table
 from ._view import ViewAPI
 from .cli import idempotency_cli
@@ -284,12 +285,14 @@ class Idempotency(ViewAPI):
             wait=wait,
             optimistic=optimistic,
         )
-        self._routes.append(route)
-        for known in list(self._states):
-            known.route_settings[route] = route.settings_for(known.settings)
 
         def decorator(view: F) -> F:
-            return protect(view, route)
+            # Named after the view, so an error about its settings names it.
+            named = dataclasses.replace(route, view_name=view_name(view))
+            self._routes.append(named)
+            for known in list(self._states):
+                known.route_settings[named] = named.settings_for(known.settings)
+            return protect(view, named)
 
         if view is not None:
             if not callable(view):

@@ -79,7 +79,9 @@ def route_options(
     if commit_claim and lease is not True:
         overrides["lease"] = _config.as_timedelta(t.cast(float, lease), "lease")
     if "ttl" in overrides and "lease" in overrides:
-        _config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
+        _config.check_retention(
+            overrides["ttl"], overrides["lease"], "@idem.idempotent", names=("ttl=", "lease=")
+        )
     if key_format is not None:
         overrides["key_format"] = resolve_key_format(key_format, "key_format")
     if key_max_length is not None:
