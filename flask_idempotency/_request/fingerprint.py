@@ -361,8 +361,13 @@ def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
         raise MalformedBodyError(f"The body holds a value that cannot be compared: {exc}") from exc
 
 
-def request_fingerprint(schema: Schema | None, exclude: t.Iterable[str]) -> tuple[t.Any, str]:
-    """Load the current request's payload and fingerprint it: ``(payload, hash)``."""
+def request_fingerprint(
+    schema: Schema | None, exclude: t.Iterable[str], *, path: str | None = None
+) -> tuple[t.Any, str]:
+    """Load the current request's payload and fingerprint it: ``(payload, hash)``.
+
+    ``path``: the hash as if the same request had been sent to that path (the
+    422's check whether only the route differs); default the request's own."""
     paths = exclude_paths(exclude)
     if schema is not None:
         raw = read_json_body()
@@ -386,7 +391,8 @@ def request_fingerprint(schema: Schema | None, exclude: t.Iterable[str]) -> tupl
             normalized = payload
     query = [(k, v) for k, values in request.args.lists() for v in values]
     mimetype = request.mimetype if normalized else None
-    return payload, compute(request.method, request.path, query, normalized, mimetype)
+    sent_to = request.path if path is None else path
+    return payload, compute(request.method, sent_to, query, normalized, mimetype)
 
 
 def resolve_schema(schema: SchemaArg) -> Schema | None:
