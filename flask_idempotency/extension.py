@@ -9,7 +9,7 @@ import re
 import typing as t
 import weakref
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, appcontext_pushed, jsonify
 
 from . import _config, config
 from ._context import (
@@ -29,7 +29,16 @@ from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, rou
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
 from ._request.route import RouteOptions, view_name
-from ._storage import Store, inbox_table, job_lock_table, outbox_table, pooler, record_table
+from ._storage import (
+    Store,
+    configured_urls,
+    inbox_table,
+    job_lock_table,
+    missing_driver,
+    outbox_table,
+    pooler,
+    record_table,
+)
 from ._view import ViewAPI
 from .cli import idempotency_cli
 
@@ -115,6 +124,7 @@ class Idempotency(ViewAPI):
         maintenance jobs on its first request.
         """
         check_unregistered(app)
+        check_drivers(app)
         if db is None:
             db = app.extensions.get("sqlalchemy")
             if db is None:
@@ -148,9 +158,7 @@ class Idempotency(ViewAPI):
         register(app, state)
         gauges.watch(app)
         if settings.database_pooler == "transaction":
-            with app.app_context():
-                for engine in db.engines.values():
-                    pooler.watch(engine)
+            watch_pooled_engines(app, db)
         self._states.add(state)
         app.before_request(RouteCheck(app))
         app.teardown_request(end_request)
@@ -395,3 +403,39 @@ class Idempotency(ViewAPI):
                 return self.readiness()
 
         return readiness_http.serve(app, check, host=host, port=port, path=path)
+
+
+def check_drivers(app: Flask) -> None:
+    """Refuse, with the extra or URL to use, a database URL whose driver is not
+    installed (a plain ``postgresql://`` selects psycopg 3 under SQLAlchemy 2.1,
+    which the ``[postgresql]`` extra does not install). Called before
+    ``db.init_app(app)``, this comes before Flask-SQLAlchemy's bare
+    ``ModuleNotFoundError``; after it, the driver imported already."""
+    for setting, url in configured_urls(app.config):
+        problem = missing_driver(url, setting)
+        if problem is not None:
+            raise RuntimeError(f"Flask-Idempotency: {problem}")
+
+
+def watch_pooled_engines(app: Flask, db: SQLAlchemy) -> None:
+    """Watch the app's engines under a transaction pooler (:func:`pooler.watch`):
+    now when ``db.init_app(app)`` has run, else at the app's first app context
+    (``idem.init_app`` may come first, so that it checks the drivers)."""
+    try:
+        with app.app_context():
+            engines = list(db.engines.values())
+    except RuntimeError:  # the app is not registered with db yet
+
+        def later(sender: Flask, **_: t.Any) -> None:
+            try:
+                found = list(db.engines.values())
+            except RuntimeError:  # still not registered: the next context
+                return
+            appcontext_pushed.disconnect(later, sender=app)
+            for engine in found:
+                pooler.watch(engine)
+
+        appcontext_pushed.connect(later, sender=app, weak=False)
+        return
+    for engine in engines:
+        pooler.watch(engine)
