@@ -61,6 +61,7 @@ from ._cli import (
 from ._context import resolve_app
 from ._maintenance import runner
 from ._maintenance.jobs import purge_expired, recover_abandoned
+from ._maintenance.scheduler import job_runs
 from ._messaging.admin import outbox_stats, purge_published, retry_parked
 from ._storage import OVERRIDABLE, Hold, inbox, release_verdict
 from ._storage import outbox as outbox_sql
@@ -141,7 +142,8 @@ def purge(batch_size: int | None, dry_run: bool) -> None:
 def stats() -> None:
     """Records by status, oldest in progress, expired awaiting cleanup, table size;
     the outbox (pending, retrying, oldest pending age, parked, published) and the
-    inbox (processed ids, per consumer), each when its table exists."""
+    inbox (processed ids, per consumer), each when its table exists; and ``jobs``:
+    when each maintenance job last started and finished, in any process."""
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
@@ -153,6 +155,9 @@ def stats() -> None:
     numbers["oldest_in_progress"] = _cli.iso(numbers["oldest_in_progress"])
     if has_outbox:
         numbers.update(outbox_stats(resolve_app()))
+    runs = job_runs(resolve_app())
+    if runs is not None:
+        numbers["jobs"] = runs
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 

@@ -10,6 +10,7 @@ import threading
 import time
 import typing as t
 
+import sqlalchemy as sa
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
@@ -36,6 +37,48 @@ def _relay_job(app: Flask, keep_going: KeepGoing) -> None:
     # away) or the lock is lost; a failing event does not end the drain.
     while relay_batch(app).more and keep_going():
         pass
+
+
+def job_intervals(app: Flask) -> dict[str, dt.timedelta]:
+    """The built-in jobs ``app`` schedules (by lock name), with their intervals:
+    the outbox relay only with an ``IDEMPOTENCY_PUBLISHER``."""
+    settings = app_state(app).settings
+    every = {"purge": settings.purge_every, "recover": settings.recover_every}
+    if app.config.get("IDEMPOTENCY_PUBLISHER") is not None:
+        every["relay"] = settings.relay_every
+    return every
+
+
+def job_runs(app: Flask) -> dict[str, dict[str, t.Any]] | None:
+    """When each job last ran, in any process (the job locks' table, which every
+    scheduled run goes through: the in-process schedulers of several app
+    processes, a separate ``flask idempotency scheduler``; the commands run by
+    hand take no lock and are not counted), by lock
+    name: ``job`` (the name the metrics use), ``every_s`` (this app's interval;
+    ``None`` for a job it does not schedule), ``last_started_at``,
+    ``last_finished_at`` (ISO 8601, the database's clock; ``None``: never) and
+    ``running`` (its lock is held now). ``None`` when the table does not exist.
+    One small read, for operators."""
+    state = app_state(app)
+    every = job_intervals(app)
+    locks = JobLocks(state.job_lock_table)
+    with state.db.engine.connect() as conn:
+        if not sa.inspect(conn).has_table(state.job_lock_table.name):
+            return None
+        now = state.now(conn)
+        runs = locks.runs(conn)
+    found: dict[str, dict[str, t.Any]] = {}
+    for name in [*every, *sorted(set(runs) - set(every))]:
+        started, finished, until = runs.get(name, (None, None, None))
+        interval = every.get(name)
+        found[name] = {
+            "job": JOB_NAMES.get(name, name),
+            "every_s": interval.total_seconds() if interval is not None else None,
+            "last_started_at": started.isoformat() if started is not None else None,
+            "last_finished_at": finished.isoformat() if finished is not None else None,
+            "running": until is not None and until > now,
+        }
+    return found
 
 
 class JobScheduler:
@@ -215,13 +258,20 @@ class JobScheduler:
                 self._relay_running = False
             raise
 
+    def summary(self) -> str:
+        """``cleanup every 0:05:00, lease_recovery every 0:00:30, ...``."""
+        return ", ".join(
+            f"{JOB_NAMES.get(name, name)} every {every}"
+            for name, every in job_intervals(self.app).items()
+        )
+
     def start(self) -> None:
         """Start the jobs (and, for the relay, the wake-up thread)."""
         if self.relays and self.state.settings.relay_wake:
             self.waker = RelayWaker(self)
             self.waker.start()
         self._scheduler.start()
-        logger.info("idempotency jobs scheduled in process %d", os.getpid())
+        logger.info("idempotency jobs scheduled in process %d: %s", os.getpid(), self.summary())
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the jobs and the wake-up thread (its LISTEN connection closes)."""
@@ -362,6 +412,15 @@ class InProcessScheduler:
             scheduler.start()
             atexit.register(scheduler.shutdown, False)
             self.scheduler, self._pid = scheduler, os.getpid()
+        # Through Flask's logger, which has a handler by default (under
+        # `flask run` too), at WARNING so an app that configured no logging sees
+        # it: jobs running in every serving process is worth knowing about.
+        app.logger.warning(
+            "Flask-Idempotency: IDEMPOTENCY_SCHEDULER started the maintenance jobs in "
+            "this process (pid %d): %s; 'flask idempotency stats' shows when each last ran",
+            os.getpid(),
+            scheduler.summary(),
+        )
 
     def shutdown(self) -> None:
         with self._lock:
