@@ -9,19 +9,22 @@ import re
 import typing as t
 import weakref
 
-from flask import Flask, Response, appcontext_pushed, jsonify
+from flask import Flask, Response, jsonify
 
 from . import _config, config
 from ._context import (
     AppState,
     app_state,
+    check_drivers,
     check_unregistered,
     end_request,
     find_app_state,
     register,
     resolve_app,
+    watch_pooled_engines,
 )
 from ._maintenance import gauges, health, readiness_http
+from ._maintenance.gauges import KeyStats
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
 from ._request import session_guard
@@ -29,16 +32,7 @@ from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, rou
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
 from ._request.route import RouteOptions, view_name
-from ._storage import (
-    Store,
-    configured_urls,
-    inbox_table,
-    job_lock_table,
-    missing_driver,
-    outbox_table,
-    pooler,
-    record_table,
-)
+from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
 from ._view import ViewAPI
 from .cli import idempotency_cli
 
@@ -346,6 +340,20 @@ class Idempotency(ViewAPI):
         probe = health.probe_for(resolve_app())
         return probe.check(state.db.engine, state.store.table, limit)
 
+    # -- figures ------------------------------------------------------------------
+
+    def stats(self) -> KeyStats:
+        """The record table's figures now: :class:`~flask_idempotency.jobs.KeyStats`
+        (records live, in progress, past their lease, completed, expired awaiting
+        cleanup, the oldest in progress), read by the database's clock. The first
+        three are the figures the gauges (``idempotency.records.*``) report, from
+        the same query. Two short reads on the app's engine, when you call it; a
+        database error propagates (a missing table: ``create-tables``). Call it
+        in an app context. The outbox's figures are
+        :func:`flask_idempotency.relay.outbox_stats`.
+        """
+        return gauges.key_stats(resolve_app())
+
     def readiness_view(self) -> Response:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.
 
@@ -403,39 +411,3 @@ class Idempotency(ViewAPI):
                 return self.readiness()
 
         return readiness_http.serve(app, check, host=host, port=port, path=path)
-
-
-def check_drivers(app: Flask) -> None:
-    """Refuse, with the extra or URL to use, a database URL whose driver is not
-    installed (a plain ``postgresql://`` selects psycopg 3 under SQLAlchemy 2.1,
-    which the ``[postgresql]`` extra does not install). Called before
-    ``db.init_app(app)``, this comes before Flask-SQLAlchemy's bare
-    ``ModuleNotFoundError``; after it, the driver imported already."""
-    for setting, url in configured_urls(app.config):
-        problem = missing_driver(url, setting)
-        if problem is not None:
-            raise RuntimeError(f"Flask-Idempotency: {problem}")
-
-
-def watch_pooled_engines(app: Flask, db: SQLAlchemy) -> None:
-    """Watch the app's engines under a transaction pooler (:func:`pooler.watch`):
-    now when ``db.init_app(app)`` has run, else at the app's first app context
-    (``idem.init_app`` may come first, so that it checks the drivers)."""
-    try:
-        with app.app_context():
-            engines = list(db.engines.values())
-    except RuntimeError:  # the app is not registered with db yet
-
-        def later(sender: Flask, **_: t.Any) -> None:
-            try:
-                found = list(db.engines.values())
-            except RuntimeError:  # still not registered: the next context
-                return
-            appcontext_pushed.disconnect(later, sender=app)
-            for engine in found:
-                pooler.watch(engine)
-
-        appcontext_pushed.connect(later, sender=app, weak=False)
-        return
-    for engine in engines:
-        pooler.watch(engine)
