@@ -199,6 +199,7 @@ def test_stats_shows_jobs_that_never_ran_and_none_without_the_table(fresh_databa
         (started,) = db.session.execute(
             sa.text("SELECT last_started_at FROM idempotency_job_locks WHERE name = 'purge'")
         ).one()
+    with app.app_context():
         db.engine.dispose()
     assert started is not None  # the row the stats read
 

@@ -109,6 +109,8 @@ def test_the_quickstarts_scope_keeps_each_routes_keys_apart(fresh_database: str)
         assert client.post(path, json=body, headers={"Idempotency-Key": "k1"}).status_code == 201
     assert work(app, db) == ["payments", "refunds"]
     with app.app_context():
-        scopes = sorted(db.session.scalars(sa.text("SELECT scope FROM idempotency_keys")))
+        stored = db.session.scalars(sa.text("SELECT scope FROM idempotency_keys"))
+        scopes = sorted(s.decode() if isinstance(s, bytes) else s for s in stored)
+    with app.app_context():
         db.engine.dispose()
     assert scopes == ["payments|user:alice", "refunds|user:alice"]

@@ -23,6 +23,7 @@ from tests.conftest import Clock
 
 
 def make_app(url: str, clock: Clock, idem: Idempotency, **config: t.Any) -> tuple[Flask, t.Any]:
+    """An app with an ``orders`` table; ``db.Order`` is its model."""
     app = Flask("retention")
     app.config.update(SQLALCHEMY_DATABASE_URI=url, **config)
     db = SQLAlchemy(app)
@@ -31,6 +32,7 @@ def make_app(url: str, clock: Clock, idem: Idempotency, **config: t.Any) -> tupl
         __tablename__ = "orders"
         id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
 
+    db.Order = Order
     idem.init_app(app, db, clock=clock)
     with app.app_context():
         db.create_all()
@@ -51,7 +53,7 @@ def test_a_short_ttl_without_a_lease_starts_and_keeps_its_answer_for_that_ttl(
     @app.post("/orders")
     @idem.idempotent(ttl=30)
     def create() -> tuple[dict[str, int], int]:
-        db.session.execute(sa.text("INSERT INTO orders DEFAULT VALUES"))
+        db.session.add(db.Order())
         return {"orders": 1}, 201
 
     client = app.test_client()
@@ -79,7 +81,7 @@ def test_a_record_committed_mid_view_is_not_taken_past_the_ttl_while_its_lease_r
     @app.post("/orders")
     @idem.idempotent(ttl=30)
     def create() -> tuple[dict[str, int], int]:
-        db.session.execute(sa.text("INSERT INTO orders DEFAULT VALUES"))
+        db.session.add(db.Order())
         db.session.commit()  # the record is durable now, in progress under the lease
         committed.set()
         assert finish.wait(30)
