@@ -92,21 +92,31 @@ def as_bool(value: t.Any, name: str) -> bool:
     )
 
 
-def check_retention(ttl: timedelta, lease: timedelta, where: str) -> None:
-    """Refuse a TTL or lease that is not positive, or a TTL not longer than the lease.
-
-    A record that expires while its lease still runs counts as absent: a retry
-    would start a new operation beside the running one.
-    """
+def check_positive(ttl: timedelta, lease: timedelta, where: str) -> None:
+    """Refuse a TTL or lease that is not positive."""
     if ttl <= timedelta(0):
         raise ValueError(f"{where}: the ttl must be positive, got {ttl}")
     if lease <= timedelta(0):
         raise ValueError(f"{where}: the lease must be positive, got {lease}")
+
+
+def check_retention(
+    ttl: timedelta, lease: timedelta, where: str, *, names: tuple[str, str] = ("ttl", "lease")
+) -> None:
+    """Refuse a TTL or lease that is not positive, or a TTL not longer than the lease.
+
+    A leased record (``lease=`` on its route) whose retention ended before its
+    lease would count as absent once that lease ended: the retry that should
+    resume the operation from its recovery points (or the recovery job) would
+    start a new one instead, running its steps again. ``names`` are how the
+    message calls the two values (the route's options, or the app's settings).
+    """
+    check_positive(ttl, lease, where)
     if ttl <= lease:
         raise ValueError(
-            f"{where}: the ttl ({ttl}) must be longer than the lease ({lease}); a record "
-            "that expired while its lease ran would let a retry start a second operation "
-            "beside the running one"
+            f"{where}: the {names[0]} ({ttl}) must be longer than the {names[1]} ({lease}); a "
+            "leased record that expired before its lease ended would make the retry that "
+            "should resume it start a second operation instead"
         )
 
 
@@ -252,7 +262,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         # Also runs for dataclasses.replace(), so route overrides are checked too.
-        check_retention(self.ttl, self.lease, "IDEMPOTENCY_TTL/IDEMPOTENCY_LEASE")
+        # The TTL against the lease is checked where a lease applies: the app's
+        # settings (from_mapping) and each leased route (RouteOptions.settings_for).
+        check_positive(self.ttl, self.lease, "IDEMPOTENCY_TTL/IDEMPOTENCY_LEASE")
 
     @classmethod
     def from_mapping(cls, values: t.Mapping[str, t.Any]) -> Settings:
@@ -268,7 +280,7 @@ class Settings:
             )
         extra = resolve_replay_headers(values["REPLAY_HEADERS"], "IDEMPOTENCY_REPLAY_HEADERS")
         scope = optional_callable(values["SCOPE"], "IDEMPOTENCY_SCOPE")
-        return cls(
+        settings = cls(
             header=header,
             required=as_bool(values["REQUIRED"], "IDEMPOTENCY_REQUIRED"),
             ttl=as_timedelta(values["TTL"], "IDEMPOTENCY_TTL"),
@@ -333,6 +345,15 @@ class Settings:
             if values.get("FORM_KEY_MAX_AGE") is None
             else positive_duration(values["FORM_KEY_MAX_AGE"], "IDEMPOTENCY_FORM_KEY_MAX_AGE"),
         )
+        # The app's lease is every ``lease=True`` route's: its records must
+        # outlive it. (A route's own ttl or lease is checked on that route.)
+        check_retention(
+            settings.ttl,
+            settings.lease,
+            "IDEMPOTENCY_TTL/IDEMPOTENCY_LEASE",
+            names=("IDEMPOTENCY_TTL", "IDEMPOTENCY_LEASE"),
+        )
+        return settings
 
     @functools.cached_property
     def replayed_header_names(self) -> frozenset[str] | None:

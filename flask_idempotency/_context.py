@@ -12,9 +12,9 @@ import dataclasses
 import datetime as dt
 import typing as t
 
-from flask import Flask, current_app, g, has_app_context
+from flask import Flask, appcontext_pushed, current_app, g, has_app_context
 
-from ._storage import database_now
+from ._storage import configured_urls, database_now, missing_driver, pooler
 from .errors import MissingKeyError
 from .keys import derive_scoped_key
 
@@ -224,3 +224,39 @@ def current_derived_key(step: str, *, handed_out: bool = True) -> str:
             )
         state.keys_handed_out = True
     return derive_scoped_key(state.scope, state.key, step, operation=state.operation)
+
+
+def check_drivers(app: Flask) -> None:
+    """Refuse, with the extra or URL to use, a database URL whose driver is not
+    installed (a plain ``postgresql://`` selects psycopg 3 under SQLAlchemy 2.1,
+    which the ``[postgresql]`` extra does not install). Called before
+    ``db.init_app(app)``, this comes before Flask-SQLAlchemy's bare
+    ``ModuleNotFoundError``; after it, the driver imported already."""
+    for setting, url in configured_urls(app.config):
+        problem = missing_driver(url, setting)
+        if problem is not None:
+            raise RuntimeError(f"Flask-Idempotency: {problem}")
+
+
+def watch_pooled_engines(app: Flask, db: t.Any) -> None:
+    """Watch the app's engines under a transaction pooler (:func:`pooler.watch`):
+    now when ``db.init_app(app)`` has run, else at the app's first app context
+    (``idem.init_app`` may come first, so that it checks the drivers)."""
+    try:
+        with app.app_context():
+            engines = list(db.engines.values())
+    except RuntimeError:  # the app is not registered with db yet
+
+        def later(sender: Flask, **_: t.Any) -> None:
+            try:
+                found = list(db.engines.values())
+            except RuntimeError:  # still not registered: the next context
+                return
+            appcontext_pushed.disconnect(later, sender=app)
+            for engine in found:
+                pooler.watch(engine)
+
+        appcontext_pushed.connect(later, sender=app, weak=False)
+        return
+    for engine in engines:
+        pooler.watch(engine)

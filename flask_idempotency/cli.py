@@ -60,7 +60,7 @@ from ._cli import (
 )
 from ._context import resolve_app
 from ._maintenance import runner
-from ._maintenance.jobs import purge_expired, recover_abandoned
+from ._maintenance.jobs import job_runs, purge_expired, recover_abandoned
 from ._messaging.admin import outbox_stats, purge_published, retry_parked
 from ._storage import OVERRIDABLE, Hold, inbox, release_verdict
 from ._storage import outbox as outbox_sql
@@ -140,8 +140,8 @@ def purge(batch_size: int | None, dry_run: bool) -> None:
 @_command("stats")
 def stats() -> None:
     """Records by status, oldest in progress, expired awaiting cleanup, table size;
-    the outbox (pending, retrying, oldest pending age, parked, published) and the
-    inbox (processed ids, per consumer), each when its table exists."""
+    the outbox (pending, retrying, oldest pending age, parked, published), the inbox
+    (processed ids, per consumer), the jobs' last runs, each when its table exists."""
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
@@ -153,6 +153,7 @@ def stats() -> None:
     numbers["oldest_in_progress"] = _cli.iso(numbers["oldest_in_progress"])
     if has_outbox:
         numbers.update(outbox_stats(resolve_app()))
+    numbers["jobs"] = job_runs(resolve_app())  # None without the job locks' table
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 

@@ -369,15 +369,23 @@ class DatabaseUnavailableError(ProblemError):
 
 
 class ServerMisconfiguredError(ProblemError):
-    """The server is not set up to run the request (500): a table of the
-    extension's is missing (``flask idempotency create-tables`` or the app's
-    migrations were never run against this database). Nothing ran and nothing was
-    stored. No ``Retry-After``: waiting does not help until an operator acts; a
-    retry with the same key, once they have, is safe."""
+    """The server is not set up to run the request (503, ``Retry-After``): a table
+    of the extension's is missing (``flask idempotency create-tables`` or the
+    app's migrations were never run against this database). Nothing ran and
+    nothing was stored; a retry with the same key, once an operator has created
+    the table, is safe. ``Retry-After`` is :attr:`RETRY_AFTER`: long enough
+    that retrying clients do not hammer a host that readiness already reports
+    not ready."""
 
     slug = "server-misconfigured"
     title = "The server is misconfigured"
-    code = 500
+    code = 503
+    #: Seconds a client should wait before it retries.
+    RETRY_AFTER = 30
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Retry-After": str(self.RETRY_AFTER)})
+        self.retry_after = self.RETRY_AFTER
 
 
 class EventIdConflictError(IdempotencyError):

@@ -3,6 +3,7 @@ readiness; what a view calls on it comes from :class:`._view.ViewAPI`."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import typing as t
@@ -14,21 +15,24 @@ from . import _config, config
 from ._context import (
     AppState,
     app_state,
+    check_drivers,
     check_unregistered,
     end_request,
     find_app_state,
     register,
     resolve_app,
+    watch_pooled_engines,
 )
 from ._maintenance import gauges, health, readiness_http
+from ._maintenance.gauges import KeyStats
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
 from ._request import formkeys, session_guard
 from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, route_options
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
-from ._request.route import RouteOptions
-from ._storage import Store, inbox_table, job_lock_table, outbox_table, pooler, record_table
+from ._request.route import RouteOptions, view_name
+from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
 from ._view import ViewAPI
 from .cli import idempotency_cli
 
@@ -114,6 +118,7 @@ class Idempotency(ViewAPI):
         maintenance jobs on its first request.
         """
         check_unregistered(app)
+        check_drivers(app)
         if db is None:
             db = app.extensions.get("sqlalchemy")
             if db is None:
@@ -150,9 +155,7 @@ class Idempotency(ViewAPI):
         app.add_template_global(formkeys.form_key, "idempotency_form_key")
         gauges.watch(app)
         if settings.database_pooler == "transaction":
-            with app.app_context():
-                for engine in db.engines.values():
-                    pooler.watch(engine)
+            watch_pooled_engines(app, db)
         self._states.add(state)
         app.before_request(RouteCheck(app))
         app.teardown_request(end_request)
@@ -287,12 +290,14 @@ class Idempotency(ViewAPI):
             wait=wait,
             optimistic=optimistic,
         )
-        self._routes.append(route)
-        for known in list(self._states):
-            known.route_settings[route] = route.settings_for(known.settings)
 
         def decorator(view: F) -> F:
-            return protect(view, route)
+            # Named after the view, so an error about its settings names it.
+            named = dataclasses.replace(route, view_name=view_name(view))
+            self._routes.append(named)
+            for known in list(self._states):
+                known.route_settings[named] = named.settings_for(known.settings)
+            return protect(view, named)
 
         if view is not None:
             if not callable(view):
@@ -337,6 +342,20 @@ class Idempotency(ViewAPI):
         )
         probe = health.probe_for(resolve_app())
         return probe.check(state.db.engine, state.store.table, limit)
+
+    # -- figures ------------------------------------------------------------------
+
+    def stats(self) -> KeyStats:
+        """The record table's figures now: :class:`~flask_idempotency.jobs.KeyStats`
+        (records live, in progress, past their lease, completed, expired awaiting
+        cleanup, the oldest in progress), read by the database's clock. The first
+        three are the figures the gauges (``idempotency.records.*``) report, from
+        the same query. Two short reads on the app's engine, when you call it; a
+        database error propagates (a missing table: ``create-tables``). Call it
+        in an app context. The outbox's figures are
+        :func:`flask_idempotency.relay.outbox_stats`.
+        """
+        return gauges.key_stats(resolve_app())
 
     def readiness_view(self) -> Response:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.

@@ -144,7 +144,7 @@ def _warn_once(endpoint: str, reason: str, message: str, *args: object) -> None:
 
 _SET_SCOPE = (
     "Set IDEMPOTENCY_SCOPE (or scope= on the route) to the authenticated caller, "
-    'e.g. lambda: f"user:{g.user.id}".'
+    'e.g. lambda: f"{request.endpoint}|user:{g.user.id}".'
 )
 
 
@@ -274,7 +274,7 @@ def default_scope() -> str:
             "the %r cookie; the scope follows a digest of its value, which keeps "
             "callers apart, but a retry sent with a changed cookie runs again. Use "
             "Flask-Login or set IDEMPOTENCY_SCOPE to the user's id, e.g. "
-            'lambda: f"user:{g.user.id}".',
+            'lambda: f"{request.endpoint}|user:{g.user.id}".',
             cookie_name,
         )
         identity = f"session:{sha256_hex(cookie)}"

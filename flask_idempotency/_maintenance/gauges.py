@@ -8,6 +8,7 @@ means (no figures for that interval).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import typing as t
 import weakref
@@ -55,6 +56,52 @@ def watch(app: Flask) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyStats:
+    """The record table's figures at one moment (:meth:`Idempotency.stats`).
+
+    ``live``, ``in_progress`` and ``past_lease`` are what the gauges
+    ``idempotency.records.live``, ``.in_flight`` and ``.past_lease`` report: one
+    query, judged by the database's clock.
+    """
+
+    #: Records within their retention (completed or in progress).
+    live: int
+    #: Of those, the ones in progress (a request running, or abandoned).
+    in_progress: int
+    #: Of those in progress, the ones whose lease has ended: abandoned, awaiting
+    #: a retry or the lease recovery job.
+    past_lease: int
+    #: Records past their retention, not yet deleted by cleanup.
+    expired_awaiting_cleanup: int
+    #: When the oldest live record in progress was created (``None``: none).
+    oldest_in_progress: dt.datetime | None
+    #: The database's time the figures were read at.
+    read_at: dt.datetime
+
+    @property
+    def completed(self) -> int:
+        """Live records completed (replayed to a retry)."""
+        return self.live - self.in_progress
+
+
+def key_stats(app: Flask) -> KeyStats:
+    """``app``'s record table figures (raises on a database error, a missing table too)."""
+    with app.app_context():
+        state = app_state(app)
+        with state.db.engine.connect() as conn:
+            now = state.now(conn)
+            live, in_progress, past_lease = state.store.live_counts(conn, now)
+            return KeyStats(
+                live=live,
+                in_progress=in_progress,
+                past_lease=past_lease,
+                expired_awaiting_cleanup=state.store.count_expired(conn, now),
+                oldest_in_progress=state.store.oldest_in_progress(conn, now),
+                read_at=now,
+            )
+
+
 def read_figures(app: Flask) -> dict[str, float]:
     """One snapshot of ``app``'s figures, by gauge name (raises on a database error)."""
     with app.app_context():
@@ -62,6 +109,7 @@ def read_figures(app: Flask) -> dict[str, float]:
         with state.db.engine.connect() as conn:
             # The database's clock, as the recovery job's: the stuck-lease alert
             # reads "past their lease" from here, whatever this host's clock says.
+            # The same query as key_stats' first three figures.
             now = state.now(conn)
             live, in_flight, past_lease = state.store.live_counts(conn, now)
             found: dict[str, float] = {

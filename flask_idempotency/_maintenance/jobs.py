@@ -23,6 +23,7 @@ from .._storage import (
     release_verdict,
 )
 from .._storage import outbox as outbox_sql
+from .._storage.locks import JobLocks
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -307,3 +308,49 @@ def recover_abandoned(
         logger.info("lease recovery: %s", report)
         telemetry.job_rows("lease_recovery", report.completed + report.released)
     return report
+
+
+#: The metrics' ``idempotency.job`` of the built-in jobs; an app's own keep their names.
+JOB_NAMES = {"purge": "cleanup", "recover": "lease_recovery", "relay": "outbox_relay"}
+
+
+def job_intervals(app: Flask) -> dict[str, dt.timedelta]:
+    """The built-in jobs ``app`` schedules (by lock name), with their intervals:
+    the outbox relay only with an ``IDEMPOTENCY_PUBLISHER``."""
+    settings = app_state(app).settings
+    every = {"purge": settings.purge_every, "recover": settings.recover_every}
+    if app.config.get("IDEMPOTENCY_PUBLISHER") is not None:
+        every["relay"] = settings.relay_every
+    return every
+
+
+def job_runs(app: Flask) -> dict[str, dict[str, t.Any]] | None:
+    """When each job last ran, in any process (the job locks' table, which every
+    scheduled run goes through: the in-process schedulers of several app
+    processes, a separate ``flask idempotency scheduler``; the commands run by
+    hand take no lock and are not counted), by lock
+    name: ``job`` (the name the metrics use), ``every_s`` (this app's interval;
+    ``None`` for a job it does not schedule), ``last_started_at``,
+    ``last_finished_at`` (ISO 8601, the database's clock; ``None``: never) and
+    ``running`` (its lock is held now). ``None`` when the table does not exist.
+    One small read, for operators."""
+    state = app_state(app)
+    every = job_intervals(app)
+    locks = JobLocks(state.job_lock_table)
+    with state.db.engine.connect() as conn:
+        if not sa.inspect(conn).has_table(state.job_lock_table.name):
+            return None
+        now = state.now(conn)
+        runs = locks.runs(conn)
+    found: dict[str, dict[str, t.Any]] = {}
+    for name in [*every, *sorted(set(runs) - set(every))]:
+        started, finished, until = runs.get(name, (None, None, None))
+        interval = every.get(name)
+        found[name] = {
+            "job": JOB_NAMES.get(name, name),
+            "every_s": interval.total_seconds() if interval is not None else None,
+            "last_started_at": started.isoformat() if started is not None else None,
+            "last_finished_at": finished.isoformat() if finished is not None else None,
+            "running": until is not None and until > now,
+        }
+    return found

@@ -19,14 +19,11 @@ from .._context import app_state
 from .._messaging.listener import Listener, RelistenBackoff
 from .._storage import dberrors
 from .._storage.locks import JobLocks, new_holder_id
-from .jobs import KeepGoing, purge_expired, recover_abandoned
+from .jobs import JOB_NAMES, KeepGoing, job_intervals, purge_expired, recover_abandoned
 
 logger = logging.getLogger("flask_idempotency")
 
 JobFunc = t.Callable[[Flask, KeepGoing], object]
-
-#: The metrics' ``idempotency.job`` of the built-in jobs; an app's own keep their names.
-JOB_NAMES = {"purge": "cleanup", "recover": "lease_recovery", "relay": "outbox_relay"}
 
 
 def _relay_job(app: Flask, keep_going: KeepGoing) -> None:
@@ -215,13 +212,20 @@ class JobScheduler:
                 self._relay_running = False
             raise
 
+    def summary(self) -> str:
+        """``cleanup every 0:05:00, lease_recovery every 0:00:30, ...``."""
+        return ", ".join(
+            f"{JOB_NAMES.get(name, name)} every {every}"
+            for name, every in job_intervals(self.app).items()
+        )
+
     def start(self) -> None:
         """Start the jobs (and, for the relay, the wake-up thread)."""
         if self.relays and self.state.settings.relay_wake:
             self.waker = RelayWaker(self)
             self.waker.start()
         self._scheduler.start()
-        logger.info("idempotency jobs scheduled in process %d", os.getpid())
+        logger.info("idempotency jobs scheduled in process %d: %s", os.getpid(), self.summary())
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the jobs and the wake-up thread (its LISTEN connection closes)."""
@@ -362,6 +366,15 @@ class InProcessScheduler:
             scheduler.start()
             atexit.register(scheduler.shutdown, False)
             self.scheduler, self._pid = scheduler, os.getpid()
+        # Through Flask's logger, which has a handler by default (under
+        # `flask run` too), at WARNING so an app that configured no logging sees
+        # it: jobs running in every serving process is worth knowing about.
+        app.logger.warning(
+            "Flask-Idempotency: IDEMPOTENCY_SCHEDULER started the maintenance jobs in "
+            "this process (pid %d): %s; 'flask idempotency stats' shows when each last ran",
+            os.getpid(),
+            scheduler.summary(),
+        )
 
     def shutdown(self) -> None:
         with self._lock:

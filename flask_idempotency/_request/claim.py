@@ -38,7 +38,8 @@ from ..errors import (
     TooLargeToStore,
 )
 from .claim_guard import Reassert
-from .fingerprint import stored_request_body
+from .fingerprint import request_fingerprint, stored_request_body
+from .formkeys import form_ignored_fields
 from .responses import replay
 
 if t.TYPE_CHECKING:
@@ -236,6 +237,14 @@ def answer_existing(
     app = resolve_app()
     if record.request_hash != fingerprint:
         signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
+        other = route_of_same_request(flow, record.request_hash)
+        if other is not None:
+            raise KeyReusedError(
+                f"This idempotency key was already used on another route ({other}) with the "
+                "same request payload: only the route differs. The key's scope is shared by "
+                "both routes; use a new key for a new operation (or a scope that includes the "
+                "endpoint, as the default scope does)."
+            )
         raise KeyReusedError(
             "This idempotency key was already used with a different request payload. "
             "Use a new key for a new operation."
@@ -257,6 +266,36 @@ def answer_existing(
         )
     if record.view_committed:
         return settle_view_committed(flow, record, now)
+    return None
+
+
+def route_of_same_request(flow: Flow, stored_hash: str) -> str | None:
+    """``METHOD /path`` of another route of the app that this very request (method,
+    query, body, as this route fingerprints it) would have hashed to
+    ``stored_hash`` on, or ``None``.
+
+    A record keeps the fingerprint only (the route is in it, not beside it: a
+    column would cost every claim), so on a 422 the request is hashed again as
+    sent to each other route with this method and no URL variables: a few
+    SHA-256 of a body already read, on the mismatch path only. A route with
+    variables (``/orders/<id>``) is not tried: its path cannot be guessed.
+    """
+    current = request.url_rule.rule if request.url_rule is not None else None
+    for rule in resolve_app().url_map.iter_rules():
+        if rule.arguments or rule.rule == current or request.method not in (rule.methods or ()):
+            continue
+        try:
+            _, hashed = request_fingerprint(
+                flow.route.schema,
+                flow.route.exclude,
+                form_ignored_fields(flow.settings),
+                path=rule.rule,
+            )
+        except Exception:  # a hint never turns the 422 into another answer
+            logger.debug("could not hash the request for %s", rule.rule, exc_info=True)
+            return None
+        if hashed == stored_hash:
+            return f"{request.method} {rule.rule}"
     return None
 
 

@@ -10,6 +10,7 @@ import datetime as dt
 import functools
 import logging
 import re
+import threading
 import typing as t
 import weakref
 
@@ -79,7 +80,9 @@ def route_options(
     if commit_claim and lease is not True:
         overrides["lease"] = _config.as_timedelta(t.cast(float, lease), "lease")
     if "ttl" in overrides and "lease" in overrides:
-        _config.check_retention(overrides["ttl"], overrides["lease"], "@idempotent")
+        _config.check_retention(
+            overrides["ttl"], overrides["lease"], "@idem.idempotent", names=("ttl=", "lease=")
+        )
     if key_format is not None:
         overrides["key_format"] = resolve_key_format(key_format, "key_format")
     if key_max_length is not None:
@@ -229,18 +232,23 @@ def database_problem(
     the claim, the lease renewal, the completion) is this host's outage, as
     readiness says ("forbidden"); refused on a table of the app's, the app's
     own error. The record's table, or one of ``others`` (the extension's other
-    tables a request writes: the outbox), missing answers 500
-    ``server-misconfigured``, logged at ERROR with the command that creates it;
-    a table of the app's missing is the app's own error. Rolls ``session`` back
-    first (a failure of that rollback is expected when the connection is gone,
-    and ignored) and logs ``exc`` once.
+    tables a request writes: the outbox), missing answers 503
+    ``server-misconfigured`` with ``Retry-After``, logged at ERROR with the
+    command that creates it once per process, database and table (then at
+    DEBUG: a host taking traffic without its tables would otherwise log a line per
+    request); a table of the app's missing is the app's own error. Rolls
+    ``session`` back first (a failure of that rollback is expected when the
+    connection is gone, and ignored) and logs ``exc`` once.
     """
     missing = dberrors.missing_table(exc, (records, *others))
     if missing is not None:
         _roll_back(session)
-        logger.error(
-            "%s %s answered 500: the table %s is missing from the database: run "
-            "'flask idempotency create-tables' or the app's migrations",
+        first = _first_report(session, missing)
+        logger.log(
+            logging.ERROR if first else logging.DEBUG,
+            "%s %s answered 503: the table %s is missing from the database: run "
+            "'flask idempotency create-tables' or the app's migrations (logged once "
+            "per process and table; readiness reports missing_table meanwhile)",
             request.method,
             request.path,
             missing,
@@ -266,6 +274,25 @@ def database_problem(
         dberrors.summary(exc),
     )
     return problem
+
+
+#: The missing tables already reported at ERROR, per database (the engine's URL,
+#: as text without its password): a process reports each once.
+_reported_missing: set[tuple[str, str]] = set()
+_reported_lock = threading.Lock()
+
+
+def _first_report(session: t.Any, table: str) -> bool:
+    """Whether ``table`` missing is this process's first report for the session's database."""
+    try:
+        database = str(session.get_bind().url)  # rendered with the password hidden
+    except Exception:  # no bind to name: one report per table
+        database = ""
+    with _reported_lock:
+        if (database, table) in _reported_missing:
+            return False
+        _reported_missing.add((database, table))
+        return True
 
 
 def _roll_back(session: t.Any) -> None:

@@ -362,13 +362,18 @@ def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
 
 
 def request_fingerprint(
-    schema: Schema | None, exclude: t.Iterable[str], form_ignored: t.Collection[str] = ()
+    schema: Schema | None,
+    exclude: t.Iterable[str],
+    form_ignored: t.Collection[str] = (),
+    *,
+    path: str | None = None,
 ) -> tuple[t.Any, str]:
     """Load the current request's payload and fingerprint it: ``(payload, hash)``.
 
     ``form_ignored`` names the fields of a form body that never count (the
     form's key, the CSRF token: both change with each rendering of one form).
-    """
+    ``path``: the hash as if the same request had been sent to that path (the
+    422's check whether only the route differs); default the request's own."""
     paths = exclude_paths(exclude)
     if schema is not None:
         raw = read_json_body()
@@ -394,7 +399,8 @@ def request_fingerprint(
             normalized = payload
     query = [(k, v) for k, values in request.args.lists() for v in values]
     mimetype = request.mimetype if normalized else None
-    return payload, compute(request.method, request.path, query, normalized, mimetype)
+    sent_to = request.path if path is None else path
+    return payload, compute(request.method, sent_to, query, normalized, mimetype)
 
 
 def resolve_schema(schema: SchemaArg) -> Schema | None:

@@ -7,7 +7,7 @@ import typing as t
 
 from marshmallow import Schema
 
-from .._config import Settings
+from .._config import Settings, check_retention
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -24,9 +24,40 @@ class RouteOptions:
     optimistic: bool = False
     #: Settings this route overrides (lower-case ``Settings`` field names).
     overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
+    #: The decorated view (module and name), for errors about this route.
+    view_name: str = "a view"
 
     def settings_for(self, app_settings: Settings) -> Settings:
-        """The app's settings with this route's overrides; validated."""
+        """The app's settings with this route's overrides; validated.
+
+        Only a leased route (``lease=``) is bound to a ttl longer than its lease:
+        its record must outlive the lease, so that the retry after a crash (or the
+        recovery job) resumes the operation instead of starting a new one. A
+        route without ``lease=`` commits its record with the view's writes; the
+        lease only counts after the view commits in the middle of its run, and a
+        record held under a live lease never counts as expired (whatever its
+        ttl, ``Record.is_expired``), so no retry starts beside it either way.
+        """
         if not self.overrides:
             return app_settings
-        return dataclasses.replace(app_settings, **self.overrides)
+        settings = dataclasses.replace(app_settings, **self.overrides)
+        if self.commit_claim and ("ttl" in self.overrides or "lease" in self.overrides):
+            check_retention(
+                settings.ttl,
+                settings.lease,
+                f"@idem.idempotent on {self.view_name}",
+                names=(
+                    "ttl=" if "ttl" in self.overrides else "ttl (IDEMPOTENCY_TTL)",
+                    "lease="
+                    if "lease" in self.overrides
+                    else "lease (lease=True: IDEMPOTENCY_LEASE)",
+                ),
+            )
+        return settings
+
+
+def view_name(view: t.Callable[..., t.Any]) -> str:
+    """``module.qualname`` of a view function (its endpoint is chosen later)."""
+    module = getattr(view, "__module__", None)
+    name = getattr(view, "__qualname__", None) or getattr(view, "__name__", repr(view))
+    return f"{module}.{name}" if module else str(name)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from . import dberrors
 from .dialects import Executor, idle_bound
+from .driver_check import configured_urls, missing_driver
 from .held import answer_values
 from .holds import OVERRIDABLE, Hold, Verdict, release_verdict
 from .locks import JobLocks, new_holder_id
@@ -88,12 +89,14 @@ __all__ = [
     "answer_values",
     "as_utc",
     "changed_one",
+    "configured_urls",
     "database_now",
     "dberrors",
     "idle_bound",
     "inbox_table",
     "is_unstored",
     "job_lock_table",
+    "missing_driver",
     "new_fencing_token",
     "new_holder_id",
     "open_transaction",

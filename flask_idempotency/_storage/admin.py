@@ -125,15 +125,20 @@ class OperatorQueries(Statements):
                 sa.select(c.status, sa.func.count()).where(live).group_by(c.status)
             )
         }
-        oldest = conn.execute(
-            sa.select(sa.func.min(c.created_at)).where(live, c.status == IN_PROGRESS)
-        ).scalar_one()
         return {
             "by_status": by_status,
             "expired_awaiting_cleanup": self.count_expired(conn, now),
-            "oldest_in_progress": as_utc(oldest),
+            "oldest_in_progress": self.oldest_in_progress(conn, now),
             "table_bytes": dialect_for(conn.dialect.name).table_bytes(conn, self.table),
         }
+
+    def oldest_in_progress(self, conn: sa.Connection, now: dt.datetime) -> dt.datetime | None:
+        """When the oldest record in progress within its retention was created."""
+        c = self.table.c
+        oldest = conn.execute(
+            sa.select(sa.func.min(c.created_at)).where(c.expires_at > now, c.status == IN_PROGRESS)
+        ).scalar_one()
+        return as_utc(oldest)
 
     def live_counts(self, conn: sa.Connection, now: dt.datetime) -> tuple[int, int, int]:
         """In one query: records within their retention, of those the ones in

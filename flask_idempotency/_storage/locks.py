@@ -48,6 +48,7 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
+from .schema import as_utc
 from .sql import changed_one, database_now, returning
 
 logger = logging.getLogger("flask_idempotency")
@@ -104,6 +105,19 @@ class JobLocks:
                     "ahead of" if skew > dt.timedelta(0) else "behind",
                 )
         return now
+
+    def runs(self, conn: sa.Connection) -> dict[str, tuple[t.Any, t.Any, t.Any]]:
+        """For each job that ever took its lock, by name: when its last run
+        (in any process) started, when the last one finished, and until when
+        its lock is held (``None``: free); the database's times."""
+        c = self.table.c
+        rows = conn.execute(
+            sa.select(c.name, c.last_started_at, c.last_finished_at, c.locked_until)
+        )
+        return {
+            str(name): (as_utc(started), as_utc(finished), as_utc(until))
+            for name, started, finished, until in rows
+        }
 
     def _ensure_row(self, engine: sa.Engine, name: str) -> None:
         try:

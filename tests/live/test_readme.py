@@ -297,11 +297,14 @@ def test_cli_block_against_the_quickstart(tmp_path: Path) -> None:
     )
     sh(f'{sys.executable} -c "{make}"', shop, {"PYTHONPATH": str(shop)})
     out = sh(block_with("sh", "idempotency show"), shop, {"PYTHONPATH": str(shop)})
-    assert '"scope": "user:alice"' in out
+    assert '"scope": "payments.create_payment|user:alice"' in out
     # The newest of the key's scopes (bob's) was found; completed, it is refused.
     assert "release: exit 1" in out
     remaining = sh("flask --app shop idempotency list --key order-42", shop)
-    assert [r["scope"] for r in json.loads(remaining)] == ["user:bob", "user:alice"]
+    assert [r["scope"] for r in json.loads(remaining)] == [
+        "payments.create_payment|user:bob",
+        "payments.create_payment|user:alice",
+    ]
 
 
 def test_exit_code_block_against_the_quickstart(tmp_path: Path) -> None:

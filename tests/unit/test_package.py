@@ -95,6 +95,7 @@ PUBLIC: dict[str, set[str]] = {
         "retry_parked",
     },
     "flask_idempotency.jobs": {
+        "KeyStats",
         "PurgeReport",
         "RecoveryReport",
         "purge_expired",

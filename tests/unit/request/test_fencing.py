@@ -306,8 +306,8 @@ def test_replaced_record_keeps_no_stored_request_of_the_old_operation(
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"IDEMPOTENCY_TTL": 60, "IDEMPOTENCY_LEASE": 60}, "longer than the lease"),
-        ({"IDEMPOTENCY_TTL": 30, "IDEMPOTENCY_LEASE": 60}, "longer than the lease"),
+        ({"IDEMPOTENCY_TTL": 60, "IDEMPOTENCY_LEASE": 60}, "must be longer than the"),
+        ({"IDEMPOTENCY_TTL": 30, "IDEMPOTENCY_LEASE": 60}, "must be longer than the"),
         ({"IDEMPOTENCY_TTL": 0}, "ttl must be positive"),
         ({"IDEMPOTENCY_LEASE": 0}, "lease must be positive"),
     ],
@@ -326,7 +326,7 @@ def test_init_app_refuses_a_ttl_not_longer_than_the_lease(
 
 def test_route_options_are_checked_at_decoration() -> None:
     idem = Idempotency()
-    with pytest.raises(ValueError, match="longer than the lease"):
+    with pytest.raises(ValueError, match="must be longer than the"):
         idem.idempotent(ttl=30, lease=60)
     with pytest.raises(ValueError, match="lease must be positive"):
         idem.idempotent(ttl=30, lease=dt.timedelta(0))
@@ -340,20 +340,23 @@ def test_route_lease_is_checked_against_the_apps_ttl_whenever_both_are_known() -
         app.config.update(SQLALCHEMY_DATABASE_URI="sqlite://", IDEMPOTENCY_TTL=120)
         return app, SQLAlchemy(app)
 
+    def export() -> str:
+        return "ok"
+
     # Decorated first, registered later: init_app refuses.
     idem = Idempotency()
-    idem.idempotent(lease=600)
+    idem.idempotent(lease=600)(export)
     app, db = make_app()
-    with pytest.raises(ValueError, match="longer than the lease"):
+    with pytest.raises(ValueError, match="must be longer than the"):
         idem.init_app(app, db)
 
     # Registered first, decorated later: the decoration refuses.
     idem = Idempotency()
     app, db = make_app()
     idem.init_app(app, db)
-    with pytest.raises(ValueError, match="longer than the lease"):
-        idem.idempotent(lease=600)
-    idem.idempotent(lease=60)  # shorter than the ttl: fine
+    with pytest.raises(ValueError, match="must be longer than the"):
+        idem.idempotent(lease=600)(export)
+    idem.idempotent(lease=60)(export)  # shorter than the ttl: fine
 
 
 # -- retention never overrides a live lease ------------------------------------------

@@ -1,7 +1,8 @@
 """A table of the extension's missing from the database (``create-tables`` or the
-migrations never ran there) answers 500 ``server-misconfigured`` problem+json,
-names the table and the command in one ERROR line, stores nothing and is counted
-``misconfigured``; once the table exists, a retry with the same key runs. A table
+migrations never ran there) answers 503 ``server-misconfigured`` problem+json with
+``Retry-After``, names the table and the command in one ERROR line per process and
+table (not one per request), stores nothing, is counted ``misconfigured``, and
+readiness says not ready; once the table exists, a retry with the same key runs. A table
 of the app's missing stays the app's own error. On every engine, through real
 requests on an empty database."""
 
@@ -50,20 +51,24 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def test_a_missing_record_table_answers_500_problem_and_a_retry_runs_once_created(
+def test_a_missing_record_table_answers_503_problem_and_a_retry_runs_once_created(
     empty_app: Flask, otel: Otel, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = empty_app.test_client()
     with caplog.at_level(logging.INFO, logger="flask_idempotency"):
-        answer = post(client, "/charges", CHARGE, key="k1")
-    problem = assert_problem(answer, 500)
-    assert problem["type"] == MISCONFIGURED
-    assert "Retry-After" not in answer.headers  # waiting does not help
+        answers = [post(client, "/charges", CHARGE, key=f"k{n}") for n in (1, 2, 3)]
+    for answer in answers:
+        problem = assert_problem(answer, 503)
+        assert problem["type"] == MISCONFIGURED
+        assert answer.headers["Retry-After"] == "30"
     assert _count(empty_app, "ledger") == 0
-    (line,) = _errors(caplog)
+    (line,) = _errors(caplog)  # once per process and table, not once per request
     assert "idempotency_keys" in line
     assert "flask idempotency create-tables" in line
-    assert otel.outcomes() == {("misconfigured", "/charges", "POST"): 1}
+    assert otel.outcomes() == {("misconfigured", "/charges", "POST"): 3}
+    with empty_app.app_context():
+        ready, details = testapp.idem.readiness()
+    assert (ready, details["database"]) == (False, "missing_table")
 
     done = empty_app.test_cli_runner().invoke(args=["idempotency", "create-tables"])
     assert done.exit_code == 0, done.output
@@ -71,19 +76,21 @@ def test_a_missing_record_table_answers_500_problem_and_a_retry_runs_once_create
     assert post(client, "/charges", CHARGE, key="k1").headers["Idempotent-Replayed"] == "true"
     assert _count(empty_app, "ledger") == 1
     assert _count(empty_app, "idempotency_keys") == 1
+    with empty_app.app_context():
+        assert testapp.idem.readiness()[0] is True
 
 
 def test_an_optimistic_route_without_its_record_table_keeps_nothing(
     empty_app: Flask, otel: Otel
 ) -> None:
     """The view runs first there; the record's write fails, and rolls its work back."""
-    problem = assert_problem(post(empty_app.test_client(), "/optimistic", CHARGE, key="k1"), 500)
+    problem = assert_problem(post(empty_app.test_client(), "/optimistic", CHARGE, key="k1"), 503)
     assert problem["type"] == MISCONFIGURED
     assert _count(empty_app, "ledger") == 0
     assert otel.outcomes() == {("misconfigured", "/optimistic", "POST"): 1}
 
 
-def test_a_missing_outbox_answers_500_problem_and_keeps_nothing(
+def test_a_missing_outbox_answers_503_problem_and_keeps_nothing(
     empty_app: Flask, otel: Otel, caplog: pytest.LogCaptureFixture
 ) -> None:
     @empty_app.post("/emits")
@@ -98,7 +105,7 @@ def test_a_missing_outbox_answers_500_problem_and_keeps_nothing(
             testapp.db.metadata.tables[table].create(testapp.db.engine)
     client = empty_app.test_client()
     with caplog.at_level(logging.INFO, logger="flask_idempotency"):
-        problem = assert_problem(post(client, "/emits", {}, key="k1"), 500)
+        problem = assert_problem(post(client, "/emits", {}, key="k1"), 503)
     assert problem["type"] == MISCONFIGURED
     (line,) = _errors(caplog)
     assert "idempotency_outbox" in line

@@ -1,0 +1,209 @@
+"""The in-process scheduler says that it started, under ``flask run`` with no
+logging configured, and ``flask idempotency stats`` shows when each job last ran,
+in whichever process (here: a ``flask run`` child; the stats read in the test's
+own process). On every engine, against the real database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import typing as t
+import urllib.request
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from flask_idempotency import Idempotency
+from flask_idempotency._maintenance.scheduler import JobScheduler
+
+ROOT = Path(__file__).resolve().parents[3]
+
+APP = """
+import os
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from flask_idempotency import Idempotency
+from flask_idempotency._maintenance.scheduler import JobScheduler
+
+db = SQLAlchemy()
+idem = Idempotency()
+app = Flask("shop")
+app.config.update(
+    SQLALCHEMY_DATABASE_URI=os.environ["URL"],
+    IDEMPOTENCY_SCHEDULER=True,
+    IDEMPOTENCY_PURGE_EVERY=0.5,
+    IDEMPOTENCY_RECOVER_EVERY=0.5,
+)
+idem.init_app(app, db)
+db.init_app(app)
+
+
+@app.post("/orders")
+@idem.idempotent(scope=lambda: "tenant")
+def orders():
+    return {"ok": True}, 201
+
+
+with app.app_context():
+    db.create_all()
+"""
+
+
+def make_app(url: str) -> Flask:
+    app = Flask("reader")
+    app.config.update(SQLALCHEMY_DATABASE_URI=url)
+    db = SQLAlchemy()
+    Idempotency().init_app(app, db)
+    db.init_app(app)
+    return app
+
+
+def stats(app: Flask) -> dict[str, t.Any]:
+    done = app.test_cli_runner().invoke(args=["idempotency", "stats"])
+    assert done.exit_code == 0, done.output
+    return t.cast(dict[str, t.Any], json.loads(done.output))
+
+
+def lines_of(stream: t.IO[str]) -> tuple[queue.Queue[str], threading.Thread]:
+    found: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            found.put(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return found, reader
+
+
+def wait_for(lines: queue.Queue[str], pattern: str, seen: list[str]) -> re.Match[str]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"no line matching {pattern!r} in {seen!r}")
+
+
+def test_flask_run_says_the_jobs_started_and_stats_shows_their_last_runs(
+    fresh_database: str, tmp_path: Path
+) -> None:
+    (tmp_path / "shop.py").write_text(textwrap.dedent(APP))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "URL": fresh_database,
+    }
+    env.pop("FLASK_DEBUG", None)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flask", "--app", "shop", "run", "--port", "0"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        assert child.stderr is not None
+        lines, pump = lines_of(child.stderr)
+        port = wait_for(lines, r"Running on http://127\.0\.0\.1:(\d+)", seen).group(1)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/orders",
+            data=b"{}",
+            headers={"Content-Type": "application/json", "Idempotency-Key": "k1"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 201
+        started = wait_for(lines, r"started the maintenance jobs", seen).string
+        assert "IDEMPOTENCY_SCHEDULER" in started
+        assert "cleanup every 0:00:00.500000" in started
+        assert "lease_recovery every 0:00:00.500000" in started
+        assert "flask idempotency stats" in started
+
+        reader = make_app(fresh_database)
+        deadline = time.monotonic() + 60
+        while True:
+            jobs = stats(reader)["jobs"]
+            if all(jobs[name]["last_finished_at"] for name in ("purge", "recover")):
+                break
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.2)
+    finally:
+        child.terminate()
+        child.wait(30)
+        assert child.stderr is not None
+        pump.join(10)
+        child.stderr.close()
+    assert set(jobs) == {"purge", "recover"}
+    assert jobs["purge"]["job"] == "cleanup"
+    assert jobs["recover"]["job"] == "lease_recovery"
+    # This reader's own intervals (the defaults): the runs were another process's.
+    assert (jobs["purge"]["every_s"], jobs["recover"]["every_s"]) == (300.0, 30.0)
+    for name in ("purge", "recover"):
+        last = dt.datetime.fromisoformat(jobs[name]["last_started_at"])
+        assert abs(dt.datetime.now(dt.timezone.utc) - last) < dt.timedelta(minutes=5)
+    with reader.app_context():
+        reader.extensions["sqlalchemy"].engine.dispose()
+
+
+def test_stats_shows_jobs_that_never_ran_and_none_without_the_table(fresh_database: str) -> None:
+    app = make_app(fresh_database)
+    with app.app_context():
+        db = app.extensions["sqlalchemy"]
+        db.metadata.tables["idempotency_keys"].create(db.engine)
+    assert stats(app)["jobs"] is None  # no idempotency_job_locks: nothing to show
+    with app.app_context():
+        db.metadata.tables["idempotency_job_locks"].create(db.engine)
+    jobs = stats(app)["jobs"]
+    assert jobs == {
+        "purge": {
+            "job": "cleanup",
+            "every_s": 300.0,
+            "last_started_at": None,
+            "last_finished_at": None,
+            "running": False,
+        },
+        "recover": {
+            "job": "lease_recovery",
+            "every_s": 30.0,
+            "last_started_at": None,
+            "last_finished_at": None,
+            "running": False,
+        },
+    }
+    # A run through the job's lock, as every scheduler's (in-process or not).
+    assert JobScheduler(app).run_job("purge", lambda app, keep: None) is True
+    ran = stats(app)["jobs"]
+    assert ran["purge"]["last_started_at"] is not None
+    assert ran["purge"]["last_finished_at"] is not None
+    assert ran["purge"]["running"] is False
+    assert ran["recover"]["last_started_at"] is None
+    with app.app_context():
+        (started,) = db.session.execute(
+            sa.text("SELECT last_started_at FROM idempotency_job_locks WHERE name = 'purge'")
+        ).one()
+    with app.app_context():
+        db.engine.dispose()
+    assert started is not None  # the row the stats read
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLASK_DEBUG", raising=False)
