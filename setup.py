@@ -43,6 +43,9 @@ setup(
         "sqlalchemy>=2.0",
         "marshmallow>=3.18",
         "apscheduler>=3.10,<4",
+        # Signs the keys of rendered forms (flask_idempotency.forms); Flask depends on it
+        # already, named here because the package imports it itself.
+        "itsdangerous>=2.0",
     ],
     extras_require={
         # PostgreSQL through psycopg2: URLs spelled postgresql+psycopg2://...
@@ -60,6 +63,8 @@ setup(
         "otel": ["opentelemetry-api>=1.27"],
         # flask_idempotency.testing's pytest plugin (the kit's fixtures).
         "testing": ["pytest>=8.0"],
+        # flask_idempotency.forms.IdempotencyKeyField, for Flask-WTF's FlaskForm.
+        "forms": ["flask-wtf>=1.2"],
         # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
         # nothing extra. The set-ups python -m bench.telemetry compares (without them
         # it leaves those variants out and says so).

@@ -11,6 +11,7 @@ from __future__ import annotations
 # The public modules, also reachable as attributes (``flask_idempotency.inbox``):
 from . import config as config
 from . import errors as errors
+from . import forms as forms
 from . import inbox as inbox
 from . import jobs as jobs
 from . import keys as keys
@@ -27,6 +28,7 @@ from .errors import (
     ConflictError,
     DatabaseUnavailableError,
     EventIdConflictError,
+    FormKeyError,
     IdempotencyError,
     InvalidKeyError,
     KeyReusedError,
@@ -54,6 +56,7 @@ __all__ = [
     "ConflictError",
     "DatabaseUnavailableError",
     "EventIdConflictError",
+    "FormKeyError",
     "Idempotency",
     "IdempotencyError",
     "InvalidKeyError",

@@ -239,6 +239,10 @@ class Settings:
     #: ``None``, ``"session"``, ``"transaction"`` or ``"transaction+prepared"``.
     database_pooler: str | None = None
     relay_listen_url: str | None = None
+    #: The form field of a rendered form's key; ``None``: forms carry none.
+    form_field: str | None = "idempotency_key"
+    #: ``None``: the ttl.
+    form_key_max_age: timedelta | None = None
 
     @property
     def transaction_pooled(self) -> bool:
@@ -324,6 +328,10 @@ class Settings:
             relay_listen_url=resolve_listen_url(
                 values.get("RELAY_LISTEN_URL"), "IDEMPOTENCY_RELAY_LISTEN_URL"
             ),
+            form_field=resolve_form_field(values.get("FORM_FIELD", "idempotency_key")),
+            form_key_max_age=None
+            if values.get("FORM_KEY_MAX_AGE") is None
+            else positive_duration(values["FORM_KEY_MAX_AGE"], "IDEMPOTENCY_FORM_KEY_MAX_AGE"),
         )
 
     @functools.cached_property
@@ -359,6 +367,17 @@ class Settings:
 POOLERS = ("session", "transaction", "transaction+prepared")
 #: Those that give a client a server connection for one transaction at a time.
 TRANSACTION_POOLERS = frozenset({"transaction", "transaction+prepared"})
+
+
+def resolve_form_field(value: t.Any) -> str | None:
+    """``IDEMPOTENCY_FORM_FIELD``: a field name, or ``None``/``""`` for none."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not value.strip() or value != value.strip():
+        raise ValueError(
+            f"IDEMPOTENCY_FORM_FIELD must be a form field's name (or None), got {value!r}"
+        )
+    return value
 
 
 def resolve_pooler(value: t.Any, name: str) -> str | None:

@@ -223,6 +223,22 @@ SETTINGS: tuple[Setting, ...] = (
         " its client's, and is not passed on unless the app trusts it. See"
         " [Traces](tracing.md#what-travels-and-whom-to-trust).",
     ),
+    Setting(
+        "FORM_FIELD",
+        "idempotency_key",
+        "The form field that carries a rendered form's key (`idempotency_field()` writes it),"
+        " read when a form is posted without the key header; the header wins when both are"
+        " sent. The field (and Flask-WTF's `WTF_CSRF_FIELD_NAME`) never counts in the"
+        ' fingerprint. `None` or `""`: forms carry no key. See [Forms](forms.md).',
+    ),
+    Setting(
+        "FORM_KEY_MAX_AGE",
+        None,
+        "How long a rendered form may be submitted, by the app's clock; an older form key is"
+        " refused with a page asking to reload. `None`: the route's `ttl`. Never longer than"
+        " the route's `ttl`, whatever is set: a form submitted after its record expired would"
+        " run again.",
+    ),
 )
 
 #: Each setting's default, by its name without the prefix (``"TTL"``, ...).

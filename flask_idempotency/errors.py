@@ -11,6 +11,7 @@ Every error of the extension is an :class:`IdempotencyError`::
     |   +-- MissingKeyError, InvalidKeyError, MalformedBodyError,
     |   |   UnsupportedMediaTypeError, PayloadTooLargeError, LengthRequiredError,
     |   |   ValidationProblem, KeyReusedError, NothingToRecoverError (4xx)
+    |   |   +-- FormKeyError (an InvalidKeyError), FormKeyExpiredError (400)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
     |   +-- FailedAfterCommitError, StepNotStoredError, DatabaseUnavailableError,
@@ -24,12 +25,15 @@ Every error of the extension is an :class:`IdempotencyError`::
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import typing as t
 from datetime import timedelta
 
+from werkzeug.datastructures import MIMEAccept
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import parse_accept_header
 from werkzeug.sansio.response import Response as SansIOResponse
 from werkzeug.wrappers import Response
 
@@ -41,6 +45,8 @@ __all__ = [
     "DatabaseUnavailableError",
     "EventIdConflictError",
     "FailedAfterCommitError",
+    "FormKeyError",
+    "FormKeyExpiredError",
     "IdempotencyError",
     "InvalidKeyError",
     "KeyReusedError",
@@ -64,6 +70,10 @@ __all__ = [
 PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
 #: The media type of every error the extension answers (RFC 9457).
 PROBLEM_JSON = "application/problem+json"
+#: Set in the WSGI environ of a request whose key came from a rendered form
+#: (its field, or a form token in the header): its problems answer a browser
+#: that prefers HTML with a page.
+_FORM_REQUEST = "flask_idempotency.form_key"
 
 
 class IdempotencyError(Exception):
@@ -108,11 +118,40 @@ class ProblemError(HTTPException, IdempotencyError):
         environ: t.Any = None,
         scope: t.Any = None,
     ) -> SansIOResponse:
-        body = json.dumps(self.problem(), separators=(",", ":"), sort_keys=True)
-        response = Response(body, status=self.code, content_type=PROBLEM_JSON)
+        """``application/problem+json``; a short HTML page instead for a browser
+        (``Accept`` prefers ``text/html``) whose key came from a rendered form,
+        and for every :class:`FormKeyError` a browser gets."""
+        if self._page_wanted(environ):
+            response = Response(self.html_page(), status=self.code, content_type="text/html")
+        else:
+            body = json.dumps(self.problem(), separators=(",", ":"), sort_keys=True)
+            response = Response(body, status=self.code, content_type=PROBLEM_JSON)
         for name, value in self.extra_headers.items():
             response.headers[name] = value
         return response
+
+    def _page_wanted(self, environ: t.Any) -> bool:
+        if environ is None:
+            from flask import has_request_context, request
+
+            if not has_request_context():
+                return False
+            environ = request.environ
+        if not isinstance(self, FormKeyError) and not environ.get(_FORM_REQUEST):
+            return False
+        accept = parse_accept_header(environ.get("HTTP_ACCEPT"), MIMEAccept)
+        best = accept.best_match([PROBLEM_JSON, "application/json", "text/html"])
+        return best == "text/html"
+
+    def html_page(self) -> str:
+        """The default page a browser gets: the title and the detail, escaped."""
+        title = html.escape(self.title)
+        return (
+            '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{title}</title></head><body><h1>{title}</h1>"
+            f"<p>{html.escape(self.detail)}</p>"
+            '<p><a href="javascript:history.back()">Back</a></p></body></html>\n'
+        )
 
 
 class InvalidKeyError(ProblemError):
@@ -135,6 +174,45 @@ class InvalidKeyError(ProblemError):
     ) -> None:
         super().__init__(detail, extra=extra, headers=headers)
         self.reason = reason
+
+
+class FormKeyError(InvalidKeyError):
+    """A form's key (the hidden field ``idempotency_field()`` renders, or the
+    rendered token sent as the header) is refused (400); nothing ran or was stored.
+
+    ``reason`` says why: ``"forged"`` (not signed by this app, altered, or
+    unreadable), ``"expired"`` (older than ``IDEMPOTENCY_FORM_KEY_MAX_AGE``),
+    ``"other_caller"`` (rendered for another user or session) or ``"other_form"``
+    (rendered for another endpoint). The problem's type is ``form-key-expired``
+    (:class:`FormKeyExpiredError`) for the one a user fixes by reloading the page,
+    ``form-key-invalid`` for the rest. A browser gets a plain HTML page; register
+    ``@app.errorhandler(FormKeyError)`` to render your own.
+    """
+
+    slug = "form-key-invalid"
+    title = "This form cannot be submitted"
+    code = 400
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        reason: str = "forged",
+        extra: t.Mapping[str, t.Any] | None = None,
+        headers: t.Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail, reason=reason, extra=extra, headers=headers)
+
+
+class FormKeyExpiredError(FormKeyError):
+    """A :class:`FormKeyError` whose form is older than ``IDEMPOTENCY_FORM_KEY_MAX_AGE``
+    (``reason`` ``"expired"``): reloading the page fixes it."""
+
+    slug = "form-key-expired"
+    title = "This form has expired"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, reason="expired")
 
 
 class MissingKeyError(ProblemError):

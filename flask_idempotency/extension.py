@@ -23,7 +23,7 @@ from ._context import (
 from ._maintenance import gauges, health, readiness_http
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
-from ._request import session_guard
+from ._request import formkeys, session_guard
 from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, route_options
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
@@ -145,6 +145,9 @@ class Idempotency(ViewAPI):
         outbox_table(db.metadata)
         outbox.listen(db.session.session_factory)
         register(app, state)
+        # The form helpers (docs/forms.md), for every template of the app.
+        app.add_template_global(formkeys.form_field, "idempotency_field")
+        app.add_template_global(formkeys.form_key, "idempotency_form_key")
         gauges.watch(app)
         if settings.database_pooler == "transaction":
             with app.app_context():

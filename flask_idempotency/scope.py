@@ -14,15 +14,23 @@ import logging
 import typing as t
 import weakref
 
-from flask import Flask, current_app, g, request
+from flask import Flask, current_app, g, request, session
 
 from ._context import resolve_app
 from .keys import printable, sha256_hex
 
 __all__ = [
+    "FORM_OWNER_SESSION_KEY",
     "MAX_SCOPE_LENGTH",
     "default_scope",
 ]
+
+#: The Flask session key where a page that rendered ``idempotency_field()`` keeps
+#: an anonymous caller's random owner id (the ``form-session`` identity).
+FORM_OWNER_SESSION_KEY = "_idempotency_owner"
+# Set in the environ of a request that rendered a form key: its session holds an
+# owner although the request brought no cookie (its answer will).
+_FORM_OWNER_SET = "flask_idempotency.form_owner"
 
 #: The most characters a scope may have: the size of the record's scope column.
 MAX_SCOPE_LENGTH = 512
@@ -181,6 +189,17 @@ def _session_cookie() -> tuple[str, str | None]:
     return name, request.cookies.get(name) or None
 
 
+def _form_owner() -> str | None:
+    """The owner id a rendered form stored in the session: read only when the
+    request sent the session cookie (or this very request rendered a form), so
+    that no other request touches the session (which would add ``Vary: Cookie``)."""
+    _, cookie = _session_cookie()
+    if cookie is None and not request.environ.get(_FORM_OWNER_SET):
+        return None
+    owner = session.get(FORM_OWNER_SESSION_KEY)
+    return owner if isinstance(owner, str) and owner else None
+
+
 def default_scope() -> str:
     """The scope used when neither the route nor ``IDEMPOTENCY_SCOPE`` gives one.
 
@@ -197,6 +216,8 @@ def default_scope() -> str:
     ``Authorization: Basic``                  ``<endpoint>|basic:<user name>:<proof>``
     ``Authorization: Bearer <token>``         ``<endpoint>|bearer:<sha256 hex of token>``
     any other ``Authorization`` scheme        ``<endpoint>|auth:<sha256 hex of the header>``
+    a session holding a form owner (a page    ``<endpoint>|form-session:<owner id>``
+    rendered ``idempotency_field()``)
     the session cookie only                   ``<endpoint>|session:<sha256 hex of its value>``
     (``SESSION_COOKIE_NAME``)
     none of these                             ``<endpoint>``
@@ -230,6 +251,10 @@ def default_scope() -> str:
         identity = _identity("httpauth", httpauth_user)
     elif request.headers.get("Authorization", "").strip():
         identity = _header_identity(endpoint, request.headers["Authorization"])
+    elif (owner := _form_owner()) is not None:
+        # A random id the signed session holds (forms): unlike the cookie's own
+        # value, it stays the same when the session is saved again.
+        identity = _identity("form-session", owner)
     else:
         cookie_name, cookie = _session_cookie()
         if cookie is None:

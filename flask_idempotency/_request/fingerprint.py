@@ -361,8 +361,14 @@ def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
         raise MalformedBodyError(f"The body holds a value that cannot be compared: {exc}") from exc
 
 
-def request_fingerprint(schema: Schema | None, exclude: t.Iterable[str]) -> tuple[t.Any, str]:
-    """Load the current request's payload and fingerprint it: ``(payload, hash)``."""
+def request_fingerprint(
+    schema: Schema | None, exclude: t.Iterable[str], form_ignored: t.Collection[str] = ()
+) -> tuple[t.Any, str]:
+    """Load the current request's payload and fingerprint it: ``(payload, hash)``.
+
+    ``form_ignored`` names the fields of a form body that never count (the
+    form's key, the CSRF token: both change with each rendering of one form).
+    """
     paths = exclude_paths(exclude)
     if schema is not None:
         raw = read_json_body()
@@ -380,6 +386,8 @@ def request_fingerprint(schema: Schema | None, exclude: t.Iterable[str]) -> tupl
             normalized = _normalized(payload, paths)
         elif request.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
             form = form_fields()
+            if form is not None and form_ignored:
+                form = {name: v for name, v in form.items() if name not in form_ignored}
             # A form that does not parse counts as its bytes, like any other body.
             normalized = payload if form is None else b"form:" + _normalized(form, paths)
         else:

@@ -29,7 +29,6 @@ from ..errors import (
     NothingToRecoverError,
     RecordGone,
 )
-from ..keys import key_from_request
 from ..scope import resolve_scope
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
@@ -41,6 +40,7 @@ from .finish import (
     release,
     settle_commit,
 )
+from .formkeys import check_binding, form_ignored_fields, request_key
 from .optimistic import run_optimistic
 from .route import RouteOptions
 from .session_guard import NoCommitGuard
@@ -108,9 +108,7 @@ class Flow:
                 RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
             return self._run_unprotected(view, kwargs)
-        key = key_from_request(
-            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
-        )
+        key, form_token = request_key(settings)
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
@@ -126,7 +124,11 @@ class Flow:
         else:  # the recovery job's re-run, not a client's request: the job counts it
             self.telemetry.ignore()
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
-        payload, fingerprint = request_fingerprint(route.schema, route.exclude)
+        if form_token is not None and recovery is None:
+            check_binding(form_token, scope)
+        payload, fingerprint = request_fingerprint(
+            route.schema, route.exclude, form_ignored_fields(settings)
+        )
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )

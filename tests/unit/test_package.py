@@ -44,6 +44,7 @@ PUBLIC: dict[str, set[str]] = {
         "ConflictError",
         "DatabaseUnavailableError",
         "EventIdConflictError",
+        "FormKeyError",
         "Idempotency",
         "IdempotencyError",
         "InvalidKeyError",
@@ -120,7 +121,13 @@ PUBLIC: dict[str, set[str]] = {
         "quote_key",
         "scoped_parent_key",
     },
+    "flask_idempotency.forms": {
+        "IdempotencyKeyField",
+        "form_field",
+        "form_key",
+    },
     "flask_idempotency.scope": {
+        "FORM_OWNER_SESSION_KEY",
         "MAX_SCOPE_LENGTH",
         "default_scope",
     },
@@ -131,6 +138,8 @@ PUBLIC: dict[str, set[str]] = {
         "Setting",
     },
     "flask_idempotency.errors": {
+        "FormKeyError",
+        "FormKeyExpiredError",
         "BrokerUnavailable",
         "ConflictError",
         "DatabaseUnavailableError",

@@ -1,0 +1,313 @@
+"""Keys for HTML forms: one per rendered form, signed, bound to the caller and the form.
+
+A browser sends no ``Idempotency-Key`` header, so a page renders one into its
+form instead: ``idempotency_field()`` writes a hidden input whose value is a
+*form token*, ``fk1.<payload>.<signature>``, signed with the app's
+``SECRET_KEY`` (itsdangerous, as Flask signs its session; ``SECRET_KEY_FALLBACKS``
+still verify). The payload holds:
+
+* a fresh random key, a UUID4 (which every ``IDEMPOTENCY_KEY_FORMAT`` but a
+  regular expression accepts: the recovery job re-sends it as the header): the
+  record's key, so every submission of one rendered form (a double click, a
+  reload of the result, back and submit again) is one operation, and two
+  renderings (two tabs) are two;
+* the endpoint the form posts to: a token is refused on another form;
+* a digest of the caller's scope, computed as the target route computes it:
+  a token is refused for another user or session;
+* the time it was issued, by the app's clock: a token older than
+  ``IDEMPOTENCY_FORM_KEY_MAX_AGE`` (at most the route's ``ttl``) is refused,
+  so a resubmission can never outlive the record that fences it.
+
+The extension reads the token from the form field ``IDEMPOTENCY_FORM_FIELD``
+when no header is sent, and from the header too when a page sends the rendered
+token there (``fetch()``): whatever carries it, a token is verified, and a
+refused one answers :class:`~flask_idempotency.errors.FormKeyError`.
+
+Anonymous callers (no login, no ``Authorization``) are told apart by a random
+*owner* the first rendering stores in the Flask session
+(:data:`OWNER_SESSION_KEY`); the default scope prefers it to a digest of the
+session cookie, which changes whenever the session is saved (a ``flash()``
+after the POST would otherwise make the reload a new operation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+import typing as t
+import uuid
+from datetime import timedelta
+
+from flask import current_app, request, session
+from itsdangerous import BadSignature, URLSafeSerializer
+from markupsafe import Markup, escape
+
+from .. import scope as scope_module
+from .._context import app_state
+from ..errors import _FORM_REQUEST, FormKeyError, FormKeyExpiredError, ServerMisconfiguredError
+from ..keys import key_from_request
+from .forms import is_form
+from .route import RouteOptions
+
+if t.TYPE_CHECKING:
+    from .._config import Settings
+
+#: What every form token starts with: a header value that starts with it is a
+#: form token too (a page's ``fetch()`` sends the rendered one), verified as such.
+TOKEN_PREFIX = "fk1."
+#: The session key of an anonymous caller's owner id (see the module's doc).
+OWNER_SESSION_KEY = scope_module.FORM_OWNER_SESSION_KEY
+_SALT = "flask-idempotency.form-key"
+# Longer than any token this module writes (a 512-character endpoint included);
+# nothing longer is decoded.
+_MAX_TOKEN_LENGTH = 2048
+#: How far in the future a token's issue time may be (another host's clock
+#: running ahead) before the token is refused as not ours.
+CLOCK_TOLERANCE = timedelta(minutes=5)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormToken:
+    """A verified form token's content."""
+
+    key: str
+    endpoint: str
+    scope_digest: str
+    issued: int
+
+
+def _serializer() -> URLSafeSerializer:
+    app = current_app
+    secret = app.secret_key
+    if not secret:
+        raise RuntimeError(
+            "Flask-Idempotency's form keys are signed with the app's SECRET_KEY: set "
+            "app.config['SECRET_KEY'] (as Flask's session needs too)."
+        )
+    keys = [*(app.config.get("SECRET_KEY_FALLBACKS") or ()), secret]
+    return URLSafeSerializer(keys, salt=_SALT)
+
+
+def _scope_digest(scope: str) -> str:
+    return hashlib.sha256(scope.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _target(endpoint: str | None) -> tuple[str, RouteOptions]:
+    """The endpoint a form posts to and its route; a clear error for a view that
+    is not protected (a developer's mistake, raised while the page renders)."""
+    if endpoint is None:
+        target = request.endpoint
+        if target is None:
+            raise RuntimeError(
+                "idempotency_field() outside a routed request: pass the endpoint the form "
+                "posts to, e.g. idempotency_field('checkout')"
+            )
+    elif endpoint.startswith(".") and request.blueprint:
+        target = f"{request.blueprint}{endpoint}"
+    else:
+        target = endpoint.lstrip(".")
+    view = current_app.view_functions.get(target)
+    route = getattr(view, "_idempotency_route", None)
+    if not isinstance(route, RouteOptions):
+        raise ValueError(
+            f"idempotency_field(): the endpoint {target!r} is not a view decorated with "
+            "@idem.idempotent; pass the endpoint the form posts to, e.g. "
+            "idempotency_field('orders.create')"
+        )
+    return target, route
+
+
+def _route_settings(route: RouteOptions) -> Settings:
+    state = app_state()
+    settings = state.route_settings.get(route)
+    if settings is None:
+        settings = state.route_settings[route] = route.settings_for(state.settings)
+    return settings
+
+
+def _scope_for(target: str, route: RouteOptions, settings: Settings) -> str:
+    """The scope a request to ``target`` from this caller would have: the route's
+    (or the app's) scope callable, run with the request's endpoint set to the
+    target's, so the default scope and callables that read it agree with the POST."""
+    scope_func = route.scope or settings.scope
+    if scope_func is None:
+        # An anonymous caller's owner, kept in the session (the cookie of this
+        # page's answer carries it to the POST); see the module's doc.
+        if not session.get(OWNER_SESSION_KEY):
+            session[OWNER_SESSION_KEY] = secrets.token_urlsafe(16)
+        request.environ[scope_module._FORM_OWNER_SET] = True
+    rule = next(iter(current_app.url_map.iter_rules(target)), None)
+    saved = request.url_rule
+    if rule is not None:
+        request.url_rule = rule
+    try:
+        return scope_module.resolve_scope(scope_func)
+    finally:
+        request.url_rule = saved
+
+
+def form_key(endpoint: str | None = None) -> str:
+    """A fresh form token for a form that posts to ``endpoint`` (default: the
+    current request's endpoint, for a page whose GET and POST share a view).
+
+    Each call mints a new key: render it once per form. Send it as the form's
+    ``IDEMPOTENCY_FORM_FIELD`` field (:func:`form_field` does), or as the
+    ``Idempotency-Key`` header of a ``fetch()``.
+    """
+    serializer = _serializer()
+    target, route = _target(endpoint)
+    settings = _route_settings(route)
+    scope = _scope_for(target, route, settings)
+    issued = int(app_state().clock().timestamp())
+    payload = [str(uuid.uuid4()), target, _scope_digest(scope), issued]
+    return TOKEN_PREFIX + serializer.dumps(payload)
+
+
+def form_field(endpoint: str | None = None) -> Markup:
+    """The hidden ``<input>`` holding a fresh :func:`form_key` (the Jinja global
+    ``idempotency_field()``)."""
+    name = app_state().settings.form_field
+    return Markup('<input type="hidden" name="{}" value="{}">').format(
+        escape(name), escape(form_key(endpoint))
+    )
+
+
+# -- reading a request's token ------------------------------------------------------
+
+
+def looks_like_token(value: str) -> bool:
+    """Whether a header value is a form token (quoted as an sf-string or not)."""
+    return value.startswith(TOKEN_PREFIX) or value.startswith('"' + TOKEN_PREFIX)
+
+
+def field_value(settings: Settings) -> str | None:
+    """The form field's token, ``None`` when the body is no form or lacks it;
+    several values are refused (one form, one key)."""
+    if not settings.form_field or not is_form():
+        return None
+    values = request.form.getlist(settings.form_field)
+    if not values:
+        return None
+    if len(values) > 1 and len(set(values)) > 1:
+        raise FormKeyError(
+            f"The form sent {len(values)} different {settings.form_field} fields: a form "
+            "carries one key. Reload the page and submit it again.",
+            reason="forged",
+        )
+    return values[0]
+
+
+def decode(value: str, settings: Settings) -> FormToken:
+    """Verify a token's signature and age (the app's clock); its binding to the
+    caller and the form is :func:`check_binding`'s, once the scope is known."""
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    if not value.startswith(TOKEN_PREFIX) or len(value) > _MAX_TOKEN_LENGTH:
+        raise FormKeyError(_FORGED, reason="forged")
+    try:
+        serializer = _serializer()
+    except RuntimeError as exc:
+        raise ServerMisconfiguredError(
+            "The server cannot verify form keys (it has no SECRET_KEY); nothing was stored."
+        ) from exc
+    try:
+        payload = serializer.loads(value[len(TOKEN_PREFIX) :])
+    except BadSignature:
+        raise FormKeyError(_FORGED, reason="forged") from None
+    if (
+        not isinstance(payload, list)
+        or len(payload) != 4
+        or not all(isinstance(part, str) for part in payload[:3])
+        or isinstance(payload[3], bool)
+        or not isinstance(payload[3], int)
+    ):
+        raise FormKeyError(_FORGED, reason="forged")
+    token = FormToken(*payload)
+    now = app_state().clock().timestamp()
+    if token.issued - now > CLOCK_TOLERANCE.total_seconds():
+        raise FormKeyError(_FORGED, reason="forged")
+    limit = max_age(settings)
+    if now - token.issued > limit.total_seconds():
+        raise FormKeyExpiredError(
+            "This form has expired: it was rendered more than "
+            f"{_human(limit)} ago. Reload the page and submit it again; nothing was done."
+        )
+    return token
+
+
+def max_age(settings: Settings) -> timedelta:
+    """How long a rendered form may be submitted: the setting, at most the ttl
+    (a submission after its record expired would run again)."""
+    configured = settings.form_key_max_age
+    return settings.ttl if configured is None else min(configured, settings.ttl)
+
+
+def check_binding(token: FormToken, scope: str) -> None:
+    """Refuse a token rendered for another form or another caller."""
+    if token.endpoint != request.endpoint:
+        raise FormKeyError(
+            f"This form's key was rendered for the endpoint {token.endpoint!r}, not "
+            f"{request.endpoint!r}, the one it was sent to. (For a page rendered by another "
+            f"view, render idempotency_field({request.endpoint!r}).)",
+            reason="other_form",
+        )
+    if not secrets.compare_digest(token.scope_digest, _scope_digest(scope)):
+        raise FormKeyError(
+            "This form was rendered for another user or session than the one submitting "
+            "it. Reload the page and submit it again; nothing was done.",
+            reason="other_caller",
+        )
+
+
+_FORGED = (
+    "This form's key is not one this site issued, or was altered. Reload the page and "
+    "submit it again; nothing was done."
+)
+
+
+def _human(limit: timedelta) -> str:
+    seconds = int(limit.total_seconds())
+    if seconds % 3600 == 0:
+        hours = seconds // 3600
+        return f"{hours} hour{'s' if hours != 1 else ''}"
+    if seconds % 60 == 0:
+        minutes = seconds // 60
+        return f"{minutes} minute{'s' if minutes != 1 else ''}"
+    return f"{seconds} seconds"
+
+
+def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
+    """The current request's key and, when a rendered form's token carried it,
+    the verified token (its binding is checked once the scope is known).
+
+    The header wins over the form field; a header holding a form token (a
+    page's ``fetch()``) is verified as one. ``(None, None)``: no key.
+    """
+    values = request.headers.getlist(settings.header)
+    raw: str | None
+    if len(values) == 1 and looks_like_token(values[0]):
+        raw = values[0]
+    elif values:
+        key = key_from_request(
+            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
+        )
+        return key, None
+    else:
+        raw = field_value(settings)
+    if raw is None:
+        return None, None
+    # Problems of this request answer a browser with a page (errors.ProblemError).
+    request.environ[_FORM_REQUEST] = True
+    token = decode(raw, settings)
+    return token.key, token
+
+
+def form_ignored_fields(settings: Settings) -> tuple[str, ...]:
+    """The form fields that never count in the fingerprint: the key's own, and
+    Flask-WTF's CSRF token (both new with each rendering of the same form)."""
+    if not is_form():
+        return ()
+    csrf = current_app.config.get("WTF_CSRF_FIELD_NAME") or "csrf_token"
+    return (settings.form_field, csrf) if settings.form_field else (csrf,)
