@@ -242,7 +242,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     no_browser = browser.missing()
     lines.append(
         "Chromium for the browser tests (tests/browser): "
-        + (f"NOT AVAILABLE, they are skipped: {no_browser}" if no_browser else "found")
+        + (f"NOT AVAILABLE, they are skipped: {no_browser}" if no_browser else browser.found())
     )
     if mysql_url() is not None:
         lines.append(f"MariaDB/MySQL for tests: {_MYSQL['shown']} (server {_MYSQL['version']})")

@@ -59,6 +59,13 @@ def _find(env: str, *candidates: str) -> str | None:
     return None
 
 
+def found() -> str:
+    """The browser and driver the tests use (for the report header)."""
+    chromium = _find(CHROMIUM_ENV, "/usr/bin/chromium", "chromium")
+    driver = _find(CHROMEDRIVER_ENV, "/usr/bin/chromedriver", "chromedriver")
+    return f"{chromium} with {driver}"
+
+
 def missing() -> str | None:
     """Why the browser tests cannot run here, or ``None`` when they can."""
     try:
