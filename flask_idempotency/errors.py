@@ -149,8 +149,7 @@ class ProblemError(HTTPException, IdempotencyError):
         return (
             '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{title}</title></head><body><h1>{title}</h1>"
-            f"<p>{html.escape(self.detail)}</p>"
-            '<p><a href="javascript:history.back()">Back</a></p></body></html>\n'
+            f"<p>{html.escape(self.detail)}</p></body></html>\n"
         )
 
 

@@ -102,13 +102,22 @@ def claim_values(flow: Flow, fingerprint: str, now: dt.datetime) -> dict[str, t.
 
 
 def claim_key(
-    flow: Flow, scope: str, key: str, fingerprint: str, *, allow_new: bool
+    flow: Flow,
+    scope: str,
+    key: str,
+    fingerprint: str,
+    *,
+    allow_new: bool,
+    replay: bool = False,
 ) -> Claimed | Response | Record:
     """Claim (scope, key), or answer for the record that already holds it
     (a completed record itself, on a route in manual mode).
 
-    ``allow_new=False`` (a recovery run) only resumes an abandoned record:
-    it never starts an operation no client asked for.
+    ``allow_new=False`` only resumes an abandoned record: it never starts an
+    operation. Without ``replay`` (a recovery run) any other record raises
+    :class:`RecordGone`; with it (an expired form key) a record's answer is
+    given as to any retry. No record, or an expired one, raises
+    :class:`RecordGone` either way.
     """
     store, session, wait = flow.store, flow.session, flow.settings.wait
     try:
@@ -134,7 +143,7 @@ def claim_key(
             if not expired:
                 answer = answer_existing(flow, record, fingerprint, now)
                 if answer is not None:
-                    if not allow_new:
+                    if not allow_new and not replay:
                         raise RecordGone(f"{scope!r} {key!r}")
                     return answer
             # Replace the expired record (a new operation, starting

@@ -40,7 +40,7 @@ from .finish import (
     release,
     settle_commit,
 )
-from .formkeys import check_binding, form_ignored_fields, request_key
+from .formkeys import check_binding, expired_error, form_ignored_fields, request_key
 from .optimistic import run_optimistic
 from .route import RouteOptions
 from .session_guard import NoCommitGuard
@@ -133,13 +133,25 @@ class Flow:
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )
         set_request_state(state)
-        if route.optimistic and recovery is None:
+        # A rendered form past its max age may still find its record (a reload of
+        # the order it placed): it replays or resumes that, never starts one.
+        expired_form = form_token is not None and form_token.expired
+        if route.optimistic and recovery is None and not expired_form:
             return run_optimistic(self, view, kwargs, state, fingerprint)
 
         try:
             with self.telemetry.claim():
-                outcome = claim_key(self, scope, key, fingerprint, allow_new=recovery is None)
+                outcome = claim_key(
+                    self,
+                    scope,
+                    key,
+                    fingerprint,
+                    allow_new=recovery is None and not expired_form,
+                    replay=expired_form,
+                )
         except RecordGone:
+            if expired_form:
+                raise expired_error(settings) from None
             raise NothingToRecoverError(
                 "No abandoned record to resume for this key; another request finished it."
             ) from None

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
+import re
 import secrets
 import typing as t
 import uuid
@@ -42,13 +44,22 @@ from datetime import timedelta
 from flask import current_app, request, session
 from itsdangerous import BadSignature, URLSafeSerializer
 from markupsafe import Markup, escape
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from .. import scope as scope_module
 from .._context import app_state
-from ..errors import _FORM_REQUEST, FormKeyError, FormKeyExpiredError, ServerMisconfiguredError
+from ..errors import (
+    _FORM_REQUEST,
+    FormKeyError,
+    FormKeyExpiredError,
+    PayloadTooLargeError,
+    ServerMisconfiguredError,
+)
 from ..keys import key_from_request
-from .forms import is_form
+from .body import read_body
+from .forms import URLENCODED, consumed, is_form
 from .route import RouteOptions
+from .steps import RECOVERY_ENVIRON_KEY
 
 if t.TYPE_CHECKING:
     from .._config import Settings
@@ -75,9 +86,18 @@ class FormToken:
     endpoint: str
     scope_digest: str
     issued: int
+    #: Older than the max age: it may still replay its record, never start one.
+    expired: bool = False
 
 
-def _serializer() -> URLSafeSerializer:
+def _serializer(keys: list[str | bytes]) -> URLSafeSerializer:
+    # A list of str and bytes, as Flask's session passes it (itsdangerous's
+    # annotation wants one kind).
+    return URLSafeSerializer(keys, salt=_SALT)  # type: ignore[arg-type]
+
+
+def _secrets() -> list[str | bytes]:
+    """The app's signing keys, oldest to newest (itsdangerous's order)."""
     app = current_app
     secret = app.secret_key
     if not secret:
@@ -85,12 +105,30 @@ def _serializer() -> URLSafeSerializer:
             "Flask-Idempotency's form keys are signed with the app's SECRET_KEY: set "
             "app.config['SECRET_KEY'] (as Flask's session needs too)."
         )
-    keys = [*(app.config.get("SECRET_KEY_FALLBACKS") or ()), secret]
-    return URLSafeSerializer(keys, salt=_SALT)
+    return [*(app.config.get("SECRET_KEY_FALLBACKS") or ()), secret]
 
 
-def _scope_digest(scope: str) -> str:
-    return hashlib.sha256(scope.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+def _caller_digest(scope: str, owner: str, secret: str | bytes) -> str:
+    """Who a form was rendered for: the scope and the session's owner, keyed
+    with the secret, so that the page's source reveals neither (a user id can
+    not be guessed back from it)."""
+    key = secret.encode("utf-8") if isinstance(secret, str) else secret
+    message = f"{scope}\x00{owner}".encode("utf-8", "surrogatepass")
+    return hmac.new(key, b"form-caller\x00" + message, hashlib.sha256).hexdigest()[:32]
+
+
+def _owner(create: bool) -> str:
+    """The session's random owner id; made (in the session, so the page's answer
+    carries it in its cookie) when ``create`` and missing."""
+    owner = session.get(OWNER_SESSION_KEY)
+    if isinstance(owner, str) and owner:
+        return owner
+    if not create:
+        return ""
+    owner = secrets.token_urlsafe(16)
+    session[OWNER_SESSION_KEY] = owner
+    request.environ[scope_module._FORM_OWNER_SET] = True
+    return owner
 
 
 def _target(endpoint: str | None) -> tuple[str, RouteOptions]:
@@ -131,12 +169,6 @@ def _scope_for(target: str, route: RouteOptions, settings: Settings) -> str:
     (or the app's) scope callable, run with the request's endpoint set to the
     target's, so the default scope and callables that read it agree with the POST."""
     scope_func = route.scope or settings.scope
-    if scope_func is None:
-        # An anonymous caller's owner, kept in the session (the cookie of this
-        # page's answer carries it to the POST); see the module's doc.
-        if not session.get(OWNER_SESSION_KEY):
-            session[OWNER_SESSION_KEY] = secrets.token_urlsafe(16)
-        request.environ[scope_module._FORM_OWNER_SET] = True
     rule = next(iter(current_app.url_map.iter_rules(target)), None)
     saved = request.url_rule
     if rule is not None:
@@ -155,30 +187,42 @@ def form_key(endpoint: str | None = None) -> str:
     ``IDEMPOTENCY_FORM_FIELD`` field (:func:`form_field` does), or as the
     ``Idempotency-Key`` header of a ``fetch()``.
     """
-    serializer = _serializer()
+    keys = _secrets()
     target, route = _target(endpoint)
     settings = _route_settings(route)
+    if not settings.form_field:
+        raise RuntimeError(
+            "idempotency_field(): IDEMPOTENCY_FORM_FIELD is None, so forms carry no key; "
+            "set it to the field's name (default 'idempotency_key')"
+        )
+    # Before the scope: the default scope of an anonymous caller is this owner.
+    owner = _owner(create=True)
     scope = _scope_for(target, route, settings)
     issued = int(app_state().clock().timestamp())
-    payload = [str(uuid.uuid4()), target, _scope_digest(scope), issued]
-    return TOKEN_PREFIX + serializer.dumps(payload)
+    payload = [str(uuid.uuid4()), target, _caller_digest(scope, owner, keys[-1]), issued]
+    return TOKEN_PREFIX + _serializer(keys).dumps(payload)
 
 
 def form_field(endpoint: str | None = None) -> Markup:
     """The hidden ``<input>`` holding a fresh :func:`form_key` (the Jinja global
     ``idempotency_field()``)."""
+    token = form_key(endpoint)
     name = app_state().settings.form_field
-    return Markup('<input type="hidden" name="{}" value="{}">').format(
-        escape(name), escape(form_key(endpoint))
-    )
+    return Markup('<input type="hidden" name="{}" value="{}">').format(escape(name), escape(token))
 
 
 # -- reading a request's token ------------------------------------------------------
 
 
+# What this module writes: the prefix, itsdangerous's URL-safe payload (a leading
+# "." when compressed) and its 27-character signature; quoted or not.
+_TOKEN_SHAPE = re.compile(r'"?fk1\.\.?[A-Za-z0-9_-]+\.[A-Za-z0-9_-]{27}"?')
+
+
 def looks_like_token(value: str) -> bool:
-    """Whether a header value is a form token (quoted as an sf-string or not)."""
-    return value.startswith(TOKEN_PREFIX) or value.startswith('"' + TOKEN_PREFIX)
+    """Whether a header value has the shape of a form token: a client's own key
+    that merely starts with ``fk1.`` stays a plain key."""
+    return len(value) <= _MAX_TOKEN_LENGTH and _TOKEN_SHAPE.fullmatch(value.strip()) is not None
 
 
 def field_value(settings: Settings) -> str | None:
@@ -186,7 +230,18 @@ def field_value(settings: Settings) -> str | None:
     several values are refused (one form, one key)."""
     if not settings.form_field or not is_form():
         return None
-    values = request.form.getlist(settings.form_field)
+    try:
+        if request.mimetype == URLENCODED and not consumed():
+            # Keep the bytes as sent for the view (a signature over the raw
+            # body): werkzeug parses a form from a cached body without
+            # consuming it. A multipart form is parsed from the stream, as
+            # its files are spooled rather than held in memory.
+            read_body()
+        values = request.form.getlist(settings.form_field)
+    except RequestEntityTooLarge:
+        raise PayloadTooLargeError(
+            "The form is larger than this server accepts (MAX_FORM_MEMORY_SIZE, MAX_FORM_PARTS)."
+        ) from None
     if not values:
         return None
     if len(values) > 1 and len(set(values)) > 1:
@@ -199,49 +254,88 @@ def field_value(settings: Settings) -> str | None:
 
 
 def decode(value: str, settings: Settings) -> FormToken:
-    """Verify a token's signature and age (the app's clock); its binding to the
-    caller and the form is :func:`check_binding`'s, once the scope is known."""
+    """Verify a token's signature and shape, and mark it expired when older than
+    :func:`max_age` (the app's clock); its binding to the caller and the form is
+    :func:`check_binding`'s, once the scope is known."""
     value = value.strip()
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
     if not value.startswith(TOKEN_PREFIX) or len(value) > _MAX_TOKEN_LENGTH:
         raise FormKeyError(_FORGED, reason="forged")
     try:
-        serializer = _serializer()
+        keys = _secrets()
     except RuntimeError as exc:
         raise ServerMisconfiguredError(
             "The server cannot verify form keys (it has no SECRET_KEY); nothing was stored."
         ) from exc
     try:
-        payload = serializer.loads(value[len(TOKEN_PREFIX) :])
+        payload = _serializer(keys).loads(value[len(TOKEN_PREFIX) :])
     except BadSignature:
         raise FormKeyError(_FORGED, reason="forged") from None
-    if (
-        not isinstance(payload, list)
-        or len(payload) != 4
-        or not all(isinstance(part, str) for part in payload[:3])
-        or isinstance(payload[3], bool)
-        or not isinstance(payload[3], int)
-    ):
+    if not _well_formed(payload):
+        # Signed with our key but not written by this module: another use of the
+        # same SECRET_KEY and salt, or an old format.
         raise FormKeyError(_FORGED, reason="forged")
     token = FormToken(*payload)
     now = app_state().clock().timestamp()
-    if token.issued - now > CLOCK_TOLERANCE.total_seconds():
-        raise FormKeyError(_FORGED, reason="forged")
-    limit = max_age(settings)
-    if now - token.issued > limit.total_seconds():
-        raise FormKeyExpiredError(
-            "This form has expired: it was rendered more than "
-            f"{_human(limit)} ago. Reload the page and submit it again; nothing was done."
+    tolerance = clock_tolerance(settings)
+    if token.issued - now > tolerance.total_seconds():
+        raise FormKeyError(
+            "This form's key was issued in the future by this server's clock (the "
+            "servers' clocks disagree). Reload the page and submit it again; nothing "
+            "was done.",
+            reason="forged",
         )
+    if now - token.issued > max_age(settings).total_seconds():
+        token = dataclasses.replace(token, expired=True)
     return token
 
 
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+# Issue times this module can have written: after 2001, before the year 6000.
+_ISSUED = range(1_000_000_000, 127_000_000_000)
+
+
+def _well_formed(payload: t.Any) -> bool:
+    return (
+        isinstance(payload, list)
+        and len(payload) == 4
+        and isinstance(payload[0], str)
+        and _UUID.fullmatch(payload[0]) is not None
+        and isinstance(payload[1], str)
+        and 0 < len(payload[1]) <= _MAX_TOKEN_LENGTH
+        and isinstance(payload[2], str)
+        and _DIGEST.fullmatch(payload[2]) is not None
+        and type(payload[3]) is int
+        and payload[3] in _ISSUED
+    )
+
+
+def clock_tolerance(settings: Settings) -> timedelta:
+    """How far the hosts' clocks may disagree: 5 minutes, or a tenth of a ttl
+    shorter than 50 minutes. A token issued further in the future is refused,
+    and :func:`max_age` leaves this much of the ttl as a margin."""
+    return min(CLOCK_TOLERANCE, settings.ttl / 10)
+
+
+def expired_error(settings: Settings) -> FormKeyExpiredError:
+    """The refusal of an expired token that found no record to replay."""
+    return FormKeyExpiredError(
+        "This form has expired: it was rendered more than "
+        f"{_human(max_age(settings))} ago. Reload the page and submit it again; this "
+        "request did nothing."
+    )
+
+
 def max_age(settings: Settings) -> timedelta:
-    """How long a rendered form may be submitted: the setting, at most the ttl
-    (a submission after its record expired would run again)."""
+    """How long a rendered form may start an operation: the setting, at most the
+    ttl less the :func:`clock_tolerance` (a submission after its record expired
+    would run again, and the host that rendered the form may run ahead of the
+    one that stores the record)."""
+    cap = settings.ttl - clock_tolerance(settings)
     configured = settings.form_key_max_age
-    return settings.ttl if configured is None else min(configured, settings.ttl)
+    return cap if configured is None else min(configured, cap)
 
 
 def check_binding(token: FormToken, scope: str) -> None:
@@ -253,17 +347,23 @@ def check_binding(token: FormToken, scope: str) -> None:
             f"view, render idempotency_field({request.endpoint!r}).)",
             reason="other_form",
         )
-    if not secrets.compare_digest(token.scope_digest, _scope_digest(scope)):
+    owner = _owner(create=False)
+    if not any(
+        hmac.compare_digest(token.scope_digest, _caller_digest(scope, owner, secret))
+        for secret in _secrets()
+    ):
         raise FormKeyError(
             "This form was rendered for another user or session than the one submitting "
-            "it. Reload the page and submit it again; nothing was done.",
+            "it (signed in or out since, or a new browser session?). This request did "
+            "nothing: if the form was sent before, check whether that went through before "
+            "sending it again from a reloaded page.",
             reason="other_caller",
         )
 
 
 _FORGED = (
     "This form's key is not one this site issued, or was altered. Reload the page and "
-    "submit it again; nothing was done."
+    "submit it again; this request did nothing."
 )
 
 
@@ -290,8 +390,13 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
     if len(values) == 1 and looks_like_token(values[0]):
         raw = values[0]
     elif values:
+        # The recovery job re-sends a record's key, which its first request may
+        # have brought in a form token (never checked against the key format).
+        recovery = RECOVERY_ENVIRON_KEY in request.environ
         key = key_from_request(
-            settings.header, max_length=settings.key_max_length, key_format=settings.key_format
+            settings.header,
+            max_length=settings.key_max_length,
+            key_format=None if recovery else settings.key_format,
         )
         return key, None
     else:

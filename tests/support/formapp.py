@@ -43,6 +43,7 @@ def create_app(
     clock: t.Callable[[], t.Any],
     *,
     csrf: str | None = None,
+    create: bool = True,
     **config: t.Any,
 ) -> Flask:
     """``csrf``: ``None`` (no CSRFProtect), ``"before"`` (CSRFProtect set up before
@@ -145,6 +146,12 @@ def create_app(
         db.session.flush()
         return {"id": order.id}, 201
 
+    @app.post("/webhook")
+    @idem.idempotent
+    def webhook() -> t.Any:
+        # A view that checks a signature over the body as sent.
+        return {"raw": request.get_data(as_text=True), "form": request.form.to_dict()}
+
     @app.get("/orders/<int:order_id>")
     def order_page(order_id: int) -> t.Any:
         return render_template_string(ORDER, order=db.get_or_404(Order, order_id))
@@ -178,9 +185,10 @@ def create_app(
             )
             return page, status
 
-    with app.app_context():
-        db.drop_all()
-        db.create_all()
+    if create:  # False: a second host on the same database
+        with app.app_context():
+            db.drop_all()
+            db.create_all()
     return app
 
 

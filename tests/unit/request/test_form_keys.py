@@ -8,6 +8,7 @@ The browser itself drives the example app in tests/browser.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import typing as t
@@ -193,7 +194,8 @@ def test_the_header_wins_and_fetch_sends_the_token(shop: Flask) -> None:
     assert fetched.status_code == 303
     again = browser.post("/checkout", data=fields(key))
     assert again.headers["Idempotent-Replayed"] == "true"
-    forged = browser.post("/checkout", data=fields("x"), headers={"Idempotency-Key": key + "x"})
+    altered = key[:-1] + ("A" if key[-1] != "A" else "B")
+    forged = browser.post("/checkout", data=fields("x"), headers={"Idempotency-Key": altered})
     assert forged.status_code == 400
     assert formapp.order_count(shop) == 2
 
@@ -308,3 +310,131 @@ def test_problem_pages_for_other_problems_of_a_form_request(shop: Flask) -> None
     as_api = browser.post("/checkout", data=fields(key, quantity="9"))
     assert as_api.mimetype == PROBLEM_JSON
     assert json.loads(as_api.text)["status"] == 422
+
+
+def test_an_expired_key_still_replays_its_order(database_url: str, clock: Clock) -> None:
+    app = formapp.create_app(database_url, clock, IDEMPOTENCY_FORM_KEY_MAX_AGE=300)
+    browser = app.test_client()
+    key = rendered_key(browser.get("/checkout").text)
+    first = browser.post("/checkout", data=fields(key))
+    clock.advance(seconds=3600)
+    # The reload of the result an hour later: the record is kept for the ttl, so
+    # it replays; it never starts an order.
+    again = browser.post("/checkout", data=fields(key))
+    assert again.status_code == 303
+    assert again.headers["Location"] == first.headers["Location"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    changed = browser.post("/checkout", data=fields(key, quantity="7"))
+    assert changed.status_code == 422
+    assert formapp.order_count(app) == 1
+
+
+def test_clock_skew_between_hosts_cannot_outlive_the_record(
+    database_url: str, clock: Clock
+) -> None:
+    ahead = Clock()
+    ahead.now = clock.now + dt.timedelta(minutes=4)
+    renderer = formapp.create_app(database_url, ahead, IDEMPOTENCY_TTL=3600)
+    storer = formapp.create_app(database_url, clock, IDEMPOTENCY_TTL=3600, create=False)
+    page = renderer.test_client()
+    key = rendered_key(page.get("/checkout").text)
+    browser = storer.test_client()
+    browser.set_cookie("session", page.get_cookie("session").value)  # type: ignore[union-attr]
+    assert browser.post("/checkout", data=fields(key)).status_code == 303
+    clock.advance(minutes=62)  # past the record's ttl on the storing host
+    again = browser.post("/checkout", data=fields(key))
+    assert again.status_code == 400
+    assert again.json["type"].endswith("/form-key-expired")
+    assert formapp.order_count(storer) == 1
+    # Issued further ahead than the tolerance: refused as not this server's.
+    ahead.now = clock.now + dt.timedelta(minutes=6)
+    future = rendered_key(page.get("/checkout").text)
+    assert browser.post("/checkout", data=fields(future)).status_code == 400
+
+
+def test_a_clients_own_key_that_starts_like_a_token(shop: Flask) -> None:
+    api = shop.test_client()
+    for _ in range(2):
+        answer = api.post(
+            "/api/orders",
+            json={"item": "a", "quantity": 1},
+            headers={"Idempotency-Key": "fk1.2f1c0a9e-order-77"},
+        )
+        assert answer.status_code == 201
+    assert formapp.order_count(shop) == 1
+
+
+def test_signed_payloads_of_another_shape_are_refused(shop: Flask) -> None:
+    from itsdangerous import URLSafeSerializer
+
+    browser = shop.test_client()
+    real = rendered_key(browser.get("/checkout").text)
+    signer = URLSafeSerializer("form-test-secret", salt="flask-idempotency.form-key")
+    good = signer.loads(real[4:])
+    shapes = [
+        [good[0], good[1], good[2], 10**30],
+        [good[0], good[1], good[2], -(10**30)],
+        [good[0], good[1], good[2], 1.5],
+        ["x" * 5000, good[1], good[2], good[3]],
+        {"key": good[0]},
+        [good[0], good[1], good[2]],
+        [good[0], None, good[2], good[3]],
+    ]
+    for shape in shapes:
+        token = "fk1." + signer.dumps(shape)
+        answer = browser.post("/checkout", data=fields(token))
+        assert answer.status_code == 400, shape
+        assert answer.mimetype == PROBLEM_JSON
+    assert formapp.order_count(shop) == 0
+
+
+def test_forms_off(database_url: str, clock: Clock) -> None:
+    app = formapp.create_app(database_url, clock, IDEMPOTENCY_FORM_FIELD=None)
+    with app.test_request_context("/checkout"), pytest.raises(RuntimeError, match="FORM_FIELD"):
+        app.jinja_env.globals["idempotency_field"]()
+
+
+def test_a_form_too_large_is_a_problem(database_url: str, clock: Clock) -> None:
+    app = formapp.create_app(database_url, clock, MAX_FORM_PARTS=5)
+    browser = app.test_client()
+    key = rendered_key(browser.get("/checkout").text)
+    many = {**fields(key), **{f"f{i}": "x" for i in range(10)}}
+    answer = browser.post("/checkout", data=many, content_type="multipart/form-data")
+    assert answer.status_code == 413
+    assert answer.mimetype == PROBLEM_JSON
+    assert formapp.order_count(app) == 0
+
+
+def test_a_key_format_does_not_refuse_form_keys(database_url: str, clock: Clock) -> None:
+    app = formapp.create_app(database_url, clock, IDEMPOTENCY_KEY_FORMAT="uuid7")
+    browser = app.test_client()
+    key = rendered_key(browser.get("/checkout").text)
+    assert browser.post("/checkout", data=fields(key)).status_code == 303
+    assert formapp.order_count(app) == 1
+
+
+def test_the_token_reveals_no_caller(shop: Flask) -> None:
+    import hashlib
+
+    from itsdangerous import URLSafeSerializer
+
+    browser = shop.test_client()
+    token = rendered_key(browser.get("/checkout").text)
+    payload = URLSafeSerializer("form-test-secret", salt="flask-idempotency.form-key").loads(
+        token[4:]
+    )
+    with shop.test_request_context("/checkout"):
+        pass
+    # The digest is keyed: the plain SHA-256 of any scope it could stand for is not it.
+    candidates = ["checkout", "checkout|anonymous", "user:1"]
+    assert all(hashlib.sha256(c.encode()).hexdigest()[:32] != payload[2] for c in candidates)
+
+
+@pytest.mark.parametrize("key", [None, "header"])
+def test_the_view_still_reads_a_form_body_as_sent(shop: Flask, key: str | None) -> None:
+    headers = {"Idempotency-Key": '"w1"'} if key else {}
+    body = "event=paid&amount=12"
+    answer = shop.test_client().post(
+        "/webhook", data=body, content_type="application/x-www-form-urlencoded", headers=headers
+    )
+    assert answer.json == {"raw": body, "form": {"event": "paid", "amount": "12"}}
