@@ -97,6 +97,12 @@ def on_order_page(driver: t.Any, shop: Shop) -> int:
     return int(match.group(1))
 
 
+def max_age(shop: Shop) -> float:
+    """The shop's IDEMPOTENCY_FORM_KEY_MAX_AGE, in seconds."""
+    setting = shop.app.config["IDEMPOTENCY_FORM_KEY_MAX_AGE"]
+    return float(setting.total_seconds() if hasattr(setting, "total_seconds") else setting)
+
+
 def double_click(driver: t.Any, element: t.Any) -> None:
     """Two clicks on ``element`` as a person's double click on a slow page: the
     second lands while the first's request runs. One action sequence: chromedriver
@@ -143,6 +149,25 @@ def test_reload_of_a_post_result_is_one_order(browser: t.Any, shop: Shop) -> Non
     WebDriverWait(browser, WAIT).until(ec.staleness_of(title))
     assert on_order_page(browser, shop) == first
     assert by_id(browser, "order-count").text == "1"
+    assert [(p.key, p.status) for p in shop.posts] == [(key, 201)] * 2
+    assert (shop.count("orders"), shop.count("idempotency_outbox")) == (1, 1)
+
+
+def test_a_reload_after_the_forms_age_still_shows_its_order(browser: t.Any, shop: Shop) -> None:
+    """The age limit refuses a form that never went through, not the reload of
+    one that did: its record is kept for the ttl, and replays."""
+    shop.app.config["EXAMPLE_CHECKOUT_REDIRECT"] = False
+    key = open_checkout(browser, shop)
+    by_id(browser, "place-order").click()
+    first = on_order_page(browser, shop)
+    title = by_id(browser, "order-title")
+    shop.clock.advance(seconds=max_age(shop) + 60)  # the next morning, say
+    browser.refresh()
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, WAIT).until(ec.staleness_of(title))
+    assert on_order_page(browser, shop) == first
     assert [(p.key, p.status) for p in shop.posts] == [(key, 201)] * 2
     assert (shop.count("orders"), shop.count("idempotency_outbox")) == (1, 1)
 
@@ -196,9 +221,7 @@ def test_a_corrected_form_is_one_order(browser: t.Any, shop: Shop) -> None:
 
 def test_an_expired_form_is_refused_with_a_page(browser: t.Any, shop: Shop) -> None:
     key = open_checkout(browser, shop)
-    max_age = shop.app.config["IDEMPOTENCY_FORM_KEY_MAX_AGE"]
-    seconds = max_age.total_seconds() if hasattr(max_age, "total_seconds") else float(max_age)
-    shop.clock.advance(seconds=seconds + 60)  # the page stayed open past its age
+    shop.clock.advance(seconds=max_age(shop) + 60)  # the page stayed open past its age
     by_id(browser, "place-order").click()
     wait_for(browser, "refused-title")
     assert browser.execute_script("return document.contentType") == "text/html"
