@@ -23,7 +23,9 @@ import pytest
 from tests.browser.conftest import Shop
 from tests.support.browser import WAIT
 
-pytestmark = pytest.mark.slow
+# One process runs them all (pyproject's --dist loadgroup): one Chromium, and each
+# shop variant served once, rather than in each of the suite's processes.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "_static" / "forms-double-click.png"
 #: The price of a mug, the checkout's first product (example_app/shop.py).
