@@ -87,6 +87,12 @@ QUANTITY_MAX = 10
 bp = Blueprint("shop", __name__, url_prefix="/shop", template_folder="templates")
 
 
+@bp.context_processor
+def catalogue() -> dict[str, t.Any]:
+    """What every shop page may show."""
+    return {"products": PRODUCTS}
+
+
 class CheckoutSchema(Schema):
     """What a checkout asks for: a product and how many."""
 
@@ -138,30 +144,29 @@ def placed(row: Order) -> t.Any:
 @bp.route("/checkout", methods=["GET", "POST"])
 @idem.idempotent
 def checkout() -> t.Any:
-    """The checkout page (GET) and its submission (POST), one endpoint: the form's
-    key is minted for it (``idempotency_field()``'s default). The extension makes
-    the POST idempotent (it takes the key from the form) and leaves the GET alone."""
-    customer()  # before the key is minted: the key is bound to this session
+    """The checkout page (GET) and its submission (POST): one view, so the form's key
+    is minted for it (``idempotency_field()``'s default endpoint)."""
+    customer()  # this browser's customer, kept in its session
     if flask_wtf():
-        from .shop_wtf import checkout_with_flask_wtf
+        from .shop_wtf import checkout_with_flask_wtf  # Flask-WTF: only when asked for
 
         return checkout_with_flask_wtf()
-    values = {"product": request.form.get("product", ""), "quantity": request.form.get("quantity")}
+    return checkout_with_template()
+
+
+def checkout_with_template() -> t.Any:
+    """The checkout as a template with ``{{ idempotency_field() }}`` in its form."""
+    form = {"product": request.form.get("product", ""), "quantity": request.form.get("quantity")}
     if request.method == "GET":
-        return render_template("shop/checkout.html", products=PRODUCTS, values=values, errors={})
+        return render_template("shop/checkout.html", form=form, errors={})
     try:
-        order = CheckoutSchema().load(values)
+        order = CheckoutSchema().load(form)
     except ValidationError as exc:
-        # The page comes back with what was typed, the errors, and a new key: this
-        # attempt was an operation of its own (refused), the next is another.
-        errors = {
-            name: " ".join(m) for name, m in t.cast(dict[str, list[str]], exc.messages).items()
-        }
-        page = render_template(
-            "shop/checkout.html", products=PRODUCTS, values=values, errors=errors
-        )
-        return page, 422
-    return placed(place_order(order["product"], order["quantity"]))
+        # The page again, with the errors and so with a new key: the corrected form
+        # is a new operation, not this one again with another payload.
+        return render_template("shop/checkout.html", form=form, errors=exc.messages), 422
+    row = place_order(order["product"], order["quantity"])
+    return placed(row)
 
 
 @bp.get("/quick")
@@ -169,7 +174,7 @@ def quick() -> t.Any:
     """A page that orders with ``fetch()``: its script sends the key the page was
     rendered with in the ``Idempotency-Key`` header."""
     customer()
-    return render_template("shop/quick.html", products=PRODUCTS)
+    return render_template("shop/quick.html")
 
 
 @bp.post("/api/orders")

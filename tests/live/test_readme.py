@@ -121,7 +121,8 @@ def test_every_block_is_python_sh_or_json() -> None:
     # Each other language has its check: promql and yaml (the monitoring page's
     # dashboard and scrape configuration) in tests/unit/test_monitoring.py, sql
     # (tracing's ALTER for an older outbox) in tests/unit/test_tracing.py; text
-    # is a drawing (a trace's spans), no code.
+    # is a drawing (a trace's spans), no code; html+jinja (the forms page's templates)
+    # parses as Jinja below.
     assert {lang for _, _, lang, _ in blocks()} <= {
         "python",
         "sh",
@@ -130,6 +131,7 @@ def test_every_block_is_python_sh_or_json() -> None:
         "yaml",
         "sql",
         "text",
+        "html+jinja",
     }
     assert len(blocks("python", [README])) >= 2
     assert len(blocks("python", PAGES)) >= 10
@@ -231,6 +233,20 @@ def _dedented_in(body: str, path: Path) -> bool:
         if indented in source:
             return True
     return False
+
+
+def test_template_blocks_parse() -> None:
+    """The templates shown (docs/forms.md) are Jinja a Flask app can load."""
+    from flask import Flask
+
+    templates = blocks("html+jinja")
+    assert templates
+    environment = Flask(__name__).jinja_env
+    for name, line, _, code in templates:
+        try:
+            environment.parse(code)
+        except Exception as exc:  # jinja2.TemplateSyntaxError, with the block's place
+            raise AssertionError(f"{name}:{line}: {exc}") from exc
 
 
 def test_json_blocks_parse() -> None:
