@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import typing as t
 
 from flask import Response, current_app, request
@@ -24,6 +25,7 @@ from .._context import RequestState, resolve_app, set_request_state
 from .._storage import Record, Store, dberrors
 from .._telemetry import RequestTelemetry
 from ..errors import (
+    ConflictError,
     LeaseLostError,
     MissingKeyError,
     NothingToRecoverError,
@@ -49,6 +51,11 @@ from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 logger = logging.getLogger("flask_idempotency")
 
 Clock = t.Callable[[], dt.datetime]
+
+# How often a browser's duplicate looks again at a record still in progress on
+# a committed claim: soon at first (most views are quick), then every half second.
+_FIRST_POLL = 0.05
+_LAST_POLL = 0.5
 
 
 def _commit_in_doubt(exc: BaseException) -> bool:
@@ -141,13 +148,13 @@ class Flow:
 
         try:
             with self.telemetry.claim():
-                outcome = claim_key(
-                    self,
+                outcome = self._claim(
                     scope,
                     key,
                     fingerprint,
                     allow_new=recovery is None and not expired_form,
                     replay=expired_form,
+                    patient=form_token is not None,
                 )
         except RecordGone:
             if expired_form:
@@ -191,6 +198,38 @@ class Flow:
             failure_answer=None if route.commit_claim else (lambda: failure_answer(self)),
         )
         return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
+
+    def _claim(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        allow_new: bool,
+        replay: bool,
+        patient: bool,
+    ) -> t.Any:
+        """:func:`.claim.claim_key`; ``patient`` (a browser's form) waits out a
+        duplicate still running on a committed claim (a leased route, where no
+        row lock makes it wait) for up to ``IDEMPOTENCY_WAIT``, polling, and
+        answers what it ends with: the second click of a double click gets the
+        first's answer, not a 409 page the browser would show instead."""
+        budget = self.settings.wait or self.settings.lease
+        deadline = time.monotonic() + budget.total_seconds()
+        pause = _FIRST_POLL
+        while True:
+            try:
+                return claim_key(self, scope, key, fingerprint, allow_new=allow_new, replay=replay)
+            except ConflictError as exc:
+                # Only "in progress" (not a busy database, nor a lost lease).
+                if not patient or type(exc) is not ConflictError:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self.session.rollback()
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _LAST_POLL)
 
     def answer_existing(
         self, record: Record, fingerprint: str, now: dt.datetime

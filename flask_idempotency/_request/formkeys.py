@@ -55,9 +55,9 @@ from ..errors import (
     PayloadTooLargeError,
     ServerMisconfiguredError,
 )
-from ..keys import key_from_request
+from ..keys import MAX_KEY_LENGTH, key_from_request
 from .body import read_body
-from .forms import URLENCODED, consumed, is_form
+from .forms import consumed, is_form
 from .route import RouteOptions
 from .steps import RECOVERY_ENVIRON_KEY
 
@@ -118,14 +118,27 @@ def _caller_digest(scope: str, owner: str, secret: str | bytes) -> str:
 
 
 def _owner(create: bool) -> str:
-    """The session's random owner id; made (in the session, so the page's answer
-    carries it in its cookie) when ``create`` and missing."""
+    """The session's owner id; made (in the session, so the page's answer carries
+    it in its cookie) when ``create`` and missing.
+
+    Made from the session cookie the request brought (keyed with the secret),
+    so that pages rendered at once from one session (two tabs opened together,
+    the first pages after a sign-in) agree on it, whichever answer's cookie the
+    browser keeps; random for a request that brought none (a first visit).
+    """
     owner = session.get(OWNER_SESSION_KEY)
     if isinstance(owner, str) and owner:
         return owner
     if not create:
         return ""
-    owner = secrets.token_urlsafe(16)
+    _, cookie = scope_module._session_cookie()
+    if cookie is None:
+        owner = secrets.token_urlsafe(16)
+    else:
+        secret = _secrets()[-1]
+        key = secret.encode("utf-8") if isinstance(secret, str) else secret
+        digest = hmac.new(key, b"form-owner\x00" + cookie.encode("latin-1", "replace"), "sha256")
+        owner = digest.hexdigest()[:22]
     session[OWNER_SESSION_KEY] = owner
     request.environ[scope_module._FORM_OWNER_SET] = True
     return owner
@@ -231,11 +244,11 @@ def field_value(settings: Settings) -> str | None:
     if not settings.form_field or not is_form():
         return None
     try:
-        if request.mimetype == URLENCODED and not consumed():
+        if not consumed():
             # Keep the bytes as sent for the view (a signature over the raw
             # body): werkzeug parses a form from a cached body without
-            # consuming it. A multipart form is parsed from the stream, as
-            # its files are spooled rather than held in memory.
+            # consuming it. (A keyed request reads them whole anyway, for
+            # its fingerprint; MAX_CONTENT_LENGTH bounds both.)
             read_body()
         values = request.form.getlist(settings.form_field)
     except RequestEntityTooLarge:
@@ -395,7 +408,7 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
         recovery = RECOVERY_ENVIRON_KEY in request.environ
         key = key_from_request(
             settings.header,
-            max_length=settings.key_max_length,
+            max_length=MAX_KEY_LENGTH if recovery else settings.key_max_length,
             key_format=None if recovery else settings.key_format,
         )
         return key, None

@@ -17,6 +17,7 @@ Idempotency objects) so tests can vary the order of ``CSRFProtect`` and
 
 from __future__ import annotations
 
+import time
 import typing as t
 
 from flask import Flask, flash, get_flashed_messages, redirect, render_template_string, request
@@ -116,6 +117,17 @@ def create_app(
         if isinstance(made, list):
             return render(None, made, 422, **request.form)
         flash(f"Order {made.id} placed")  # the session changes: the reload must still replay
+        return redirect(f"/orders/{made.id}", 303)
+
+    @app.route("/checkout-leased", methods=["GET", "POST"])
+    @idem.idempotent(lease=True)
+    def checkout_leased() -> t.Any:
+        if request.method == "GET":
+            return render(None)
+        time.sleep(app.config.get("CHECKOUT_DELAY", 0))
+        made = create()
+        if isinstance(made, list):
+            return render(None, made, 422, **request.form)
         return redirect(f"/orders/{made.id}", 303)
 
     @app.get("/checkout-direct")

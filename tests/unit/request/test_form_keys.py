@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 import typing as t
 
 import pytest
@@ -423,8 +424,6 @@ def test_the_token_reveals_no_caller(shop: Flask) -> None:
     payload = URLSafeSerializer("form-test-secret", salt="flask-idempotency.form-key").loads(
         token[4:]
     )
-    with shop.test_request_context("/checkout"):
-        pass
     # The digest is keyed: the plain SHA-256 of any scope it could stand for is not it.
     candidates = ["checkout", "checkout|anonymous", "user:1"]
     assert all(hashlib.sha256(c.encode()).hexdigest()[:32] != payload[2] for c in candidates)
@@ -438,3 +437,53 @@ def test_the_view_still_reads_a_form_body_as_sent(shop: Flask, key: str | None) 
         "/webhook", data=body, content_type="application/x-www-form-urlencoded", headers=headers
     )
     assert answer.json == {"raw": body, "form": {"event": "paid", "amount": "12"}}
+
+
+def test_a_double_click_on_a_leased_route_waits_for_the_first(
+    database_url: str, clock: Clock
+) -> None:
+    import threading
+
+    app = formapp.create_app(database_url, clock, CHECKOUT_DELAY=1.0)
+    page = app.test_client()
+    key = rendered_key(page.get("/checkout-leased").text)
+    cookie = page.get_cookie("session").value  # type: ignore[union-attr]
+    answers: list[t.Any] = []
+
+    def click() -> None:
+        browser = app.test_client()
+        browser.set_cookie("session", cookie)
+        answers.append(
+            browser.post("/checkout-leased", data=fields(key), headers={"Accept": BROWSER_ACCEPT})
+        )
+
+    first = threading.Thread(target=click)
+    first.start()
+    time.sleep(0.3)  # the second click, while the first runs its view
+    click()
+    first.join()
+    assert sorted(a.status_code for a in answers) == [303, 303]
+    assert len({a.headers["Location"] for a in answers}) == 1
+    assert formapp.order_count(app) == 1
+
+
+def test_two_tabs_rendered_at_once_from_one_session(shop: Flask) -> None:
+    # A session without an owner yet (a sign-in sets it up, say): a flash will do.
+    signed_in = shop.test_client()
+    with signed_in.session_transaction() as session:
+        session["user"] = "alice"
+    # Two renders from the same incoming cookie, as two tabs opened together.
+    cookie = signed_in.get_cookie("session").value  # type: ignore[union-attr]
+    tabs = []
+    for _ in range(2):
+        tab = shop.test_client()
+        tab.set_cookie("session", cookie)
+        tabs.append(tab)
+    keys = [rendered_key(tab.get("/checkout").text) for tab in tabs]
+    # The browser keeps whichever cookie came last: both tabs' forms go through.
+    last = tabs[1].get_cookie("session").value  # type: ignore[union-attr]
+    for key in keys:
+        submit = shop.test_client()
+        submit.set_cookie("session", last)
+        assert submit.post("/checkout", data=fields(key)).status_code == 303
+    assert formapp.order_count(shop) == 2
