@@ -20,6 +20,13 @@ every way a browser repeats that submission is the same operation, run once:
 After an order the browser is sent on with ``303 See Other`` to the order's
 page (Post/Redirect/Get); a replayed 303 sends it to the same page.
 
+The checkout leases its key (``lease=True``), as a checkout that calls a payment
+provider must (the order service's ``POST /orders`` does): the claim commits
+before the view runs. A browser's second submission finds it, waits for the first
+to finish and gets its answer. The ``fetch()`` page's JSON route keeps the
+default, the claim in the order's transaction: a duplicate waits on the database
+for it. The browser tests double-submit on each.
+
 Who the customer is: a random id kept in the session cookie (a stand-in for a
 login). The route keeps the extension's default scope, which tells browsers
 apart by their session; a form key minted for one session is refused in
@@ -39,8 +46,8 @@ Settings (``app.config``, or the environment for ``python -m example_app shop``)
   name themselves in a header, not a cookie, is exempt);
 * ``EXAMPLE_CHECKOUT_REDIRECT`` (default on): Post/Redirect/Get; off, the POST
   answers the order page itself;
-* ``EXAMPLE_CHECKOUT_DELAY``: seconds each checkout takes (a slow payment
-  provider), so a double click lands twice before the first answer;
+* ``EXAMPLE_CHECKOUT_DELAY``: seconds each order takes (the payment provider a
+  real checkout would call), so a double click lands twice before the first answer;
 * ``SECRET_KEY`` (``EXAMPLE_SECRET_KEY``): signs the session and the form keys.
 """
 
@@ -142,7 +149,7 @@ def placed(row: Order) -> t.Any:
 
 
 @bp.route("/checkout", methods=["GET", "POST"])
-@idem.idempotent
+@idem.idempotent(lease=True)
 def checkout() -> t.Any:
     """The checkout page (GET) and its submission (POST): one view, so the form's key
     is minted for it (``idempotency_field()``'s default endpoint)."""
