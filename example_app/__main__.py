@@ -4,6 +4,9 @@
 * ``orders``: the order service on 127.0.0.1:5001; it charges at
   ``EXAMPLE_PAYMENTS_URL`` and relays its events itself (an in-process scheduler,
   woken at each commit).
+* ``shop``: the order service with the shop's browser checkout
+  (``/shop/checkout``, ``shop.py``) on 127.0.0.1:5002; ``EXAMPLE_SHOP_FLASK_WTF=1``
+  for its Flask-WTF form under CSRFProtect.
 * ``shipping``: the shipping consumer, until Ctrl-C.
 * ``demo``: the whole chain in one process, on SQLite files in a temporary folder
   and kombu's filesystem transport (or ``EXAMPLE_BROKER_URL``): a client whose
@@ -29,7 +32,7 @@ from werkzeug.serving import make_server
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
 
-from . import broker, create_app, orders, shipping
+from . import broker, create_app, orders, shipping, shop
 from .app import db as payments_db
 
 WSGIApp = t.Callable[[dict[str, t.Any], t.Callable[..., t.Any]], t.Iterable[bytes]]
@@ -197,7 +200,7 @@ def main() -> int:
     parser.add_argument(
         "command",
         nargs="?",
-        choices=["serve", "payments", "orders", "shipping", "demo"],
+        choices=["serve", "payments", "orders", "shop", "shipping", "demo"],
         default="serve",
     )
     parser.add_argument("--host", default="127.0.0.1")
@@ -213,6 +216,10 @@ def main() -> int:
         print(
             f"order service on http://{args.host}:{port}  (payments: {app.config['PAYMENTS_URL']})"
         )
+    elif args.command == "shop":
+        app = shop.create_app({"IDEMPOTENCY_SCHEDULER": True})
+        port = args.port or 5002
+        print(f"shop on http://{args.host}:{port}/shop/checkout")
     else:
         app = create_app()
         port = args.port or 5000

@@ -55,6 +55,8 @@ DEFAULT_PAYMENTS_URL = "http://127.0.0.1:5000"
 #: Who this service is at the payments service (its X-Merchant).
 DEFAULT_PAYMENTS_MERCHANT = "orders"
 TENANT_LENGTH = 64
+#: What the extension reads the time from (``Idempotency.init_app(clock=...)``).
+Clock = t.Callable[[], dt.datetime]
 
 
 class Order(db.Model):  # type: ignore[name-defined,misc]
@@ -67,7 +69,9 @@ class Order(db.Model):  # type: ignore[name-defined,misc]
     customer_id: orm.Mapped[str] = orm.mapped_column(db.String(CUSTOMER_ID_LENGTH))
     amount: orm.Mapped[int] = orm.mapped_column(db.Integer)
     currency: orm.Mapped[str] = orm.mapped_column(db.String(3))
-    charge_id: orm.Mapped[int] = orm.mapped_column(db.Integer)
+    #: The charge at the payments service; none for the shop's orders paid on
+    #: delivery (``shop.py``).
+    charge_id: orm.Mapped[int | None] = orm.mapped_column(db.Integer)
     created_at: orm.Mapped[dt.datetime] = orm.mapped_column(
         default=lambda: dt.datetime.now(dt.timezone.utc)
     )
@@ -199,7 +203,7 @@ def list_orders() -> dict[str, t.Any]:
     return {"count": len(rows), "orders": rows}
 
 
-def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
+def create_app(config: t.Mapping[str, t.Any] | None = None, *, clock: Clock | None = None) -> Flask:
     """Build the order service. ``config`` overrides; otherwise the database is
     ``EXAMPLE_ORDERS_DATABASE_URL`` (default SQLite in the instance folder; with its
     driver, as ``postgresql+psycopg2://user@host/orders``), the payments service
@@ -207,7 +211,8 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     merchant ``EXAMPLE_PAYMENTS_MERCHANT`` (default ``orders``), and the broker
     ``EXAMPLE_BROKER_URL`` (see ``broker.py``). Behind a transaction pooler
     (``EXAMPLE_DATABASE_POOLER=transaction``) its relay LISTENs on
-    ``EXAMPLE_ORDERS_LISTEN_URL``, a direct URL to the orders database."""
+    ``EXAMPLE_ORDERS_LISTEN_URL``, a direct URL to the orders database.
+    ``clock`` is the extension's (tests move it)."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
         "EXAMPLE_ORDERS_DATABASE_URL", DEFAULT_DATABASE_URL
@@ -233,7 +238,7 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
         total=3, backoff_factor=0.2, backoff_max=2, deadline=12
     )
     init_database(app, db)
-    idem.init_app(app, db)
+    idem.init_app(app, db, clock=clock)
     app.register_blueprint(bp)
     # Every HTTP error as problem+json (404, 405, 401 from tenant(), 413...); the
     # extension's own errors are problem+json already.

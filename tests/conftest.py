@@ -41,7 +41,7 @@ from sqlalchemy import event
 
 from flask_idempotency._storage import text_param
 from flask_idempotency._storage.schema import as_utc, inbox_table, job_lock_table, record_table
-from tests.support import pgbouncer, testapp
+from tests.support import browser, pgbouncer, testapp
 from tests.support.live import LiveServer
 from tests.support.tables import recreate_tables
 from tests.support.tcp_proxy import TcpProxy, upstream_of
@@ -239,6 +239,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             "PgBouncer (transaction pooling): the PostgreSQL tests of "
             f"{', '.join(sorted(POOLED_MODULES))} also run through it"
         )
+    no_browser = browser.missing()
+    lines.append(
+        "Chromium for the browser tests (tests/browser): "
+        + (f"NOT AVAILABLE, they are skipped: {no_browser}" if no_browser else browser.found())
+    )
     if mysql_url() is not None:
         lines.append(f"MariaDB/MySQL for tests: {_MYSQL['shown']} (server {_MYSQL['version']})")
     else:
