@@ -51,7 +51,9 @@ try:
     from urllib3.util.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        'flask_idempotency.client needs requests: pip install "Flask-Idempotency[client]"'
+        "flask_idempotency.client needs requests: install the package's client extra "
+        '(pip install "path/to/flask-idempotency[client]", see docs/installation.md), '
+        "or pip install requests"
     ) from exc
 
 from ._client.budget import Budgets, RedirectBudgetExceeded, count_hop

@@ -140,7 +140,9 @@ class KombuPublisher:
             import kombu
         except ImportError as exc:  # pragma: no cover - depends on the extra
             raise ImportError(
-                "KombuPublisher needs kombu: pip install 'flask-idempotency[kombu]'"
+                "KombuPublisher needs kombu: install the package's kombu extra (pip install "
+                "'path/to/flask-idempotency[kombu]', see docs/installation.md), or pip "
+                "install kombu"
             ) from exc
         self._kombu: t.Any = kombu
         options = dict(transport_options or {})
