@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import queue
 import re
@@ -273,3 +274,44 @@ def test_stats_prints_the_figures_for_a_role_that_may_not_read_the_job_locks(
                 conn.execute(sa.text(f"DROP OWNED BY {user}"))
                 conn.execute(sa.text(f"DROP ROLE IF EXISTS {user}"))
         admin.dispose()
+
+
+def test_a_missing_job_locks_table_is_one_error_line_with_the_hint(
+    fresh_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The migration that makes ``idempotency_job_locks`` forgotten: each tick of
+    the in-process scheduler logged APScheduler's traceback of the database's
+    error. Now the first tick logs one ERROR line naming the table and the
+    command, the next ones DEBUG; once the table is back a job runs (its row
+    written), and a second outage is reported again."""
+    app = make_app(fresh_database)
+    db = app.extensions["sqlalchemy"]
+    with app.app_context():
+        db.metadata.tables["idempotency_keys"].create(db.engine)
+    scheduler = JobScheduler(app)
+    caplog.set_level(logging.DEBUG, logger="flask_idempotency")
+
+    def missing_lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "idempotency_job_locks is missing" in r.getMessage()]
+
+    for _ in range(3):
+        assert scheduler.run_job("purge", lambda app, keep: None) is False
+    lines = missing_lines()
+    assert [r.levelno for r in lines] == [logging.ERROR, logging.DEBUG, logging.DEBUG]
+    assert "flask idempotency create-tables" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info]
+    with app.app_context():
+        db.metadata.tables["idempotency_job_locks"].create(db.engine)
+    assert scheduler.run_job("purge", lambda app, keep: None) is True
+    with app.app_context():
+        ran = db.session.scalar(
+            sa.text("SELECT count(*) FROM idempotency_job_locks WHERE last_finished_at IS NOT NULL")
+        )
+        db.session.remove()
+        db.metadata.tables["idempotency_job_locks"].drop(db.engine)
+    assert ran == 1
+    caplog.clear()
+    assert scheduler.run_job("purge", lambda app, keep: None) is False
+    assert [r.levelno for r in missing_lines()] == [logging.ERROR]
+    with app.app_context():
+        db.engine.dispose()
