@@ -62,7 +62,7 @@ from ._context import resolve_app
 from ._maintenance import runner
 from ._maintenance.jobs import job_runs, purge_expired, recover_abandoned
 from ._messaging.admin import outbox_stats, purge_published, retry_parked
-from ._storage import OVERRIDABLE, Hold, inbox, release_verdict
+from ._storage import OVERRIDABLE, Hold, dberrors, inbox, release_verdict
 from ._storage import outbox as outbox_sql
 from ._storage.schema import OUTBOX_TABLE_NAME, inbox_table, outbox_table
 
@@ -141,7 +141,9 @@ def purge(batch_size: int | None, dry_run: bool) -> None:
 def stats() -> None:
     """Records by status, oldest in progress, expired awaiting cleanup, table size;
     the outbox (pending, retrying, oldest pending age, parked, published), the inbox
-    (processed ids, per consumer), the jobs' last runs, each when its table exists."""
+    (processed ids, per consumer), the jobs' last runs, each when its table exists.
+    ``jobs`` is null, and ``errors`` says why, when the role may not read the job
+    locks' table."""
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
@@ -153,7 +155,15 @@ def stats() -> None:
     numbers["oldest_in_progress"] = _cli.iso(numbers["oldest_in_progress"])
     if has_outbox:
         numbers.update(outbox_stats(resolve_app()))
-    numbers["jobs"] = job_runs(resolve_app())  # None without the job locks' table
+    try:
+        numbers["jobs"] = job_runs(resolve_app())  # None without the job locks' table
+    except sa.exc.DBAPIError as exc:
+        # An operator's read-only role may see the records and not the job locks:
+        # the other figures still print, and what could not be read says why.
+        if not dberrors.privilege_refused(exc):
+            raise
+        numbers["jobs"] = None
+        numbers["errors"] = {"jobs": dberrors.summary(exc)}
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 

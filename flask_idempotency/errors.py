@@ -400,11 +400,13 @@ class DatabaseUnavailableError(ProblemError):
 class ServerMisconfiguredError(ProblemError):
     """The server is not set up to run the request (503, ``Retry-After``): a table
     of the extension's is missing (``flask idempotency create-tables`` or the
-    app's migrations were never run against this database). Nothing ran and
-    nothing was stored; a retry with the same key, once an operator has created
-    the table, is safe. ``Retry-After`` is :attr:`RETRY_AFTER`: long enough
-    that retrying clients do not hammer a host that readiness already reports
-    not ready."""
+    app's migrations were never run against this database). The request's
+    transaction was rolled back: nothing it wrote to the database was kept and
+    no record was stored (the view may have run up to the failing statement: work
+    it did outside the database is not undone). A retry with the same key, once
+    an operator has created the table, runs the request. ``Retry-After`` is
+    :attr:`RETRY_AFTER`: long enough that retrying clients do not hammer a host
+    that readiness already reports not ready."""
 
     slug = "server-misconfigured"
     title = "The server is misconfigured"

@@ -33,6 +33,7 @@ from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
 from ._request.route import RouteOptions, view_name
 from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
+from ._storage.schema import OUTBOX_TABLE_NAME
 from ._view import ViewAPI
 from .cli import idempotency_cli
 
@@ -327,7 +328,9 @@ class Idempotency(ViewAPI):
         ``details`` is JSON-ready: ``ready``, ``database`` (``"ok"``,
         ``"timeout"``, ``"unavailable"``, ``"read_only"``, ``"forbidden"``
         (the app's role may not write the table: a GRANT missing),
-        ``"missing_table"`` (the record's table does not exist), ``"conflict"``
+        ``"missing_table"`` (the record's table, or the outbox's, which
+        ``init_app`` puts on the metadata, does not exist: every request that
+        emits would fail; ``reason`` names it), ``"conflict"``
         or ``"error"``), ``table``, ``timeout_ms``, ``probe_id``, and
         ``duration_ms`` (or ``running_ms`` while the probe is still running),
         ``error`` (the exception's class name) when it failed and ``reason``
@@ -341,7 +344,9 @@ class Idempotency(ViewAPI):
             else _config.positive_duration(timeout, "timeout", maximum=_config.MAX_ENGINE_TIMEOUT)
         )
         probe = health.probe_for(resolve_app())
-        return probe.check(state.db.engine, state.store.table, limit)
+        outbox = state.db.metadata.tables.get(OUTBOX_TABLE_NAME)
+        also = (outbox,) if outbox is not None else ()
+        return probe.check(state.db.engine, state.store.table, limit, also)
 
     # -- figures ------------------------------------------------------------------
 

@@ -76,10 +76,15 @@ class ReadinessProbe:
         self._numbers = itertools.count(1)
 
     def check(
-        self, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta
+        self,
+        engine: sa.Engine,
+        table: sa.Table,
+        timeout: dt.timedelta,
+        also: t.Sequence[sa.Table] = (),
     ) -> tuple[bool, Details]:
         """Probe (or join the probe in flight) and wait for it at most ``timeout``
-        from the probe's start."""
+        from the probe's start. ``also``: tables that must exist too (the
+        outbox: a missing one fails every request that emits)."""
         seconds = timeout.total_seconds()
         with self._lock:
             if self._pid != os.getpid():
@@ -91,7 +96,7 @@ class ReadinessProbe:
                 self._current = probe
                 threading.Thread(
                     target=_run,
-                    args=(probe, engine, table, timeout),
+                    args=(probe, engine, table, timeout, tuple(also)),
                     name="flask-idempotency-readiness",
                     daemon=True,
                 ).start()
@@ -116,10 +121,20 @@ class ReadinessProbe:
         return bool(details["ready"]), details
 
 
-def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelta) -> None:
+def _run(
+    probe: _Probe,
+    engine: sa.Engine,
+    table: sa.Table,
+    timeout: dt.timedelta,
+    also: tuple[sa.Table, ...] = (),
+) -> None:
     try:
         verdict = readiness_sql.probe(engine, table, timeout)
-        if verdict.forbidden is not None:
+        missing = _missing(engine, also) if verdict.forbidden is None else None
+        if missing is not None:
+            probe.outcome, probe.reason = "missing_table", f"the table {missing} does not exist"
+            logger.warning("readiness probe: the table %s is missing", missing)
+        elif verdict.forbidden is not None:
             probe.outcome, probe.reason = "forbidden", verdict.forbidden
             probe.error = "InsufficientPrivilege"
             logger.warning("readiness probe of %s: %s", table.name, verdict.forbidden)
@@ -153,6 +168,18 @@ def _run(probe: _Probe, engine: sa.Engine, table: sa.Table, timeout: dt.timedelt
     finally:
         probe.duration = time.monotonic() - probe.started
         probe.done.set()
+
+
+def _missing(engine: sa.Engine, tables: tuple[sa.Table, ...]) -> str | None:
+    """The name of the first of ``tables`` that does not exist, or ``None``."""
+    if not tables:
+        return None
+    with engine.connect() as conn:
+        inspector = sa.inspect(conn)
+        for table in tables:
+            if not inspector.has_table(table.name, schema=table.schema):
+                return table.name
+    return None
 
 
 _probes: weakref.WeakKeyDictionary[t.Any, ReadinessProbe] = weakref.WeakKeyDictionary()

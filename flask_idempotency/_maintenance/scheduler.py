@@ -19,6 +19,7 @@ from .._context import app_state
 from .._messaging.listener import Listener, RelistenBackoff
 from .._storage import dberrors
 from .._storage.locks import JobLocks, new_holder_id
+from .._storage.schema import INBOX_TABLE_NAME, OUTBOX_TABLE_NAME
 from .jobs import JOB_NAMES, KeepGoing, job_intervals, purge_expired, recover_abandoned
 
 logger = logging.getLogger("flask_idempotency")
@@ -68,6 +69,9 @@ class JobScheduler:
         self._broker_away_until = 0.0
         self.waker: RelayWaker | None = None
         self.relays = app.config.get("IDEMPOTENCY_PUBLISHER") is not None
+        # The tables found missing and reported at ERROR; a table is reported
+        # again once it was found again (a second outage is news too).
+        self._missing_reported: set[str] = set()
         if self.relays:
             # The poll; its tick goes through relay_now like a wake-up's.
             every = settings.relay_every
@@ -109,6 +113,9 @@ class JobScheduler:
             try:
                 acquired = self.locks.acquire(engine, name, self.holder, ttl, clock(), every=every)
             except Exception as exc:
+                if self._report_missing(name, exc):
+                    telemetry.job_ran(job, "error", None)
+                    return False
                 # The database refuses writes (a standby after a failover) or is
                 # away: one line per tick, not a traceback; the next tick tries again.
                 why = dberrors.describe(exc)
@@ -117,6 +124,7 @@ class JobScheduler:
                 logger.warning("job %s not run: %s", name, why)
                 telemetry.job_ran(job, "error", None)
                 return False
+            self._missing_reported.discard(self.locks.table.name)
             if not acquired:
                 logger.debug("job %s is running or ran recently elsewhere; skipping", name)
                 telemetry.job_ran(job, "skipped", None)
@@ -130,12 +138,14 @@ class JobScheduler:
                 error = exc
                 telemetry.job_ran(job, "error", time.perf_counter() - started)
                 why = dberrors.describe(exc)
-                if why is None:
-                    logger.exception("job %s failed", name)
-                else:
-                    logger.warning("job %s failed: %s", name, why)
+                if not self._report_missing(name, exc):
+                    if why is None:
+                        logger.exception("job %s failed", name)
+                    else:
+                        logger.warning("job %s failed: %s", name, why)
             else:
                 telemetry.job_ran(job, "ok", time.perf_counter() - started)
+                self._missing_reported.discard(state.store.table.name)
             finally:
                 signals.job_finished.send(self.app, name=name, holder=self.holder, error=error)
                 try:
@@ -147,6 +157,28 @@ class JobScheduler:
                         raise
                     logger.warning("job %s: its lock was not released: %s", name, why)
                 state.db.session.remove()
+        return True
+
+    def _report_missing(self, name: str, exc: Exception) -> bool:
+        """Log ``exc`` as a table of the extension's missing, if it is one: at
+        ERROR with the command that creates it the first time, then at DEBUG
+        (a tick every few seconds would otherwise log a traceback each)."""
+        state = self.state
+        tables = [self.locks.table.name, state.store.table.name]
+        tables += [INBOX_TABLE_NAME, OUTBOX_TABLE_NAME]
+        missing = dberrors.missing_table(exc, tables)
+        if missing is None:
+            return False
+        first = missing not in self._missing_reported
+        self._missing_reported.add(missing)
+        logger.log(
+            logging.ERROR if first else logging.DEBUG,
+            "job %s not run: the table %s is missing from the database: run "
+            "'flask idempotency create-tables' or the app's migrations (logged once "
+            "until the table is back; the job tries again at its next tick)",
+            name,
+            missing,
+        )
         return True
 
     #: Seconds (at most ``IDEMPOTENCY_RELAY_EVERY``) during which wake-ups wait

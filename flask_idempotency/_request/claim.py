@@ -17,9 +17,10 @@ import typing as t
 import urllib.parse
 
 from flask import Response, request
+from marshmallow import Schema
 
 from .. import signals
-from .._context import resolve_app
+from .._context import app_state, resolve_app
 from .._storage import (
     COMPLETED,
     IN_PROGRESS,
@@ -38,9 +39,10 @@ from ..errors import (
     TooLargeToStore,
 )
 from .claim_guard import Reassert
-from .fingerprint import request_fingerprint, stored_request_body
+from .fingerprint import NormalizedRequest, exclude_paths, stored_request_body
 from .formkeys import form_ignored_fields
 from .responses import replay
+from .route import RouteOptions
 
 if t.TYPE_CHECKING:
     from .flow import Flow
@@ -269,34 +271,80 @@ def answer_existing(
     return None
 
 
+# At most this many other routes are hashed for a 422's "only the route
+# differs" hint, and at most _ROUTE_HINT_RULES of them with excluded fields of
+# their own (each such set normalizes the body again): a mismatch is any
+# client's to send, and an app with many look-alike routes must not make it
+# cost more than a few requests. Past a cap the 422 says the usual thing.
+_ROUTE_HINT_CANDIDATES = 20
+_ROUTE_HINT_RULES = 2
+
+
 def route_of_same_request(flow: Flow, stored_hash: str) -> str | None:
-    """``METHOD /path`` of another route of the app that this very request (method,
-    query, body, as this route fingerprints it) would have hashed to
-    ``stored_hash`` on, or ``None``.
+    """``METHOD /path`` of another route of the app that this very request
+    (method, query, body) would have hashed to ``stored_hash`` on, or ``None``.
 
     A record keeps the fingerprint only (the route is in it, not beside it: a
-    column would cost every claim), so on a 422 the request is hashed again as
-    sent to each other route with this method and no URL variables: a few
-    SHA-256 of a body already read, on the mismatch path only. A route with
-    variables (``/orders/<id>``) is not tried: its path cannot be guessed.
+    column would cost every claim), so on a 422 the request's normalized bytes
+    (computed once, for the claim) are hashed again with the path of each
+    other route that could have made the record: a view decorated by this
+    extension, serving this method, without URL variables (``/orders/<id>``:
+    its path cannot be guessed), with the same schema as this route. A route
+    that excludes other fields normalizes the request as it would have (a
+    route that counts a field this one excludes would not have matched this
+    payload). At most ``_ROUTE_HINT_CANDIDATES`` routes are tried.
     """
+    normalized = flow.normalized
+    if normalized is None:
+        return None
+    app = resolve_app()
+    state = app_state(app)
     current = request.url_rule.rule if request.url_rule is not None else None
-    for rule in resolve_app().url_map.iter_rules():
+    own_rules = _rules_key(flow.route.exclude, form_ignored_fields(flow.settings))
+    by_rules: dict[t.Hashable, NormalizedRequest] = {own_rules: normalized}
+    tried = 0
+    for rule in app.url_map.iter_rules():
         if rule.arguments or rule.rule == current or request.method not in (rule.methods or ()):
             continue
+        route = getattr(app.view_functions.get(rule.endpoint), "_idempotency_route", None)
+        if not isinstance(route, RouteOptions) or not same_schema(flow.route.schema, route.schema):
+            continue
+        if tried == _ROUTE_HINT_CANDIDATES:
+            return None
+        tried += 1
         try:
-            _, hashed = request_fingerprint(
-                flow.route.schema,
-                flow.route.exclude,
-                form_ignored_fields(flow.settings),
-                path=rule.rule,
-            )
+            settings = state.route_settings.get(route) or route.settings_for(state.settings)
+            if not settings.protects(request.method):
+                continue
+            ignored = form_ignored_fields(settings)
+            rules = _rules_key(route.exclude, ignored)
+            theirs = by_rules.get(rules)
+            if theirs is None:
+                if len(by_rules) > _ROUTE_HINT_RULES:
+                    continue
+                theirs = by_rules[rules] = normalized.renormalized(route.exclude, ignored)
         except Exception:  # a hint never turns the 422 into another answer
             logger.debug("could not hash the request for %s", rule.rule, exc_info=True)
-            return None
-        if hashed == stored_hash:
+            continue
+        if theirs.fingerprint(rule.rule) == stored_hash:
             return f"{request.method} {rule.rule}"
     return None
+
+
+def _rules_key(exclude: t.Iterable[str], form_ignored: t.Iterable[str]) -> t.Hashable:
+    return frozenset(exclude_paths(exclude)), frozenset(form_ignored)
+
+
+def same_schema(one: Schema | None, other: Schema | None) -> bool:
+    """Whether two routes load a body alike: one schema object, or instances of
+    one class with the same load options (another route's schema is never run
+    on this request: its hooks are that route's business)."""
+    if one is other:
+        return True
+    if one is None or other is None or type(one) is not type(other):
+        return False
+    options = ("only", "exclude", "many", "partial", "unknown", "load_only", "dump_only")
+    return all(getattr(one, name, None) == getattr(other, name, None) for name in options)
 
 
 def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Response | Record | None:

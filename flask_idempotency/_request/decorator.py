@@ -11,16 +11,18 @@ import functools
 import logging
 import re
 import threading
+import time
 import typing as t
 import weakref
 
+import sqlalchemy as sa
 from flask import Flask, Response, current_app, request
 
 from .. import _config
 from .. import _telemetry as telemetry
 from .._context import app_state
 from .._storage import dberrors
-from .._storage.schema import OUTBOX_TABLE_NAME
+from .._storage.schema import INBOX_TABLE_NAME, OUTBOX_TABLE_NAME
 from ..errors import ProblemError, ServerMisconfiguredError
 from ..keys import resolve_key_format, resolve_key_max_length
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
@@ -157,7 +159,7 @@ def protect(view: F, route: RouteOptions) -> F:
             # no-key path): a database outage or a lock conflict anywhere
             # answers a retryable problem, never an HTML 500.
             problem = database_problem(
-                exc, state.db.session, state.store.table.name, OUTBOX_TABLE_NAME
+                exc, state.db.session, state.store.table.name, OUTBOX_TABLE_NAME, INBOX_TABLE_NAME
             )
             if problem is None:
                 observed.fail(exc)
@@ -169,6 +171,8 @@ def protect(view: F, route: RouteOptions) -> F:
             raise
         # Each request's outcome is counted here, once, whatever the path.
         observed.finish()
+        if _reported_missing:  # an outage was reported: is a table back?
+            _forget_tables_back(state.db.session)
         return response
 
     wrapper._idempotency_route = route  # type: ignore[attr-defined]
@@ -285,8 +289,10 @@ def database_problem(
         )
         return ServerMisconfiguredError(
             "The server is not set up to store this request's outcome (a table is "
-            "missing): its transaction was rolled back and nothing was stored. Retry "
-            "with the same Idempotency-Key once the service's operators have fixed it."
+            "missing): its transaction was rolled back, so nothing it wrote to the "
+            "database was kept (work outside the database, if the view did any before "
+            "the failure, is not undone). Retry with the same Idempotency-Key once the "
+            "service's operators have fixed it."
         )
     failure = dberrors.classify(exc)
     if failure is None and dberrors.privilege_refused(exc) and dberrors.names_table(exc, records):
@@ -323,6 +329,38 @@ def _first_report(session: t.Any, table: str) -> bool:
             return False
         _reported_missing.add((database, table))
         return True
+
+
+# How often, at most, a successful request looks whether the tables reported
+# missing are back (one catalog query per database while a report stands).
+_RECHECK_EVERY = 10.0
+_rechecked: dict[str, float] = {}
+
+
+def _forget_tables_back(session: t.Any) -> None:
+    """Forget the reports of this database's tables that exist again, so that a
+    second outage logs its ERROR line too. At most every ``_RECHECK_EVERY``
+    seconds per database, and only while a table is reported missing."""
+    try:
+        bind = session.get_bind()
+        database = str(bind.url)
+    except Exception:  # no bind to look at
+        return
+    with _reported_lock:
+        pending = [table for db, table in _reported_missing if db == database]
+        now = time.monotonic()
+        if not pending or now - _rechecked.get(database, -_RECHECK_EVERY) < _RECHECK_EVERY:
+            return
+        _rechecked[database] = now
+    try:
+        with bind.connect() as conn:
+            inspector = sa.inspect(conn)
+            back = [table for table in pending if inspector.has_table(table)]
+    except Exception:  # a report stays; the next check may tell
+        logger.debug("could not look for the missing tables", exc_info=True)
+        return
+    with _reported_lock:
+        _reported_missing.difference_update((database, table) for table in back)
 
 
 def _roll_back(session: t.Any) -> None:

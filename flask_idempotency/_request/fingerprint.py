@@ -361,6 +361,84 @@ def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
         raise MalformedBodyError(f"The body holds a value that cannot be compared: {exc}") from exc
 
 
+@dataclasses.dataclass(frozen=True)
+class NormalizedRequest:
+    """The current request, normalized once: everything its fingerprint counts
+    but the path, so the hash for another path costs one SHA-256 of these bytes
+    (the 422's check whether only the route differs), not another parse."""
+
+    method: str
+    query: tuple[tuple[str, str], ...]
+    body: bytes
+    mimetype: str | None
+    #: What the body was normalized from (the schema, the JSON sent and what
+    #: the schema loaded), for :meth:`renormalized`.
+    schema: Schema | None = dataclasses.field(default=None, repr=False, compare=False)
+    raw: t.Any = dataclasses.field(default=None, repr=False, compare=False)
+    payload: t.Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def fingerprint(self, path: str) -> str:
+        """The hash of this request as sent to ``path``."""
+        return compute(self.method, path, self.query, self.body, self.mimetype)
+
+    def renormalized(
+        self, exclude: t.Iterable[str], form_ignored: t.Collection[str] = ()
+    ) -> NormalizedRequest:
+        """This request normalized with other excluded (and ignored form) fields,
+        under the same schema: the payload is not loaded again."""
+        return _normalize(self.schema, self.raw, self.payload, exclude, form_ignored)
+
+
+def normalize_request(
+    schema: Schema | None,
+    exclude: t.Iterable[str],
+    form_ignored: t.Collection[str] = (),
+) -> tuple[t.Any, NormalizedRequest]:
+    """Load the current request's payload and normalize it: ``(payload, normalized)``.
+
+    ``form_ignored`` names the fields of a form body that never count (the
+    form's key, the CSRF token: both change with each rendering of one form)."""
+    if schema is not None:
+        raw = read_json_body()
+        payload = _load(schema, raw)
+    else:
+        raw = payload = load_payload(None)
+    return payload, _normalize(schema, raw, payload, exclude, form_ignored)
+
+
+def _normalize(
+    schema: Schema | None,
+    raw: t.Any,
+    payload: t.Any,
+    exclude: t.Iterable[str],
+    form_ignored: t.Collection[str],
+) -> NormalizedRequest:
+    paths = exclude_paths(exclude)
+    if schema is not None:
+        try:
+            normalized = _normalized(sent_only(schema, raw, payload, paths), paths)
+        except RecursionError:
+            raise MalformedBodyError("The JSON body is nested too deeply.") from None
+        except UnknownValueError as exc:
+            exc.schema_name = type(schema).__qualname__
+            raise
+    elif not isinstance(payload, bytes):
+        normalized = _normalized(payload, paths)
+    elif request.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
+        form = form_fields()
+        if form is not None and form_ignored:
+            form = {name: v for name, v in form.items() if name not in form_ignored}
+        # A form that does not parse counts as its bytes, like any other body.
+        normalized = payload if form is None else b"form:" + _normalized(form, paths)
+    else:
+        normalized = payload
+    query = tuple((k, v) for k, values in request.args.lists() for v in values)
+    mimetype = request.mimetype if normalized else None
+    return NormalizedRequest(
+        request.method, query, normalized, mimetype, schema=schema, raw=raw, payload=payload
+    )
+
+
 def request_fingerprint(
     schema: Schema | None,
     exclude: t.Iterable[str],
@@ -370,37 +448,10 @@ def request_fingerprint(
 ) -> tuple[t.Any, str]:
     """Load the current request's payload and fingerprint it: ``(payload, hash)``.
 
-    ``form_ignored`` names the fields of a form body that never count (the
-    form's key, the CSRF token: both change with each rendering of one form).
-    ``path``: the hash as if the same request had been sent to that path (the
-    422's check whether only the route differs); default the request's own."""
-    paths = exclude_paths(exclude)
-    if schema is not None:
-        raw = read_json_body()
-        payload = _load(schema, raw)
-        try:
-            normalized = _normalized(sent_only(schema, raw, payload, paths), paths)
-        except RecursionError:
-            raise MalformedBodyError("The JSON body is nested too deeply.") from None
-        except UnknownValueError as exc:
-            exc.schema_name = type(schema).__qualname__
-            raise
-    else:
-        payload = load_payload(None)
-        if not isinstance(payload, bytes):
-            normalized = _normalized(payload, paths)
-        elif request.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
-            form = form_fields()
-            if form is not None and form_ignored:
-                form = {name: v for name, v in form.items() if name not in form_ignored}
-            # A form that does not parse counts as its bytes, like any other body.
-            normalized = payload if form is None else b"form:" + _normalized(form, paths)
-        else:
-            normalized = payload
-    query = [(k, v) for k, values in request.args.lists() for v in values]
-    mimetype = request.mimetype if normalized else None
-    sent_to = request.path if path is None else path
-    return payload, compute(request.method, sent_to, query, normalized, mimetype)
+    ``form_ignored`` as for :func:`normalize_request`. ``path``: the hash as if
+    the same request had been sent to that path; default the request's own."""
+    payload, normalized = normalize_request(schema, exclude, form_ignored)
+    return payload, normalized.fingerprint(request.path if path is None else path)
 
 
 def resolve_schema(schema: SchemaArg) -> Schema | None:

@@ -34,7 +34,7 @@ from ..errors import (
 from ..scope import resolve_scope
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
-from .fingerprint import load_payload, request_fingerprint
+from .fingerprint import NormalizedRequest, load_payload, normalize_request
 from .finish import (
     complete,
     failure_answer,
@@ -90,6 +90,9 @@ class Flow:
         self.route = route
         #: What the request's outcome, phases and log line are made of.
         self.telemetry = telemetry
+        #: The request as its fingerprint counts it (set once the key is read):
+        #: a 422 re-hashes it for other paths without parsing the body again.
+        self.normalized: NormalizedRequest | None = None
 
     @property
     def session(self) -> Session:
@@ -133,9 +136,10 @@ class Flow:
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         if form_token is not None and recovery is None:
             check_binding(form_token, scope)
-        payload, fingerprint = request_fingerprint(
+        payload, self.normalized = normalize_request(
             route.schema, route.exclude, form_ignored_fields(settings)
         )
+        fingerprint = self.normalized.fingerprint(request.path)
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )

@@ -41,12 +41,37 @@ def missing_driver(url: str | sa.URL, setting: str) -> str | None:
     the URL that names it."""
     try:
         parsed = sa.make_url(url)
-        dialect = parsed.get_dialect()
-    except Exception:  # not a URL, or an unknown dialect: SQLAlchemy says so itself
+    except Exception:  # not a URL: SQLAlchemy says so itself
         return None
+    if parsed.drivername.split("+")[0] == "postgres":
+        # Heroku and others still hand out postgres://, an alias SQLAlchemy 1.4 dropped.
+        rest = parsed.drivername.partition("+")[2]
+        spelled = f"postgresql+{rest}://" if rest else "postgresql://"
+        return (
+            f"{setting}: SQLAlchemy does not know the scheme {parsed.drivername}:// "
+            f"(the postgres:// alias was removed in SQLAlchemy 1.4): write {spelled}"
+        )
+    try:
+        dialect = parsed.get_dialect()
+    except Exception:  # an unknown dialect: SQLAlchemy says so itself
+        return None
+    if getattr(dialect, "is_async", False):
+        return (
+            f"{setting}: the URL names the asyncio driver {dialect.driver}; Flask-SQLAlchemy "
+            "needs a synchronous driver (for PostgreSQL postgresql+psycopg:// or "
+            "postgresql+psycopg2://, for MySQL/MariaDB mysql+pymysql://, for SQLite "
+            "sqlite://)"
+        )
     try:
         dialect.import_dbapi()
     except ModuleNotFoundError as exc:
+        if parsed.get_backend_name() == "sqlite" and exc.name in ("_sqlite3", "sqlite3"):
+            return (
+                f"{setting}: this Python was built without SQLite support ({exc}): use a "
+                "Python built with sqlite3 (install SQLite's development headers, e.g. "
+                "libsqlite3-dev, before building it), or pass a DB-API module such as "
+                "pysqlite3's as SQLALCHEMY_ENGINE_OPTIONS={'module': ...}"
+            )
         return _message(parsed, dialect, setting, exc)
     except Exception:  # a driver that fails otherwise: its own error is the clearest
         return None
@@ -85,17 +110,32 @@ def _message(url: sa.URL, dialect: t.Any, setting: str, exc: ModuleNotFoundError
     return f"{setting}: {chosen} which is not installed ({exc}). Install {extra}{instead}."
 
 
+#: Engine options that hand the engine its DB-API module or its connections:
+#: the URL's driver is then not what connects, and need not be installed.
+_OWN_DRIVER = ("module", "creator", "async_creator")
+
+
 def configured_urls(config: t.Mapping[str, t.Any]) -> list[tuple[str, t.Any]]:
     """``(setting, url)`` for each database URL Flask-SQLAlchemy reads from ``config``:
     ``SQLALCHEMY_DATABASE_URI`` and each of ``SQLALCHEMY_BINDS`` (a URL, or a dict
-    of engine options holding ``url``)."""
+    of engine options holding ``url``), but those whose engine options (the
+    bind's over ``SQLALCHEMY_ENGINE_OPTIONS``, as Flask-SQLAlchemy merges them)
+    pass ``module=`` or ``creator=``: the app brings its own driver there."""
+    shared = config.get("SQLALCHEMY_ENGINE_OPTIONS") or {}
+    shared = shared if isinstance(shared, t.Mapping) else {}
+
+    def own_driver(options: t.Mapping[str, t.Any]) -> bool:
+        merged = {**shared, **options}
+        return any(merged.get(name) is not None for name in _OWN_DRIVER)
+
     found: list[tuple[str, t.Any]] = []
-    if config.get("SQLALCHEMY_DATABASE_URI"):
+    if config.get("SQLALCHEMY_DATABASE_URI") and not own_driver({}):
         found.append(("SQLALCHEMY_DATABASE_URI", config["SQLALCHEMY_DATABASE_URI"]))
     binds = config.get("SQLALCHEMY_BINDS") or {}
     if isinstance(binds, t.Mapping):
         for key, value in binds.items():
-            url = value.get("url") if isinstance(value, t.Mapping) else value
-            if url:
+            options = value if isinstance(value, t.Mapping) else {}
+            url = options.get("url") if isinstance(value, t.Mapping) else value
+            if url and not own_driver(options):
                 found.append((f"SQLALCHEMY_BINDS[{key!r}]", url))
     return found

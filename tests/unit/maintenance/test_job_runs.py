@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import queue
 import re
@@ -17,6 +18,7 @@ import threading
 import time
 import typing as t
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -207,3 +209,109 @@ def test_stats_shows_jobs_that_never_ran_and_none_without_the_table(fresh_databa
 @pytest.fixture(autouse=True)
 def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLASK_DEBUG", raising=False)
+
+
+def test_stats_prints_the_figures_for_a_role_that_may_not_read_the_job_locks(
+    fresh_database: str,
+) -> None:
+    """An operator's role with SELECT on the records but none on
+    ``idempotency_job_locks``: ``stats`` printed nothing (exit 69) since it shows
+    the jobs; now ``jobs`` is null, ``errors`` says why, and the record figures
+    are the table's. PostgreSQL and MariaDB (SQLite has no roles)."""
+    url = sa.make_url(fresh_database)
+    if url.get_backend_name() == "sqlite":
+        pytest.skip("SQLite has no roles")
+    writer = Flask("writer")
+    writer.config.update(SQLALCHEMY_DATABASE_URI=fresh_database)
+    db = SQLAlchemy(writer)
+    idem = Idempotency(writer, db)
+
+    @writer.post("/orders")
+    @idem.idempotent
+    def orders() -> tuple[dict[str, bool], int]:
+        return {"ok": True}, 201
+
+    with writer.app_context():
+        db.create_all()
+    made = writer.test_client().post("/orders", json={}, headers={"Idempotency-Key": "k1"})
+    assert made.status_code == 201
+    with writer.app_context():
+        db.engine.dispose()
+    user = f"ro_{uuid.uuid4().hex[:8]}"
+    mysql = url.get_backend_name() != "postgresql"
+    admin = sa.create_engine(url)
+    with admin.begin() as conn:
+        # SELECT on every table of the extension's (the records, the inbox) but
+        # the job locks'.
+        tables = [n for n in sa.inspect(conn).get_table_names() if n != "idempotency_job_locks"]
+        if mysql:
+            conn.execute(sa.text(f"CREATE USER '{user}'@'%'"))
+            for table in tables:
+                conn.execute(sa.text(f"GRANT SELECT ON `{url.database}`.{table} TO '{user}'@'%'"))
+        else:
+            conn.execute(sa.text(f"CREATE ROLE {user} LOGIN"))
+            conn.execute(sa.text(f"GRANT SELECT ON {', '.join(tables)} TO {user}"))
+    reader = make_app(url.set(username=user, password=None).render_as_string(False))
+    try:
+        done = reader.test_cli_runner().invoke(args=["idempotency", "stats"])
+        assert done.exit_code == 0, done.output
+        figures = json.loads(done.output)
+        with admin.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT status, count(*) FROM idempotency_keys GROUP BY status")
+            )
+            by_status = {status: count for status, count in rows}
+        assert figures["by_status"]["completed"] == by_status["completed"] == 1
+        assert figures["jobs"] is None
+        assert "idempotency_job_locks" in figures["errors"]["jobs"]
+    finally:
+        with reader.app_context():
+            reader.extensions["sqlalchemy"].engine.dispose()
+        with admin.begin() as conn:
+            if mysql:
+                conn.execute(sa.text(f"DROP USER IF EXISTS '{user}'@'%'"))
+            else:
+                conn.execute(sa.text(f"DROP OWNED BY {user}"))
+                conn.execute(sa.text(f"DROP ROLE IF EXISTS {user}"))
+        admin.dispose()
+
+
+def test_a_missing_job_locks_table_is_one_error_line_with_the_hint(
+    fresh_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The migration that makes ``idempotency_job_locks`` forgotten: each tick of
+    the in-process scheduler logged APScheduler's traceback of the database's
+    error. Now the first tick logs one ERROR line naming the table and the
+    command, the next ones DEBUG; once the table is back a job runs (its row
+    written), and a second outage is reported again."""
+    app = make_app(fresh_database)
+    db = app.extensions["sqlalchemy"]
+    with app.app_context():
+        db.metadata.tables["idempotency_keys"].create(db.engine)
+    scheduler = JobScheduler(app)
+    caplog.set_level(logging.DEBUG, logger="flask_idempotency")
+
+    def missing_lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "idempotency_job_locks is missing" in r.getMessage()]
+
+    for _ in range(3):
+        assert scheduler.run_job("purge", lambda app, keep: None) is False
+    lines = missing_lines()
+    assert [r.levelno for r in lines] == [logging.ERROR, logging.DEBUG, logging.DEBUG]
+    assert "flask idempotency create-tables" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info]
+    with app.app_context():
+        db.metadata.tables["idempotency_job_locks"].create(db.engine)
+    assert scheduler.run_job("purge", lambda app, keep: None) is True
+    with app.app_context():
+        ran = db.session.scalar(
+            sa.text("SELECT count(*) FROM idempotency_job_locks WHERE last_finished_at IS NOT NULL")
+        )
+        db.session.remove()
+        db.metadata.tables["idempotency_job_locks"].drop(db.engine)
+    assert ran == 1
+    caplog.clear()
+    assert scheduler.run_job("purge", lambda app, keep: None) is False
+    assert [r.levelno for r in missing_lines()] == [logging.ERROR]
+    with app.app_context():
+        db.engine.dispose()

@@ -132,3 +132,70 @@ def test_a_missing_table_of_the_apps_stays_the_apps_error(
     assert answer.mimetype != "application/problem+json"  # the app's error handling
     assert otel.outcomes() == {("failed", "/reads-elsewhere", "POST"): 1}
     assert _count(empty_app, "idempotency_keys") == 0  # released: a retry runs again
+
+
+def test_a_missing_inbox_in_a_view_answers_503_problem_and_keeps_nothing(
+    empty_app: Flask, otel: Otel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A view that marks an event processed (the inbox) in an ``@idempotent`` route,
+    without the inbox table: 503 problem+json (was an HTML 500), nothing kept."""
+    from flask_idempotency import inbox
+
+    @empty_app.post("/hook")
+    @testapp.idem.idempotent()
+    def hook() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("/hook")
+        inbox.mark_processed(testapp.db.session, "billing", "ev-1")
+        return {"ok": True}, 201
+
+    with empty_app.app_context():
+        for table in ("idempotency_keys", "idempotency_job_locks", "idempotency_outbox"):
+            testapp.db.metadata.tables[table].create(testapp.db.engine)
+    client = empty_app.test_client()
+    with caplog.at_level(logging.INFO, logger="flask_idempotency"):
+        answer = post(client, "/hook", {}, key="k1")
+    problem = assert_problem(answer, 503)
+    assert problem["type"] == MISCONFIGURED
+    assert answer.headers["Retry-After"] == "30"
+    assert "rolled back" in problem["detail"]
+    (line,) = _errors(caplog)
+    assert "idempotency_inbox" in line
+    assert (_count(empty_app, "ledger"), _count(empty_app, "idempotency_keys")) == (0, 0)
+
+
+def test_a_second_outage_of_a_table_logs_its_error_line_again(
+    empty_app: Flask, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The report is once per outage, not once per process: after a request that
+    found the table back, a table dropped again is reported again."""
+    client = empty_app.test_client()
+    with caplog.at_level(logging.INFO, logger="flask_idempotency"):
+        for n in (1, 2):
+            assert_problem(post(client, "/charges", CHARGE, key=f"a{n}"), 503)
+        assert len(_errors(caplog)) == 1
+        done = empty_app.test_cli_runner().invoke(args=["idempotency", "create-tables"])
+        assert done.exit_code == 0, done.output
+        assert post(client, "/charges", CHARGE, key="b1").status_code == 201
+        assert _count(empty_app, "ledger") == 1
+        with empty_app.app_context():
+            testapp.db.metadata.tables["idempotency_keys"].drop(testapp.db.engine)
+        caplog.clear()
+        for n in (1, 2):
+            assert_problem(post(client, "/charges", CHARGE, key=f"c{n}"), 503)
+    (line,) = _errors(caplog)
+    assert "idempotency_keys" in line
+    assert _count(empty_app, "ledger") == 1
+
+
+def test_readiness_fails_while_the_outbox_is_missing(empty_app: Flask) -> None:
+    """``init_app`` puts the outbox on the metadata; without its table every
+    request that emits answers 503, so the host is not ready."""
+    with empty_app.app_context():
+        for table in ("idempotency_keys", "idempotency_job_locks", "idempotency_inbox"):
+            testapp.db.metadata.tables[table].create(testapp.db.engine)
+        ready, details = testapp.idem.readiness()
+    assert (ready, details["database"]) == (False, "missing_table")
+    assert "idempotency_outbox" in details["reason"]
+    with empty_app.app_context():
+        testapp.db.metadata.tables["idempotency_outbox"].create(testapp.db.engine)
+        assert testapp.idem.readiness()[0] is True

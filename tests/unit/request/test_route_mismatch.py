@@ -11,9 +11,11 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, g, request
 from flask_sqlalchemy import SQLAlchemy
+from marshmallow import Schema, fields
 from sqlalchemy import orm
 
 from flask_idempotency import Idempotency
+from flask_idempotency._request import claim, fingerprint
 from tests.support.flow import assert_problem
 
 
@@ -114,3 +116,136 @@ def test_the_quickstarts_scope_keeps_each_routes_keys_apart(fresh_database: str)
     with app.app_context():
         db.engine.dispose()
     assert scopes == ["payments|user:alice", "refunds|user:alice"]
+
+
+def test_a_route_that_counts_a_field_this_one_excludes_is_named_only_when_it_would_match(
+    fresh_database: str,
+) -> None:
+    """Route /a leaves ``ts`` out, /b counts it: a record made on /b with
+    ``{x: 1}`` is named by a request to /a with ``{x: 1}``, not with
+    ``{x: 1, ts: 5}`` (/b would not have matched that payload)."""
+    app = Flask("exclude")
+    app.config.update(SQLALCHEMY_DATABASE_URI=fresh_database)
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db, scope=lambda: "user:1")
+    ran: list[str] = []
+
+    @app.post("/a")
+    @idem.idempotent(exclude=["ts"])
+    def a() -> tuple[dict[str, str], int]:
+        ran.append("a")
+        return {"a": "done"}, 201
+
+    @app.post("/b")
+    @idem.idempotent
+    def b() -> tuple[dict[str, str], int]:
+        ran.append("b")
+        return {"b": "done"}, 201
+
+    with app.app_context():
+        db.create_all()
+    client = app.test_client()
+    try:
+        for key, sent, named in (("k1", {"x": 1}, True), ("k2", {"x": 1, "ts": 5}, False)):
+            headers = {"Idempotency-Key": key}
+            assert client.post("/b", json={"x": 1}, headers=headers).status_code == 201
+            problem = assert_problem(client.post("/a", json=sent, headers=headers), 422)
+            assert ("another route (POST /b)" in problem["detail"]) is named, problem
+        # The other way round: /a's record of {x: 1, ts: 5} is what /a makes of
+        # {x: 1} with any ts, so /b's request is named with or without ts.
+        headers = {"Idempotency-Key": "k3"}
+        assert client.post("/a", json={"x": 1, "ts": 5}, headers=headers).status_code == 201
+        for sent in ({"x": 1, "ts": 6}, {"x": 1}):
+            problem = assert_problem(client.post("/b", json=sent, headers=headers), 422)
+            assert "another route (POST /a)" in problem["detail"]
+        problem = assert_problem(client.post("/b", json={"x": 2}, headers=headers), 422)
+        assert "different request payload" in problem["detail"]
+        with app.app_context():
+            rows = db.session.scalar(sa.text("SELECT count(*) FROM idempotency_keys"))
+        assert (ran, rows) == (["b", "b", "a"], 3)
+    finally:
+        with app.app_context():
+            db.engine.dispose()
+
+
+class Item(Schema):
+    sku = fields.String()
+    qty = fields.Integer()
+
+
+class CountingOrder(Schema):
+    """Counts its loads: the 422's hint must not load the body per route."""
+
+    loads = 0
+    items = fields.List(fields.Nested(Item))
+    ref = fields.String()
+
+    def load(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        type(self).loads += 1
+        return super().load(*args, **kwargs)
+
+
+class OtherOrder(Schema):
+    items = fields.List(fields.Nested(Item))
+    ref = fields.String()
+
+
+def test_a_mismatch_costs_one_load_and_a_bounded_number_of_hashes(
+    fresh_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An app with many routes of the method: plain ones (never tried: not the
+    extension's), decorated ones with another schema (never tried: their schema
+    is theirs), and more look-alike decorated ones than the hint tries. A 422
+    loads the body once, as the first request does, and hashes it at most
+    ``_ROUTE_HINT_CANDIDATES + 1`` times; the route it names is a look-alike
+    among the first ones."""
+    app = Flask("many")
+    app.config.update(SQLALCHEMY_DATABASE_URI=fresh_database)
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db, scope=lambda: "user:1")
+    for i in range(300):
+        app.add_url_rule(f"/plain{i}", f"plain{i}", lambda: "x", methods=["POST"])
+    for i in range(30):
+        view = idem.idempotent(schema=OtherOrder)(lambda: ({"other": 1}, 201))
+        app.add_url_rule(f"/other{i}", f"other{i}", view, methods=["POST"])
+    for i in range(3 * claim._ROUTE_HINT_CANDIDATES):
+        view = idem.idempotent(schema=CountingOrder)(lambda: ({"alike": 1}, 201))
+        app.add_url_rule(f"/alike{i}", f"alike{i}", view, methods=["POST"])
+    with app.app_context():
+        db.create_all()
+    hashes: list[str] = []
+    compute = fingerprint.compute
+
+    def counting(*args: t.Any, **kwargs: t.Any) -> str:
+        hashes.append(args[1])
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(fingerprint, "compute", counting)
+    client = app.test_client()
+    body = {"items": [{"sku": f"s{i}", "qty": i} for i in range(200)], "ref": "a"}
+    try:
+        before = CountingOrder.loads
+        made = client.post("/alike1", json=body, headers={"Idempotency-Key": "k"})
+        assert made.status_code == 201
+        first = CountingOrder.loads - before
+        problem = assert_problem(
+            client.post("/alike0", json=body, headers={"Idempotency-Key": "k"}), 422
+        )
+        assert "another route (POST /alike1)" in problem["detail"]
+        assert CountingOrder.loads - before == 2 * first == 2  # one load each
+        # The record made on the last look-alike: past the cap, the usual detail.
+        last = f"/alike{3 * claim._ROUTE_HINT_CANDIDATES - 1}"
+        assert client.post(last, json=body, headers={"Idempotency-Key": "k2"}).status_code == 201
+        hashes.clear()
+        problem = assert_problem(
+            client.post("/alike0", json=body, headers={"Idempotency-Key": "k2"}), 422
+        )
+        assert "different request payload" in problem["detail"]
+        assert len(hashes) == 1 + claim._ROUTE_HINT_CANDIDATES
+        assert not [p for p in hashes if p.startswith(("/plain", "/other"))]
+        with app.app_context():
+            rows = db.session.scalar(sa.text("SELECT count(*) FROM idempotency_keys"))
+        assert rows == 2
+    finally:
+        with app.app_context():
+            db.engine.dispose()

@@ -29,6 +29,12 @@ BLOCKER = """
 import os, sys
 
 _BLOCKED = set(filter(None, os.environ.get("BLOCK_MODULES", "").split(",")))
+if "_sqlite3" in _BLOCKED:
+    # A working DB-API module kept aside, as pysqlite3's users pass one (module=).
+    import sqlite3.dbapi2
+    sys.kept_sqlite_module = sqlite3.dbapi2
+    for name in ("sqlite3", "sqlite3.dbapi2", "_sqlite3"):
+        sys.modules.pop(name, None)
 
 
 class _Blocker:
@@ -49,6 +55,8 @@ from flask_idempotency import Idempotency
 
 app = Flask("shop")
 app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["URL"]
+if os.environ.get("OPTIONS") == "module":
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"module": sys.kept_sqlite_module}
 db = SQLAlchemy()
 idem = Idempotency()
 try:
@@ -75,7 +83,9 @@ with app.app_context():
 """
 
 
-def run_child(tmp_path: Path, url: str, blocked: str, key: str = "k1") -> dict[str, object]:
+def run_child(
+    tmp_path: Path, url: str, blocked: str, key: str = "k1", options: str = ""
+) -> dict[str, object]:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(BLOCKER))
@@ -85,6 +95,7 @@ def run_child(tmp_path: Path, url: str, blocked: str, key: str = "k1") -> dict[s
         "BLOCK_MODULES": blocked,
         "URL": url,
         "KEY": key,
+        "OPTIONS": options,
     }
     done = subprocess.run(
         [sys.executable, "-c", CHILD],
@@ -161,6 +172,35 @@ def test_sqlite_needs_no_extra(tmp_path: Path) -> None:
         "codes": [201, 201],
         "driver": "pysqlite",
     }
+
+
+def test_a_module_of_the_apps_own_is_not_refused(tmp_path: Path) -> None:
+    """``SQLALCHEMY_ENGINE_OPTIONS={'module': ...}`` (pysqlite3's users pass one):
+    the URL's own driver is never imported, so its absence is no reason to refuse
+    a setup that works; without the option the hint says what is missing."""
+    done = run_child(tmp_path, "sqlite:///shop.db", "_sqlite3", options="module")
+    assert done == {"codes": [201, 201], "driver": "pysqlite"}
+    refused = run_child(tmp_path, "sqlite:///shop.db", "_sqlite3")["refused"]
+    assert isinstance(refused, str)
+    assert "built without SQLite support" in refused
+    assert "'module'" in refused
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgres://u@127.0.0.1/shop", "write postgresql://"),
+        ("postgres+psycopg2://u@127.0.0.1/shop", "write postgresql+psycopg2://"),
+        ("postgresql+asyncpg://u@127.0.0.1/shop", "needs a synchronous driver"),
+        ("sqlite+aiosqlite:///shop.db", "needs a synchronous driver"),
+    ],
+)
+def test_spellings_that_cannot_work_name_the_one_that_does(
+    tmp_path: Path, url: str, says: str
+) -> None:
+    refused = run_child(tmp_path, url, "")["refused"]
+    assert isinstance(refused, str)
+    assert says in refused
 
 
 def test_init_app_before_db_init_app_still_watches_a_pooled_engine(
