@@ -74,6 +74,8 @@ PROBLEM_JSON = "application/problem+json"
 #: (its field, or a form token in the header): its problems answer a browser
 #: that prefers HTML with a page.
 _FORM_REQUEST = "flask_idempotency.form_key"
+# Bodies only a browser's form (or a client imitating one) sends.
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class IdempotencyError(Exception):
@@ -86,6 +88,9 @@ class ProblemError(HTTPException, IdempotencyError):
     slug = "error"
     title = "Idempotency error"
     code = 400
+    #: What a person who sent a form reads on the default page (the ``detail``
+    #: is written for API clients); ``None``: the detail.
+    visitor: str | None = None
 
     def __init__(
         self,
@@ -119,8 +124,9 @@ class ProblemError(HTTPException, IdempotencyError):
         scope: t.Any = None,
     ) -> SansIOResponse:
         """``application/problem+json``; a short HTML page instead for a browser
-        (``Accept`` prefers ``text/html``) whose key came from a rendered form,
-        and for every :class:`FormKeyError` a browser gets."""
+        (``Accept`` prefers ``text/html``) that sent a form (its key came from a
+        rendered form, or its body is a form), worded for the person who sent it
+        (:attr:`visitor`)."""
         if self._page_wanted(environ):
             response = Response(self.html_page(), status=self.code, content_type="text/html")
         else:
@@ -137,7 +143,8 @@ class ProblemError(HTTPException, IdempotencyError):
             if not has_request_context():
                 return False
             environ = request.environ
-        if not isinstance(self, FormKeyError) and not environ.get(_FORM_REQUEST):
+        form_body = str(environ.get("CONTENT_TYPE", "")).lower().startswith(_FORM_TYPES)
+        if not (isinstance(self, FormKeyError) or environ.get(_FORM_REQUEST) or form_body):
             return False
         accept = parse_accept_header(environ.get("HTTP_ACCEPT"), MIMEAccept)
         best = accept.best_match([PROBLEM_JSON, "application/json", "text/html"])
@@ -146,10 +153,11 @@ class ProblemError(HTTPException, IdempotencyError):
     def html_page(self) -> str:
         """The default page a browser gets: the title and the detail, escaped."""
         title = html.escape(self.title)
+        text = html.escape(self.visitor if self.visitor is not None else self.detail)
         return (
             '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{title}</title></head><body><h1>{title}</h1>"
-            f"<p>{html.escape(self.detail)}</p></body></html>\n"
+            f"<p>{text}</p></body></html>\n"
         )
 
 
@@ -219,6 +227,10 @@ class MissingKeyError(ProblemError):
 
     slug = "missing-key"
     title = "Idempotency key required"
+    visitor = (
+        "This form cannot be sent as it is (it carries no key: the page may be older "
+        "than the site). Reload the page and send it again."
+    )
     code = 400
 
 
@@ -267,6 +279,10 @@ class KeyReusedError(ProblemError):
 
     slug = "key-reused"
     title = "Idempotency key reused with a different payload"
+    visitor = (
+        "This form was already sent with other values, and that first submission "
+        "stands. To send new values, reload the page and fill it in again."
+    )
     code = 422
 
 
@@ -275,6 +291,10 @@ class ConflictError(ProblemError):
 
     slug = "request-in-progress"
     title = "A request with this idempotency key is in progress"
+    visitor = (
+        "This form is still being processed. Wait a moment, then reload this page to "
+        "see the result: it will not be done twice."
+    )
     code = 409
 
     def __init__(self, detail: str, *, retry_after: timedelta) -> None:
@@ -290,6 +310,7 @@ class TransactionConflictError(ConflictError):
 
     slug = "transaction-conflict"
     title = "The request conflicted with a concurrent transaction"
+    visitor = "The site is busy. Send the form again in a moment: it will not be done twice."
 
 
 class LeaseLostError(ConflictError):
@@ -305,6 +326,10 @@ class FailedAfterCommitError(ProblemError):
 
     slug = "failed-after-commit"
     title = "The request failed after committing part of its work"
+    visitor = (
+        "Something went wrong after your submission was recorded. Do not send it again: "
+        "check its result first (your orders, your account), or contact the site."
+    )
     code = 500
 
     def __init__(
@@ -351,6 +376,10 @@ class DatabaseUnavailableError(ProblemError):
 
     slug = "database-unavailable"
     title = "The database is unavailable"
+    visitor = (
+        "The site cannot take this form right now. Send it again in a minute: it will "
+        "not be done twice."
+    )
     code = 503
 
     def __init__(
@@ -379,6 +408,9 @@ class ServerMisconfiguredError(ProblemError):
 
     slug = "server-misconfigured"
     title = "The server is misconfigured"
+    visitor = (
+        "The site cannot take this form right now. Send it again later: it will not be done twice."
+    )
     code = 503
     #: Seconds a client should wait before it retries.
     RETRY_AFTER = 30

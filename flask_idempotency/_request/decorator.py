@@ -172,11 +172,33 @@ def protect(view: F, route: RouteOptions) -> F:
         return response
 
     wrapper._idempotency_route = route  # type: ignore[attr-defined]
+    _WRAPPED_VIEWS.add(view)
     return t.cast(F, wrapper)
 
 
+# Every view function @idem.idempotent wrapped: registered as a view itself, the
+# decorator sat above the route's (Flask registers what its decorator is given).
+_WRAPPED_VIEWS: weakref.WeakSet[t.Callable[..., t.Any]] = weakref.WeakSet()
+
+
+def unwrapped_endpoints(app: Flask) -> list[str]:
+    """``endpoint (rule)`` of each view registered without the protection that
+    was put on it (``@idem.idempotent`` written above ``@app.route``)."""
+    found = []
+    for rule in app.url_map.iter_rules():
+        view = app.view_functions.get(rule.endpoint)
+        try:
+            unwrapped = view is not None and view in _WRAPPED_VIEWS
+        except TypeError:  # not weakly referenceable: no function of ours
+            unwrapped = False
+        if unwrapped:
+            found.append(f"{rule.endpoint} ({rule.rule})")
+    return found
+
+
 class RouteCheck:
-    """Refuses, at the app's first request (every route is registered by then),
+    """Refuses, at the app's first request (every route is registered by then), a
+    view registered unwrapped (``@idem.idempotent`` above ``@app.route``), and
     a decorated view that serves an unsafe method the app's
     ``IDEMPOTENCY_METHODS`` leaves unprotected: it would run on every retry and
     without a key, unseen. A route's own ``methods=`` is a choice for that view."""
@@ -191,6 +213,14 @@ class RouteCheck:
         app = self._app()
         if app is None:
             return
+        unwrapped = unwrapped_endpoints(app)
+        if unwrapped:
+            raise RuntimeError(
+                "Flask-Idempotency: these routes serve their view WITHOUT the protection "
+                f"put on it: {'; '.join(unwrapped)}. @idem.idempotent is written above the "
+                "route's decorator, which registered the view before it was wrapped; write "
+                "@idem.idempotent below @app.route (or @bp.post, ...)."
+            )
         unprotected = unprotected_methods(app)
         if unprotected:
             raise RuntimeError(

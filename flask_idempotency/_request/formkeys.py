@@ -388,7 +388,7 @@ def _human(limit: timedelta) -> str:
     if seconds % 60 == 0:
         minutes = seconds // 60
         return f"{minutes} minute{'s' if minutes != 1 else ''}"
-    return f"{seconds} seconds"
+    return f"{seconds} second{'s' if seconds != 1 else ''}"
 
 
 def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:

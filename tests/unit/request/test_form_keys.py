@@ -254,7 +254,7 @@ def test_no_secret_key(database_url: str, clock: Clock) -> None:
     with pytest.raises(RuntimeError, match="SECRET_KEY"), app.test_request_context("/checkout"):
         app.jinja_env.globals["idempotency_field"]()
     answer = browser.post("/checkout", data=fields(key))
-    assert answer.status_code == 500
+    assert answer.status_code == 503  # server-misconfigured: nothing stored, retry later
     assert answer.mimetype == PROBLEM_JSON
     assert formapp.order_count(app) == 0
 
@@ -487,3 +487,25 @@ def test_two_tabs_rendered_at_once_from_one_session(shop: Flask) -> None:
         submit.set_cookie("session", last)
         assert submit.post("/checkout", data=fields(key)).status_code == 303
     assert formapp.order_count(shop) == 2
+
+
+def test_a_visitor_reads_pages_written_for_them(database_url: str, clock: Clock) -> None:
+    app = formapp.create_app(database_url, clock, IDEMPOTENCY_REQUIRED=True)
+    browser = app.test_client()
+    html = {"Accept": BROWSER_ACCEPT}
+    # A form without its key field (an old cached page) on a route that requires one.
+    missing = browser.post("/checkout", data={"item": "a", "quantity": "1"}, headers=html)
+    assert missing.status_code == 400
+    assert missing.mimetype == "text/html"
+    assert "Reload the page" in missing.text
+    assert "header" not in missing.text
+    key = rendered_key(browser.get("/checkout").text)
+    assert browser.post("/checkout", data=fields(key), headers=html).status_code == 303
+    changed = browser.post("/checkout", data=fields(key, quantity="3"), headers=html)
+    assert changed.status_code == 422
+    assert "already sent with other values" in changed.text
+    assert "Idempotency" not in changed.text.split("</h1>", 1)[1]
+    # An API client sending a form body gets problem+json, as ever.
+    api = browser.post("/checkout", data=fields(key, quantity="3"))
+    assert api.mimetype == PROBLEM_JSON
+    assert formapp.order_count(app) == 1

@@ -520,3 +520,37 @@ def test_the_longest_bounds_accepted_work_on_every_engine(
     with app.app_context():
         ready, details = idem.readiness()
     assert ready, details
+
+
+def test_the_decorator_above_the_route_is_refused(database_url: str) -> None:
+    """``@idem.idempotent`` above ``@bp.post``: the route registered the bare view,
+    which would run unprotected (and, its writes never committed, lose them)."""
+    from flask import Blueprint, Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_idempotency import Idempotency
+
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=database_url, TESTING=True)
+    db, idem = SQLAlchemy(), Idempotency()
+    bp = Blueprint("pay", __name__)
+
+    @idem.idempotent
+    @bp.post("/payments")
+    def payments() -> tuple[str, int]:
+        return "", 201
+
+    @bp.post("/fine")
+    @idem.idempotent
+    def fine() -> tuple[str, int]:
+        return "", 201
+
+    db.init_app(app)
+    idem.init_app(app, db)
+    app.register_blueprint(bp)
+    with app.app_context():
+        db.create_all()
+    with pytest.raises(RuntimeError, match=r"pay\.payments \(/payments\).*below @app\.route"):
+        app.test_client().post("/fine", headers={"Idempotency-Key": "k"})
+    with app.app_context():
+        db.engine.dispose()
