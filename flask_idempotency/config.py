@@ -78,7 +78,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "TTL",
         timedelta(hours=24),
-        "The retention window: a retry later than this runs again. Must exceed the lease.",
+        (
+            "The retention window, counted from the answer's completion: a retry later than"
+            " this runs again. Must exceed the lease."
+        ),
     ),
     Setting(
         "LEASE",

@@ -261,7 +261,12 @@ def recover_abandoned(
                 # completed with the answer the view's commit stored.
                 with engine.begin() as conn:
                     settled = state.store.settle_committed(
-                        conn, record.scope, record.key, record.fencing_token, state.now(conn)
+                        conn,
+                        record.scope,
+                        record.key,
+                        record.fencing_token,
+                        state.now(conn),
+                        retention=record.retention,
                     )
                 if settled:
                     report.completed += 1

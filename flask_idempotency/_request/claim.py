@@ -355,7 +355,9 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
     that, since the operation happened and may not run again. ``None``: the
     record changed meanwhile (claim again)."""
     session, token = flow.session, record.fencing_token
-    if not flow.store.settle_committed(session, record.scope, record.key, token, now):
+    if not flow.store.settle_committed(
+        session, record.scope, record.key, token, now, retention=record.retention
+    ):
         session.rollback()
         return None
     session.commit()
@@ -365,7 +367,13 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
         record.key,
         record.scope,
     )
-    settled = dataclasses.replace(record, status=COMPLETED, locked_until=None, completed_at=now)
+    settled = dataclasses.replace(
+        record,
+        status=COMPLETED,
+        locked_until=None,
+        completed_at=now,
+        expires_at=max(record.expires_at, now + record.retention),
+    )
     flow.telemetry.found_completed(None)
     app = resolve_app()
     signals.response_replayed.send(app, scope=record.scope, key=record.key, record=settled)

@@ -97,6 +97,7 @@ def complete(
             captured = capture(
                 response, flow.settings.replayed_header_names, flow.settings.max_body
             )
+            now = flow.now()
             completed = flow.store.complete(
                 session,
                 scope,
@@ -106,7 +107,10 @@ def complete(
                 response_headers=captured.headers,
                 response_body=captured.body,
                 body_omitted=captured.body_omitted,
-                now=flow.now(),
+                now=now,
+                # Kept for its ttl from now, not from the claim: a view that
+                # ran longer than its ttl stores an answer that lasts.
+                expires_at=now + flow.settings.ttl,
             )
             if not completed:
                 session.rollback()

@@ -19,7 +19,7 @@ from .dialects import Deleted, dialect_for
 from .execute import Statements
 from .holds import Hold, releasable
 from .schema import IN_PROGRESS, Record, as_utc
-from .sql import changed_one, expired, lease_over, returning, text_param
+from .sql import changed_one, expired, lease_over, returning, text_param, unexpired
 
 
 class OperatorQueries(Statements):
@@ -41,7 +41,9 @@ class OperatorQueries(Statements):
             .where(
                 c.status == IN_PROGRESS,
                 lease_over(c, now),
-                c.expires_at > now,
+                # A view that committed is found past its ttl too: it never
+                # expires, and waits for this job (or a retry) to settle it.
+                unexpired(c, now),
                 sa.or_(c.recovery_points.is_(None), c.request_method.is_not(None)),
             )
             .order_by(c.locked_until)
@@ -118,7 +120,7 @@ class OperatorQueries(Statements):
         """Counts by status (unexpired), expired awaiting cleanup, oldest in progress,
         and the table's size in bytes where the database tells it."""
         c = self.table.c
-        live = c.expires_at > now
+        live = unexpired(c, now)
         by_status = {
             status: int(n)
             for status, n in conn.execute(
@@ -136,7 +138,7 @@ class OperatorQueries(Statements):
         """When the oldest record in progress within its retention was created."""
         c = self.table.c
         oldest = conn.execute(
-            sa.select(sa.func.min(c.created_at)).where(c.expires_at > now, c.status == IN_PROGRESS)
+            sa.select(sa.func.min(c.created_at)).where(unexpired(c, now), c.status == IN_PROGRESS)
         ).scalar_one()
         return as_utc(oldest)
 
@@ -156,7 +158,7 @@ class OperatorQueries(Statements):
                 sa.func.count(),
                 count(in_progress),
                 count(sa.and_(in_progress, lease_over(c, now))),
-            ).where(c.expires_at > now)
+            ).where(unexpired(c, now))
         ).one()
         return int(row[0]), int(row[1]), int(row[2])
 

@@ -48,9 +48,20 @@ class HeldRecord(Statements):
             c.fencing_token == sa.bindparam("w_token"),
             c.status == IN_PROGRESS,
         )
-        self._complete = (
-            sa.update(table).where(*still_held).values(status=COMPLETED, locked_until=None)
-        )
+        # A completed answer is kept for its retention counted from its
+        # completion: the expiry moves to ``e_expires`` unless it is later
+        # already (a view that ran past its ttl would otherwise store an answer
+        # that had expired, and a duplicate waiting on it would run it again).
+        kept_until = sa.bindparam("e_expires", type_=c.expires_at.type)
+        completed = {
+            "status": COMPLETED,
+            "locked_until": None,
+            "expires_at": sa.case(
+                (c.expires_at > kept_until, c.expires_at),
+                else_=sa.func.coalesce(kept_until, c.expires_at),
+            ),
+        }
+        self._complete = sa.update(table).where(*still_held).values(**completed)
         self._release = sa.delete(table).where(*still_held)
         # An UPDATE of a held record; the SET clause comes from the parameters.
         self._update_held = sa.update(table).where(*still_held)
@@ -68,7 +79,7 @@ class HeldRecord(Statements):
                 c.response_code.is_not(None),
                 lease_over(c, sa.bindparam("w_now")),
             )
-            .values(status=COMPLETED, locked_until=None)
+            .values(**completed)
         )
 
     def complete(
@@ -83,8 +94,13 @@ class HeldRecord(Statements):
         response_body: bytes | None,
         body_omitted: bool,
         now: dt.datetime,
+        expires_at: dt.datetime | None = None,
     ) -> bool:
         """Mark the record completed with its response, fenced by ``token``.
+
+        ``expires_at``: the answer is kept until then (``now`` plus the route's
+        ttl), or until the record's expiry if that is later; ``None`` leaves
+        the expiry as it is.
 
         ``False`` means another request took the record over: the caller must
         roll back.
@@ -95,11 +111,19 @@ class HeldRecord(Statements):
             "w_token": token,
             **answer_values(response_code, response_headers, response_body, body_omitted),
             "completed_at": now,
+            "e_expires": expires_at,
         }
         return self._changed_one(executor, self._complete, params)
 
     def settle_committed(
-        self, executor: Executor, scope: str, key: str, token: int, now: dt.datetime
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        now: dt.datetime,
+        *,
+        retention: dt.timedelta,
     ) -> bool:
         """Complete, with the answer it already holds, an in-progress record whose
         view committed work of its own (:attr:`.Record.view_committed`) and
@@ -107,9 +131,12 @@ class HeldRecord(Statements):
         ``failed-after-commit``, stored with the view's commit) is the
         operation's outcome, since it happened and may not run again. Fenced
         by the ``token`` read; ``False``: the record changed meanwhile (its
-        holder completed or renewed it, someone else settled it)."""
+        holder completed or renewed it, someone else settled it). The answer
+        is kept for ``retention`` (the record's own, :attr:`.Record.retention`)
+        from now, or until its expiry if that is later."""
         params = {"w_scope": scope, "w_key": key, "w_token": token, "w_now": now}
-        return self._changed_one(executor, self._settle_committed, {**params, "completed_at": now})
+        params.update(completed_at=now, e_expires=now + retention)
+        return self._changed_one(executor, self._settle_committed, params)
 
     def release(
         self,

@@ -275,10 +275,19 @@ class Record:
         )
 
     def is_expired(self, now: dt.datetime) -> bool:
-        """Past its retention and not held under a live lease: counts as absent even
-        before cleanup deletes it. A holder whose lease still runs keeps its
-        record past the retention, so no new operation starts beside it."""
-        return self.expires_at <= now and not self.lease_live(now)
+        """Past its retention, and its operation cannot have happened without
+        it: counts as absent even before cleanup deletes it. An operation that
+        may have happened never expires, whatever its ttl: one in progress
+        under a live lease (no new operation starts beside it), or one whose
+        view committed (:attr:`view_committed`: it is settled with its stored
+        answer, by the client's retry or the recovery job, and then kept for
+        its retention from then)."""
+        return self.expires_at <= now and not self.lease_live(now) and not self.view_committed
+
+    @property
+    def retention(self) -> dt.timedelta:
+        """How long the record's answer is kept: its ttl, as its claim set it."""
+        return self.expires_at - self.created_at
 
     def lease_live(self, now: dt.datetime) -> bool:
         """In progress under a lease that has not ended."""

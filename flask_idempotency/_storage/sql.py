@@ -41,9 +41,16 @@ def lease_over(c: t.Any, now: t.Any) -> t.Any:
 
 
 def expired(c: t.Any, now: t.Any) -> tuple[t.Any, ...]:
-    """SQL, as :meth:`Record.is_expired`: past its retention and not held under a live
-    lease (a holder whose lease still runs keeps its record past the retention)."""
-    return (c.expires_at <= now, sa.or_(c.status != IN_PROGRESS, lease_over(c, now)))
+    """SQL, as :meth:`Record.is_expired`: past its retention, and neither in
+    progress under a live lease nor a view that committed (an operation that
+    may have happened keeps its record past the retention)."""
+    held = sa.and_(lease_over(c, now), c.response_code.is_(None))
+    return (c.expires_at <= now, sa.or_(c.status != IN_PROGRESS, held))
+
+
+def unexpired(c: t.Any, now: t.Any) -> t.Any:
+    """SQL: not :func:`expired` (what a request still finds)."""
+    return sa.not_(sa.and_(*expired(c, now)))
 
 
 def text_param(name: str, value: t.Any = None) -> t.Any:

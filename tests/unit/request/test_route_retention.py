@@ -139,3 +139,166 @@ def test_a_route_lease_longer_than_the_apps_ttl_is_refused_naming_the_view(
         idem.idempotent(lease=600)(slow_export)
     with app.app_context():
         _db.engine.dispose()
+
+
+def keys(app: Flask, db: t.Any) -> list[t.Any]:
+    """The record table's rows: status, response code, completed_at, expires_at."""
+    with app.app_context():
+        rows = db.session.execute(
+            sa.text(
+                "SELECT scope, status, response_code, completed_at, expires_at "
+                "FROM idempotency_keys"
+            )
+        ).all()
+        db.session.remove()
+        return list(rows)
+
+
+def committed_then_hung(
+    app: Flask, db: t.Any, idem: Idempotency
+) -> tuple[threading.Event, threading.Event]:
+    """A ``ttl=30`` route (no lease=) whose view commits an order, then hangs (its
+    worker as good as dead) until the second event is set; its first event: it
+    committed. The view raises once let go, as a dying worker would."""
+    committed, let_go = threading.Event(), threading.Event()
+
+    @app.post("/orders")
+    @idem.idempotent(ttl=30)
+    def create() -> tuple[dict[str, int], int]:
+        db.session.add(db.Order())
+        db.session.commit()  # the order is durable: the operation happened
+        committed.set()
+        assert let_go.wait(30)
+        raise RuntimeError("the worker died")
+
+    return committed, let_go
+
+
+def started(app: Flask) -> threading.Thread:
+    def first() -> None:
+        app.test_client().post("/orders", json={}, headers={"Idempotency-Key": "k1"})
+
+    runner = threading.Thread(target=first, daemon=True)
+    runner.start()
+    return runner
+
+
+def test_a_committed_view_is_not_run_again_by_the_retry_after_its_lease_past_a_short_ttl(
+    fresh_database: str, clock: Clock
+) -> None:
+    idem = Idempotency()
+    app, db = make_app(fresh_database, clock, idem)  # IDEMPOTENCY_LEASE: 60 s
+    committed, let_go = committed_then_hung(app, db, idem)
+    runner = started(app)
+    try:
+        assert committed.wait(30)
+        clock.advance(seconds=61)  # past the ttl (30 s) and the lease (60 s)
+        retry = app.test_client().post("/orders", json={}, headers={"Idempotency-Key": "k1"})
+        # The view's commit stored its outcome: the retry replays it, never re-runs.
+        assert retry.status_code == 500, retry.get_data(as_text=True)
+        assert orders(app, db) == 1
+        [row] = keys(app, db)
+        assert (row.status, row.response_code) == ("completed", 500)
+    finally:
+        let_go.set()
+        runner.join(30)
+    assert orders(app, db) == 1
+    with app.app_context():
+        db.engine.dispose()
+
+
+def test_jobs_and_cli_keep_a_committed_view_past_a_short_ttl_and_recovery_settles_it(
+    fresh_database: str, clock: Clock
+) -> None:
+    idem = Idempotency()
+    app, db = make_app(fresh_database, clock, idem)
+    committed, let_go = committed_then_hung(app, db, idem)
+    runner = started(app)
+    cli = app.test_cli_runner()
+    try:
+        assert committed.wait(30)
+        [row] = keys(app, db)
+        clock.advance(seconds=61)  # ttl and lease over, the view committed
+        assert "deleted 0" in cli.invoke(args=["idempotency", "purge"]).output
+        refused = cli.invoke(args=["idempotency", "release", row.scope, "k1", "--yes"])
+        assert refused.exit_code == 1, refused.output
+        assert "view committed" in refused.output
+        assert [r.status for r in keys(app, db)] == ["in_progress"]
+        assert "completed 1" in cli.invoke(args=["idempotency", "recover"]).output
+        [settled] = keys(app, db)
+        assert (settled.status, settled.response_code) == ("completed", 500)
+        # Kept for its ttl from its settlement, then purged like any answer.
+        clock.advance(seconds=29)
+        assert "deleted 0" in cli.invoke(args=["idempotency", "purge"]).output
+        clock.advance(seconds=2)
+        assert "deleted 1" in cli.invoke(args=["idempotency", "purge"]).output
+        assert keys(app, db) == []
+    finally:
+        let_go.set()
+        runner.join(30)
+    assert orders(app, db) == 1
+    with app.app_context():
+        db.engine.dispose()
+
+
+def test_an_answer_is_kept_for_its_ttl_from_its_completion_when_the_view_outlived_it(
+    fresh_database: str, clock: Clock
+) -> None:
+    idem = Idempotency()
+    app, db = make_app(fresh_database, clock, idem)
+
+    @app.post("/orders")
+    @idem.idempotent(ttl=30)
+    def create() -> tuple[dict[str, int], int]:
+        db.session.add(db.Order())
+        clock.advance(seconds=40)  # the view runs longer than its ttl
+        return {"orders": 1}, 201
+
+    client = app.test_client()
+    headers = {"Idempotency-Key": "k1"}
+    assert client.post("/orders", json={}, headers=headers).status_code == 201
+    [row] = keys(app, db)
+    assert row.status == "completed"
+    clock.advance(seconds=29)
+    replayed = client.post("/orders", json={}, headers=headers)
+    assert replayed.status_code == 201
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert orders(app, db) == 1
+    clock.advance(seconds=2)  # 30 s after the completion: forgotten
+    assert client.post("/orders", json={}, headers=headers).status_code == 201
+    assert orders(app, db) == 2
+    with app.app_context():
+        db.engine.dispose()
+
+
+def test_stats_count_a_request_running_past_its_ttl_as_in_progress(
+    fresh_database: str, clock: Clock
+) -> None:
+    idem = Idempotency()
+    app, db = make_app(fresh_database, clock, idem)
+    committed, let_go = threading.Event(), threading.Event()
+
+    @app.post("/orders")
+    @idem.idempotent(ttl=30)
+    def create() -> tuple[dict[str, int], int]:
+        db.session.add(db.Order())
+        db.session.commit()
+        committed.set()
+        assert let_go.wait(30)
+        return {"orders": 1}, 201
+
+    runner = started(app)
+    try:
+        assert committed.wait(30)
+        clock.advance(seconds=40)  # past the ttl, within the lease
+        with app.app_context():
+            stats = idem.stats()
+        assert [r.status for r in keys(app, db)] == ["in_progress"]
+        assert (stats.live, stats.in_progress, stats.expired_awaiting_cleanup) == (1, 1, 0)
+        assert stats.oldest_in_progress is not None
+    finally:
+        let_go.set()
+        runner.join(30)
+    assert orders(app, db) == 1
+    with app.app_context():
+        db.engine.dispose()
