@@ -20,10 +20,13 @@ import click
 import sqlalchemy as sa
 from flask import Flask
 
-from ._context import AppState, app_state
+from ._context import AppState, app_state, resolve_app
+from ._maintenance.jobs import job_runs
+from ._messaging.admin import outbox_stats
 from ._messaging.relay import app_publisher
+from ._storage import dberrors, inbox
 from ._storage.dberrors import UNAVAILABLE, classify, summary
-from ._storage.schema import outbox_table
+from ._storage.schema import OUTBOX_TABLE_NAME, outbox_table
 from .errors import BrokerUnavailable, InvalidKeyError
 from .keys import parse_key
 from .scope import MAX_SCOPE_LENGTH
@@ -341,3 +344,28 @@ def scope_prefix_argument(
         raise click.BadParameter("the scope prefix must not contain NUL")
     _utf8(value, "the scope prefix")
     return value
+
+
+def gather_stats() -> dict[str, t.Any]:
+    """What ``flask idempotency stats`` prints (see its help), as a dict."""
+    state = current_state()
+    require_tables(state.store.table)
+    with state.db.engine.connect() as conn:
+        now = state.now(conn)
+        numbers = state.store.stats(conn, now)
+        has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
+        if inbox.table_exists(conn):
+            numbers.update(inbox.stats(conn, now))
+    numbers["oldest_in_progress"] = iso(numbers["oldest_in_progress"])
+    if has_outbox:
+        numbers.update(outbox_stats(resolve_app()))
+    try:
+        numbers["jobs"] = job_runs(resolve_app())  # None without the job locks' table
+    except sa.exc.DBAPIError as exc:
+        # An operator's read-only role may see the records and not the job locks:
+        # the other figures still print, and what could not be read says why.
+        if not dberrors.privilege_refused(exc):
+            raise
+        numbers["jobs"] = None
+        numbers["errors"] = {"jobs": dberrors.summary(exc)}
+    return numbers

@@ -40,7 +40,6 @@ import json
 import typing as t
 
 import click
-import sqlalchemy as sa
 from flask.cli import AppGroup
 
 from . import _cli
@@ -60,11 +59,11 @@ from ._cli import (
 )
 from ._context import resolve_app
 from ._maintenance import runner
-from ._maintenance.jobs import job_runs, purge_expired, recover_abandoned
-from ._messaging.admin import outbox_stats, purge_published, retry_parked
-from ._storage import OVERRIDABLE, Hold, dberrors, inbox, release_verdict
+from ._maintenance.jobs import purge_expired, recover_abandoned
+from ._messaging.admin import purge_published, retry_parked
+from ._storage import OVERRIDABLE, Hold, release_verdict
 from ._storage import outbox as outbox_sql
-from ._storage.schema import OUTBOX_TABLE_NAME, inbox_table, outbox_table
+from ._storage.schema import inbox_table, outbox_table
 
 __all__ = ["idempotency_cli"]
 
@@ -144,26 +143,7 @@ def stats() -> None:
     (processed ids, per consumer), the jobs' last runs, each when its table exists.
     ``jobs`` is null, and ``errors`` says why, when the role may not read the job
     locks' table."""
-    state = _cli.current_state()
-    _cli.require_tables(state.store.table)
-    with state.db.engine.connect() as conn:
-        now = state.now(conn)
-        numbers = state.store.stats(conn, now)
-        has_outbox = sa.inspect(conn).has_table(OUTBOX_TABLE_NAME)
-        if inbox.table_exists(conn):
-            numbers.update(inbox.stats(conn, now))
-    numbers["oldest_in_progress"] = _cli.iso(numbers["oldest_in_progress"])
-    if has_outbox:
-        numbers.update(outbox_stats(resolve_app()))
-    try:
-        numbers["jobs"] = job_runs(resolve_app())  # None without the job locks' table
-    except sa.exc.DBAPIError as exc:
-        # An operator's read-only role may see the records and not the job locks:
-        # the other figures still print, and what could not be read says why.
-        if not dberrors.privilege_refused(exc):
-            raise
-        numbers["jobs"] = None
-        numbers["errors"] = {"jobs": dberrors.summary(exc)}
+    numbers = _cli.gather_stats()
     click.echo(json.dumps(numbers, indent=2, sort_keys=True))
 
 

@@ -25,17 +25,16 @@ Every error of the extension is an :class:`IdempotencyError`::
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import typing as t
 from datetime import timedelta
 
-from werkzeug.datastructures import MIMEAccept
 from werkzeug.exceptions import HTTPException
-from werkzeug.http import parse_accept_header
 from werkzeug.sansio.response import Response as SansIOResponse
 from werkzeug.wrappers import Response
+
+from . import _pages
 
 __all__ = [
     "PROBLEM_JSON",
@@ -70,12 +69,6 @@ __all__ = [
 PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
 #: The media type of every error the extension answers (RFC 9457).
 PROBLEM_JSON = "application/problem+json"
-#: Set in the WSGI environ of a request whose key came from a rendered form
-#: (its field, or a form token in the header): its problems answer a browser
-#: that prefers HTML with a page.
-_FORM_REQUEST = "flask_idempotency.form_key"
-# Bodies only a browser's form (or a client imitating one) sends.
-_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class IdempotencyError(Exception):
@@ -137,28 +130,12 @@ class ProblemError(HTTPException, IdempotencyError):
         return response
 
     def _page_wanted(self, environ: t.Any) -> bool:
-        if environ is None:
-            from flask import has_request_context, request
-
-            if not has_request_context():
-                return False
-            environ = request.environ
-        form_body = str(environ.get("CONTENT_TYPE", "")).lower().startswith(_FORM_TYPES)
-        if not (isinstance(self, FormKeyError) or environ.get(_FORM_REQUEST) or form_body):
-            return False
-        accept = parse_accept_header(environ.get("HTTP_ACCEPT"), MIMEAccept)
-        best = accept.best_match([PROBLEM_JSON, "application/json", "text/html"])
-        return best == "text/html"
+        return _pages.wanted(environ, PROBLEM_JSON, from_form=isinstance(self, FormKeyError))
 
     def html_page(self) -> str:
-        """The default page a browser gets: the title and the detail, escaped."""
-        title = html.escape(self.title)
-        text = html.escape(self.visitor if self.visitor is not None else self.detail)
-        return (
-            '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>{title}</title></head><body><h1>{title}</h1>"
-            f"<p>{text}</p></body></html>\n"
-        )
+        """The default page a browser gets: the title and :attr:`visitor` (else
+        the detail), escaped."""
+        return _pages.render(self.title, self.visitor if self.visitor is not None else self.detail)
 
 
 class InvalidKeyError(ProblemError):

@@ -130,7 +130,10 @@ def _run(
 ) -> None:
     try:
         verdict = readiness_sql.probe(engine, table, timeout)
-        missing = _missing(engine, also) if verdict.forbidden is None else None
+        # The other tables only once the database could take a claim: a standby
+        # or a refused privilege is the reason to give first.
+        healthy = verdict.forbidden is None and verdict.read_only is None
+        missing = _missing(engine, also) if healthy else None
         if missing is not None:
             probe.outcome, probe.reason = "missing_table", f"the table {missing} does not exist"
             logger.warning("readiness probe: the table %s is missing", missing)

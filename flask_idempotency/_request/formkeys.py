@@ -46,10 +46,10 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from markupsafe import Markup, escape
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from .. import _pages
 from .. import scope as scope_module
 from .._context import app_state
 from ..errors import (
-    _FORM_REQUEST,
     FormKeyError,
     FormKeyExpiredError,
     PayloadTooLargeError,
@@ -417,7 +417,7 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
     if raw is None:
         return None, None
     # Problems of this request answer a browser with a page (errors.ProblemError).
-    request.environ[_FORM_REQUEST] = True
+    request.environ[_pages.FORM_REQUEST] = True
     token = decode(raw, settings)
     return token.key, token
 

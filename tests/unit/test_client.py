@@ -1120,5 +1120,5 @@ def test_without_requests_the_import_error_names_the_extra(
 
     monkeypatch.setitem(sys.modules, "requests", None)
     monkeypatch.delitem(sys.modules, "flask_idempotency.client")
-    with pytest.raises(ImportError, match=r"Flask-Idempotency\[client\]"):
+    with pytest.raises(ImportError, match=r"flask-idempotency\[client\]"):
         importlib.import_module("flask_idempotency.client")
