@@ -236,7 +236,19 @@ def key_from_request(
     :class:`InvalidKeyError` (400). The length is checked before the format, so a
     pattern never runs on more than ``max_length`` characters.
     """
-    values = request.headers.getlist(header)
+    return key_from_values(
+        request.headers.getlist(header), header, max_length=max_length, key_format=key_format
+    )
+
+
+def key_from_values(
+    values: t.Sequence[str],
+    header: str,
+    *,
+    max_length: int = MAX_KEY_LENGTH,
+    key_format: KeyFormat | None = None,
+) -> str | None:
+    """:func:`key_from_request` for the header's ``values``, already read."""
     if not values:
         return None
     if len(values) > 1:

@@ -55,7 +55,7 @@ from ..errors import (
     PayloadTooLargeError,
     ServerMisconfiguredError,
 )
-from ..keys import MAX_KEY_LENGTH, key_from_request
+from ..keys import MAX_KEY_LENGTH, key_from_values
 from .body import read_body
 from .forms import consumed, is_form
 from .route import RouteOptions
@@ -108,13 +108,18 @@ def _secrets() -> list[str | bytes]:
     return [*(app.config.get("SECRET_KEY_FALLBACKS") or ()), secret]
 
 
+def _keyed(secret: str | bytes, purpose: bytes, message: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``message`` under ``secret``, for one ``purpose``."""
+    key = secret.encode("utf-8") if isinstance(secret, str) else secret
+    return hmac.new(key, purpose + b"\x00" + message, hashlib.sha256).hexdigest()
+
+
 def _caller_digest(scope: str, owner: str, secret: str | bytes) -> str:
     """Who a form was rendered for: the scope and the session's owner, keyed
     with the secret, so that the page's source reveals neither (a user id can
     not be guessed back from it)."""
-    key = secret.encode("utf-8") if isinstance(secret, str) else secret
     message = f"{scope}\x00{owner}".encode("utf-8", "surrogatepass")
-    return hmac.new(key, b"form-caller\x00" + message, hashlib.sha256).hexdigest()[:32]
+    return _keyed(secret, b"form-caller", message)[:32]
 
 
 def _owner(create: bool) -> str:
@@ -126,8 +131,8 @@ def _owner(create: bool) -> str:
     the first pages after a sign-in) agree on it, whichever answer's cookie the
     browser keeps; random for a request that brought none (a first visit).
     """
-    owner = session.get(OWNER_SESSION_KEY)
-    if isinstance(owner, str) and owner:
+    owner = scope_module._form_owner()  # the default scope's reading of it
+    if owner is not None:
         return owner
     if not create:
         return ""
@@ -135,10 +140,7 @@ def _owner(create: bool) -> str:
     if cookie is None:
         owner = secrets.token_urlsafe(16)
     else:
-        secret = _secrets()[-1]
-        key = secret.encode("utf-8") if isinstance(secret, str) else secret
-        digest = hmac.new(key, b"form-owner\x00" + cookie.encode("latin-1", "replace"), "sha256")
-        owner = digest.hexdigest()[:22]
+        owner = _keyed(_secrets()[-1], b"form-owner", cookie.encode("latin-1", "replace"))[:22]
     session[OWNER_SESSION_KEY] = owner
     request.environ[scope_module._FORM_OWNER_SET] = True
     return owner
@@ -235,7 +237,11 @@ _TOKEN_SHAPE = re.compile(r'"?fk1\.\.?[A-Za-z0-9_-]+\.[A-Za-z0-9_-]{27}"?')
 def looks_like_token(value: str) -> bool:
     """Whether a header value has the shape of a form token: a client's own key
     that merely starts with ``fk1.`` stays a plain key."""
-    return len(value) <= _MAX_TOKEN_LENGTH and _TOKEN_SHAPE.fullmatch(value.strip()) is not None
+    # The prefix first: every header-keyed request asks, and almost none is a token.
+    value = value.strip()
+    if not value.startswith((TOKEN_PREFIX, '"' + TOKEN_PREFIX)):
+        return False
+    return len(value) <= _MAX_TOKEN_LENGTH and _TOKEN_SHAPE.fullmatch(value) is not None
 
 
 def field_value(settings: Settings) -> str | None:
@@ -406,7 +412,8 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
         # The recovery job re-sends a record's key, which its first request may
         # have brought in a form token (never checked against the key format).
         recovery = RECOVERY_ENVIRON_KEY in request.environ
-        key = key_from_request(
+        key = key_from_values(
+            values,
             settings.header,
             max_length=MAX_KEY_LENGTH if recovery else settings.key_max_length,
             key_format=None if recovery else settings.key_format,
