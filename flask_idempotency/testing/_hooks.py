@@ -33,6 +33,8 @@ __all__ = ["install", "request_ended", "request_started"]
 _INFO_KEY = "idempotency_kit.inserted"
 #: How long a held request waits to be released, at most.
 _HOLD_LIMIT = 30.0
+#: How often a held request touches its claim's connection (below any idle bound).
+_HOLD_TOUCH = 1.0
 
 _control: Control | None = None
 _downstream: tuple[str, int] | None = None
@@ -154,8 +156,23 @@ def _key_claimed(sender: t.Any, **kwargs: t.Any) -> None:
     sys.stderr.write(f"idempotency kit: holding the request for key {kwargs.get('key')!r}\n")
     deadline = time.monotonic() + min(float(held.get("timeout", _HOLD_LIMIT)), _HOLD_LIMIT)
     release = _control.held(token, "release")
+    touched = time.monotonic()
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+        if time.monotonic() - touched >= _HOLD_TOUCH:
+            _touch_claim(sender)
+            touched = time.monotonic()
+
+
+def _touch_claim(app: t.Any) -> None:
+    """A statement on the claim's connection: a held request is a request still
+    at work, not a host cut off, so the app's ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``
+    must not end its transaction however long the test takes to release it."""
+    state = app.extensions.get("idempotency")
+    if state is None:
+        return
+    session = state.db.session
+    session.connection(bind_arguments={"clause": state.store.table}).exec_driver_sql("SELECT 1")
 
 
 def _step_saved(sender: t.Any, **kwargs: t.Any) -> None:

@@ -182,3 +182,22 @@ def test_a_duplicate_of_a_held_request_is_409_then_replays(
     later = post(api, key)
     assert later.replayed
     assert_exactly_one(db, downstream, key)
+
+
+def test_a_request_held_past_the_claim_idle_timeout_still_commits(
+    api: ServedApp, db: Database, fault: Fault, downstream: Downstream
+) -> None:
+    """The example ends a claim's transaction left idle 5 s on PostgreSQL
+    (IDEMPOTENCY_CLAIM_IDLE_TIMEOUT). A request the kit holds is at work, not cut
+    off: held longer than that (a slow test machine), it still commits once."""
+    if fault.proxy is None:
+        pytest.skip("SQLite has no idle-in-transaction timeout")
+    key = str(uuid.uuid4())
+    with fault.hold_first() as held, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, api, key)
+        assert held.wait_reached(timeout=30)
+        time.sleep(6.5)
+        held.release()
+        assert first.result(timeout=60).status_code == 201
+    assert_exactly_one(db, downstream, key)
+    assert db.count(LedgerEntry) == 1

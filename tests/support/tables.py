@@ -7,10 +7,15 @@ import typing as t
 
 import sqlalchemy as sa
 
-from flask_idempotency._storage.schema import job_lock_table, record_table
+from flask_idempotency._storage.schema import job_lock_table, outbox_table, record_table
 
-#: The extension's tables every app here uses: the record's and the job lock's.
-EXTENSION_TABLES: tuple[t.Callable[[sa.MetaData], sa.Table], ...] = (record_table, job_lock_table)
+#: The extension's tables every app here uses: those ``init_app`` puts on the app's
+#: metadata (the record's, the job lock's, and the outbox's, which readiness requires).
+EXTENSION_TABLES: tuple[t.Callable[[sa.MetaData], sa.Table], ...] = (
+    record_table,
+    job_lock_table,
+    outbox_table,
+)
 
 
 def recreate_tables(
