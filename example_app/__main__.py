@@ -7,6 +7,8 @@
 * ``shop``: the order service with the shop's browser checkout
   (``/shop/checkout``, ``shop.py``) on 127.0.0.1:5002; ``EXAMPLE_SHOP_FLASK_WTF=1``
   for its Flask-WTF form under CSRFProtect.
+* ``stripe``: the Stripe-like API (``POST /v1/charges``, ``stripe_like.py``) on
+  127.0.0.1:5003, for Stripe's own Python SDK.
 * ``shipping``: the shipping consumer, until Ctrl-C.
 * ``demo``: the whole chain in one process, on SQLite files in a temporary folder
   and kombu's filesystem transport (or ``EXAMPLE_BROKER_URL``): a client whose
@@ -32,7 +34,7 @@ from werkzeug.serving import make_server
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency.client import IdempotentSession
 
-from . import broker, create_app, orders, shipping, shop
+from . import broker, create_app, orders, shipping, shop, stripe_like
 from .app import db as payments_db
 
 WSGIApp = t.Callable[[dict[str, t.Any], t.Callable[..., t.Any]], t.Iterable[bytes]]
@@ -200,7 +202,7 @@ def main() -> int:
     parser.add_argument(
         "command",
         nargs="?",
-        choices=["serve", "payments", "orders", "shop", "shipping", "demo"],
+        choices=["serve", "payments", "orders", "shop", "stripe", "shipping", "demo"],
         default="serve",
     )
     parser.add_argument("--host", default="127.0.0.1")
@@ -220,6 +222,10 @@ def main() -> int:
         app = shop.create_app({"IDEMPOTENCY_SCHEDULER": True})
         port = args.port or 5002
         print(f"shop on http://{args.host}:{port}/shop/checkout")
+    elif args.command == "stripe":
+        app = stripe_like.create_app()
+        port = args.port or 5003
+        print(f"Stripe-like API on http://{args.host}:{port}/v1/charges (keys: sk_test_acme, ...)")
     else:
         app = create_app()
         port = args.port or 5000
