@@ -65,6 +65,18 @@ def make_app(openapi_version: str = "3.0.3") -> APIFlask:
             return {}
 
     app.add_url_rule("/carts", view_func=Carts.as_view("carts"))
+
+    class Wallets(MethodView):
+        @app.output(PaymentOut)
+        def get(self) -> dict[str, t.Any]:
+            return {}
+
+        @idem.idempotent(key_format=r"w-[0-9]+", key_max_length=20)
+        @app.output(PaymentOut, status_code=201)
+        def post(self) -> dict[str, t.Any]:
+            return {}
+
+    app.add_url_rule("/wallets", view_func=Wallets.as_view("wallets"))
     return app
 
 
@@ -81,6 +93,18 @@ def test_the_served_spec_shows_each_protected_operation(version: str) -> None:
     assert_unprotected(spec, "/payments", "get")
     assert_unprotected(spec, "/payments/{payment_id}", "put")
     assert_unprotected(spec, "/carts", "get")
+    # A MethodView whose post alone is decorated.
+    assert_protected(
+        spec,
+        "/wallets",
+        "post",
+        required=False,
+        pattern="w-[0-9]+",
+        max_length=20,
+        ttl_seconds=86400,
+        success="201",
+    )
+    assert_unprotected(spec, "/wallets", "get")
 
 
 def test_app_spec_in_an_app_context_and_outside_one() -> None:
