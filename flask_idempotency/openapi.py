@@ -80,8 +80,9 @@ class IdempotencyPlugin(BasePlugin):
 
     ``app``: the app whose views the spec describes; ``None``: the current app
     when the spec is built (APIFlask builds it when it serves its spec, or for
-    ``flask spec``, both in the app's context); outside one, :class:`RuntimeError`. A view ``@idem.idempotent`` decorated needs
-    ``idem.init_app`` to have run on that app first: its settings are the app's.
+    ``flask spec``, both in the app's context); outside one, :class:`RuntimeError`.
+    A view ``@idem.idempotent`` decorated needs ``idem.init_app`` to have run on
+    that app first: its settings are the app's.
     Only OpenAPI 3 is supported (:class:`ValueError` for 2.0).
     """
 
