@@ -15,8 +15,8 @@ an undecorated view) shows:
   the app documented itself for one of those statuses is kept, with the
   problem+json content beside its own (a shared response it refers to, such as
   flask-smorest's ``422``, becomes this operation's copy of it);
-* the ``Idempotent-Replayed`` and ``Idempotency-Key`` headers on its success
-  (``2xx``) responses;
+* the ``Idempotent-Replayed`` header on its success (``2xx``) responses, and
+  the echoed key (``Idempotency-Key``) on those and on its problems;
 * ``x-idempotency``: the header, whether it is required, the key's format and
   length, the retention (``ttl_seconds``), a leased route's ``lease_seconds``,
   and the expiry policy in words (``expiry``).
@@ -162,13 +162,19 @@ def _document(
     if not any(_names_header(p, settings.header) for p in parameters):
         parameters.append(_key_parameter(found))
     responses = operation.setdefault("responses", {})
-    for code, problems in _problems(found).items():
-        _add_problems(responses, code, problems, shared)
+    problems = _problems(found)
+    for code, kinds in problems.items():
+        _add_problems(responses, code, kinds, shared)
+    problem_codes = {str(code) for code in problems}
     for code, response in responses.items():
-        if str(code).startswith("2") and isinstance(response, dict) and "$ref" not in response:
+        if not isinstance(response, dict) or "$ref" in response:
+            continue
+        if str(code).startswith("2"):
             headers = response.setdefault("headers", {})
             headers.setdefault(REPLAYED_HEADER, _replayed_header())
             headers.setdefault(settings.header, _echo_header())
+        elif str(code) in problem_codes:  # a problem answers a keyed request too
+            response.setdefault("headers", {}).setdefault(settings.header, _echo_header())
     operation[EXTENSION] = _specification(found)
 
 

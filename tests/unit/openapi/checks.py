@@ -89,6 +89,8 @@ def assert_protected(
     assert problem_types(op, "503") == ["database-unavailable", "server-misconfigured"]
     for status in ("409", "503"):
         assert "Retry-After" in response(op, status)["headers"]
+    for status in PROBLEM_STATUSES:  # every answer to a keyed request echoes the key
+        assert header in response(op, status)["headers"]
 
     headers = response(op, success)["headers"]
     assert headers["Idempotent-Replayed"]["schema"] == {"type": "string", "enum": ["true"]}
