@@ -351,9 +351,9 @@ def _specification(found: Protection) -> dict[str, t.Any]:
     if key_format is not None and key_format.kind == "regex":
         spec["key_pattern"] = key_format.pattern.pattern
     expiry = (
-        "A key names one operation for ttl_seconds from its first request; after that a "
-        "request with it is a new operation. A record whose operation may have happened "
-        "does not expire while it is unsettled: one in progress under a live lease, or "
+        "A key names one operation for ttl_seconds from the answer to its first request; after "
+        "that a request with it is a new operation. A record whose operation may have "
+        "happened does not expire while it is unsettled: one in progress under a live lease, or "
         "one whose work committed before its answer was stored (settled with that answer "
         "by the retry or the recovery job, then kept ttl_seconds from then)."
     )
