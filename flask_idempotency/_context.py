@@ -32,6 +32,7 @@ EXTENSION_KEY = "idempotency"
 # Where the current request's state lives on ``g`` (Flask's advice for an
 # extension's per-request data); read and written here only.
 _REQUEST_STATE = "_idempotency"
+_ANSWER_NOTES = "_idempotency_answer"
 
 #: Why an optimistic route refuses what it refuses, for the errors a view sees.
 OPTIMISTIC_WHY = (
@@ -154,6 +155,19 @@ class RequestState:
     def claim_committed(self) -> bool:
         """The claimed record is committed (leased route, or the view committed)."""
         return self.guard is not None and self.guard.durable
+
+
+def answer_notes(*, take: bool = False) -> dict[str, t.Any]:
+    """What the current request's answer must carry, however it is rendered (the
+    key to echo, the problem raised: ``_request.answer``), kept on ``g``; with
+    ``take``, handed over and forgotten (empty where nothing was noted)."""
+    if take:
+        return t.cast("dict[str, t.Any]", g.pop(_ANSWER_NOTES, None) or {})
+    notes = g.get(_ANSWER_NOTES)
+    if notes is None:
+        notes = {}
+        setattr(g, _ANSWER_NOTES, notes)
+    return t.cast("dict[str, t.Any]", notes)
 
 
 def set_request_state(state: RequestState) -> None:

@@ -80,7 +80,10 @@ class ProblemError(HTTPException, IdempotencyError):
 
     slug = "error"
     title = "Idempotency error"
-    code = 400
+    #: ``None`` on this base class alone, so that Flask files a handler for it
+    #: (``@app.errorhandler(ProblemError)``) for every status: each subclass
+    #: has its own, and an instance of this class answers 400.
+    code: int | None = None
     #: What a person who sent a form reads on the default page (the ``detail``
     #: is written for API clients); ``None``: the detail.
     visitor: str | None = None
@@ -93,6 +96,8 @@ class ProblemError(HTTPException, IdempotencyError):
         headers: t.Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(description=detail)
+        if self.code is None:
+            self.code = 400
         self.detail = detail
         self.extra = dict(extra or {})
         self.extra_headers = dict(headers or {})
@@ -147,17 +152,18 @@ class InvalidKeyError(ProblemError):
     slug = "invalid-key"
     title = "Invalid idempotency key"
     code = 400
+    default_reason = "malformed"
 
     def __init__(
         self,
         detail: str,
         *,
-        reason: str = "malformed",
+        reason: str | None = None,
         extra: t.Mapping[str, t.Any] | None = None,
         headers: t.Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(detail, extra=extra, headers=headers)
-        self.reason = reason
+        self.reason = reason or self.default_reason
 
 
 class FormKeyError(InvalidKeyError):
@@ -176,16 +182,7 @@ class FormKeyError(InvalidKeyError):
     slug = "form-key-invalid"
     title = "This form cannot be submitted"
     code = 400
-
-    def __init__(
-        self,
-        detail: str,
-        *,
-        reason: str = "forged",
-        extra: t.Mapping[str, t.Any] | None = None,
-        headers: t.Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(detail, reason=reason, extra=extra, headers=headers)
+    default_reason = "forged"
 
 
 class FormKeyExpiredError(FormKeyError):

@@ -27,7 +27,7 @@ from ._maintenance import gauges, health, readiness_http
 from ._maintenance.gauges import KeyStats
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
-from ._request import formkeys, session_guard
+from ._request import answer, formkeys, session_guard
 from ._request.decorator import UNSET, LeaseArg, RouteCheck, Unset, protect, route_options
 from ._request.fingerprint import SchemaArg
 from ._request.flow import Clock
@@ -159,6 +159,7 @@ class Idempotency(ViewAPI):
             watch_pooled_engines(app, db)
         self._states.add(state)
         app.before_request(RouteCheck(app))
+        answer.install(app)
         app.teardown_request(end_request)
         app.cli.add_command(idempotency_cli)
         if settings.scheduler:

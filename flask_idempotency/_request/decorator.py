@@ -25,6 +25,7 @@ from .._storage import dberrors
 from .._storage.schema import INBOX_TABLE_NAME, OUTBOX_TABLE_NAME
 from ..errors import ProblemError, ServerMisconfiguredError
 from ..keys import resolve_key_format, resolve_key_max_length
+from . import answer
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
 from .flow import Flow
 from .route import RouteOptions
@@ -137,7 +138,8 @@ def protect(view: F, route: RouteOptions) -> F:
     retryable problem."""
 
     @functools.wraps(view)
-    def wrapper(**kwargs: t.Any) -> Response:
+    def wrapper(*args: t.Any, **kwargs: t.Any) -> Response:
+        # ``args``: the instance, where the view is a method of a MethodView.
         state = app_state()
         settings = state.route_settings.get(route)
         if settings is None:  # an app this Idempotency object did not register
@@ -152,8 +154,13 @@ def protect(view: F, route: RouteOptions) -> F:
             route=route,
             telemetry=observed,
         )
+        call = current_app.ensure_sync(view)
         try:
-            response = flow.run(current_app.ensure_sync(view), kwargs)
+            response = flow.run(functools.partial(call, *args) if args else call, kwargs)
+        except ProblemError as refused:
+            answer.raised(refused)
+            observed.fail(refused)
+            raise
         except Exception as exc:
             # Wraps the whole flow (claim, view, completion, replay, the
             # no-key path): a database outage or a lock conflict anywhere
@@ -165,6 +172,7 @@ def protect(view: F, route: RouteOptions) -> F:
                 observed.fail(exc)
                 raise
             observed.fail(problem)
+            answer.raised(problem)
             raise problem from exc
         except BaseException as exc:
             observed.fail(exc)

@@ -32,6 +32,7 @@ from ..errors import (
     RecordGone,
 )
 from ..scope import resolve_scope
+from . import answer
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
 from .fingerprint import NormalizedRequest, load_payload, normalize_request
@@ -119,6 +120,9 @@ class Flow:
             )
             return self._run_unprotected(view, kwargs)
         key, form_token = request_key(settings)
+        sent = request.headers.get(settings.header) if key is not None else None
+        if sent is not None:  # every answer echoes a key the header brought
+            answer.keyed(settings.header, sent)
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")

@@ -417,9 +417,13 @@ def test_serialization_failure_answers_409(pg_url: str, caplog: pytest.LogCaptur
 
 
 def _wait_for_lock_waiter(engine: sa.Engine) -> None:
-    """Until another backend waits for a lock (the request is blocked on our row)."""
+    """Until another backend waits for a lock on this test's table (the request is
+    blocked on our row; other tests of the run share the server)."""
     deadline = time.monotonic() + 20
-    query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+    query = sa.text(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE '%outage_accounts%' AND pid <> pg_backend_pid()"
+    )
     while time.monotonic() < deadline:
         # A fresh transaction each time: pg_stat_activity is a per-transaction snapshot.
         with engine.connect() as conn:
