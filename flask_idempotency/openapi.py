@@ -240,7 +240,8 @@ def _problems(found: Protection) -> dict[int, list[type[ProblemError]]]:
     ]
     by_code: dict[int, list[type[ProblemError]]] = {}
     for kind in kinds:
-        by_code.setdefault(kind.code, []).append(kind)
+        if kind.code is not None:  # each problem listed has its own status
+            by_code.setdefault(kind.code, []).append(kind)
     return by_code
 
 
