@@ -10,8 +10,9 @@ an undecorated view) shows:
   route is, with its format (``format: uuid`` and a ``pattern``, or the
   ``key_format`` regular expression as a ``pattern``) and ``maxLength``;
 * the ``400``, ``409``, ``422`` and ``503`` ``application/problem+json``
-  responses, each listing its problem types (``type`` as an ``enum`` and an
-  example per type) over one shared schema, ``IdempotencyProblem``; a response
+  responses, each listing its problem types (``type`` as an ``enum``, an
+  example per type, and ``x-problem-types``) over one shared schema,
+  ``IdempotencyProblem`` (or the app's own envelope: see below); a response
   the app documented itself for one of those statuses is kept, with the
   problem+json content beside its own (a shared response it refers to, such as
   flask-smorest's ``422``, becomes this operation's copy of it);
@@ -37,6 +38,7 @@ package does not. See docs/openapi.md.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import typing as t
 
 from apispec import APISpec, BasePlugin
@@ -66,6 +68,8 @@ __all__ = ["IdempotencyPlugin"]
 PROBLEM_SCHEMA = "IdempotencyProblem"
 #: The operation's extension that states the route's idempotency specification.
 EXTENSION = "x-idempotency"
+#: The problem responses' extension that lists their problem type URIs.
+PROBLEM_TYPES = "x-problem-types"
 
 _RESPONSES = "#/components/responses/"
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
@@ -84,11 +88,25 @@ class IdempotencyPlugin(BasePlugin):
     A view ``@idem.idempotent`` decorated needs ``idem.init_app`` to have run on
     that app first: its settings are the app's.
     Only OpenAPI 3 is supported (:class:`ValueError` for 2.0).
+
+    The problems are documented as ``application/problem+json`` documents, as
+    the extension answers them. An app that answers them in its own envelope
+    (``@app.errorhandler(ProblemError)``, docs/http.md) names that answer's
+    ``media_type`` and ``schema`` (a schema component's name, or a schema); each
+    problem response then lists its type URIs in ``x-problem-types`` alone.
     """
 
-    def __init__(self, app: Flask | None = None) -> None:
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        media_type: str = PROBLEM_JSON,
+        schema: str | dict[str, t.Any] | None = None,
+    ) -> None:
         super().__init__()
         self._app = app
+        self._media_type = media_type
+        self._schema = schema
         self._spec: APISpec | None = None
 
     def init_spec(self, spec: APISpec) -> None:
@@ -125,7 +143,10 @@ class IdempotencyPlugin(BasePlugin):
             target = view if view is not None else view_at(app, path or "", method)
             found = None if target is None else protection(app, target, method)
             if found is not None:
-                _document(operation, found, self._shared_response)
+                _document(operation, found, self._answers())
+
+    def _answers(self) -> _Answers:
+        return _Answers(self._media_type, self._schema, self._shared_response)
 
     def _shared_response(self, reference: t.Any) -> dict[str, t.Any] | None:
         """A copy of the response component ``reference`` names (its name, or a
@@ -152,11 +173,17 @@ class IdempotencyPlugin(BasePlugin):
         )
 
 
-def _document(
-    operation: dict[str, t.Any],
-    found: Protection,
-    shared: t.Callable[[t.Any], dict[str, t.Any] | None],
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Answers:
+    """How the app answers the problems: their media type and body schema
+    (``None``: the problem document), and a reader of shared responses."""
+
+    media_type: str
+    schema: str | dict[str, t.Any] | None
+    shared: t.Callable[[t.Any], dict[str, t.Any] | None]
+
+
+def _document(operation: dict[str, t.Any], found: Protection, answers: _Answers) -> None:
     settings = found.settings
     parameters = operation.setdefault("parameters", [])
     if not any(_names_header(p, settings.header) for p in parameters):
@@ -164,7 +191,7 @@ def _document(
     responses = operation.setdefault("responses", {})
     problems = _problems(found)
     for code, kinds in problems.items():
-        _add_problems(responses, code, kinds, shared)
+        _add_problems(responses, code, kinds, answers)
     problem_codes = {str(code) for code in problems}
     for code, response in responses.items():
         if not isinstance(response, dict) or "$ref" in response:
@@ -249,32 +276,41 @@ def _add_problems(
     responses: dict[t.Any, t.Any],
     code: int,
     problems: list[type[ProblemError]],
-    shared: t.Callable[[t.Any], dict[str, t.Any] | None],
+    answers: _Answers,
 ) -> None:
-    content = {PROBLEM_JSON: _problem_content(code, problems)}
+    media = _problem_content(code, problems, answers.schema)
     at = code if code in responses else str(code)
     existing = responses.get(at)
     if isinstance(existing, str) or (isinstance(existing, dict) and "$ref" in existing):
         # A shared response (flask-smorest's 422 for a body its arguments
         # refuse): this operation gets a copy of it, ours beside its content.
-        copied = shared(existing)
+        copied = answers.shared(existing)
         if copied is None:  # not one we can read: left as the app wrote it
             return
         responses[at] = existing = copied
     if existing is None:
         responses[code] = existing = {
             "description": "; ".join(kind.title for kind in problems),
-            "content": content,
+            "content": {answers.media_type: media},
         }
     elif isinstance(existing, dict):
-        # The app's own answer for this status stays; ours is told apart by its
-        # media type.
-        existing.setdefault("content", {}).setdefault(PROBLEM_JSON, content[PROBLEM_JSON])
-    if code in (409, 503) and isinstance(existing, dict):
-        existing.setdefault("headers", {}).setdefault("Retry-After", _RETRY_AFTER)
+        # The app's own answer for this status stays (and its body, where the
+        # problems share its media type); ours is told apart by its media type.
+        existing.setdefault("content", {}).setdefault(answers.media_type, media)
+    if isinstance(existing, dict):
+        # Which problems, whatever body the app answers them in.
+        existing.setdefault(PROBLEM_TYPES, []).extend(
+            PROBLEM_TYPE_BASE + kind.slug for kind in problems
+        )
+        if code in (409, 503):
+            existing.setdefault("headers", {}).setdefault("Retry-After", _RETRY_AFTER)
 
 
-def _problem_content(code: int, problems: list[type[ProblemError]]) -> dict[str, t.Any]:
+def _problem_content(
+    code: int, problems: list[type[ProblemError]], schema: str | dict[str, t.Any] | None
+) -> dict[str, t.Any]:
+    if schema is not None:  # the app's own envelope: its schema alone
+        return {"schema": copy.deepcopy(schema)}
     types = [PROBLEM_TYPE_BASE + kind.slug for kind in problems]
     return {
         "schema": {

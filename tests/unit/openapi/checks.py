@@ -36,6 +36,7 @@ def problem_types(op: dict[str, t.Any], status: str) -> list[str]:
     schema = content["schema"]["allOf"]
     assert schema[0] == {"$ref": "#/components/schemas/IdempotencyProblem"}
     types = t.cast(list[str], schema[1]["properties"]["type"]["enum"])
+    assert response(op, status)["x-problem-types"] == types
     examples = content["examples"]
     assert sorted(examples) == sorted(uri.removeprefix(PROBLEM_TYPE_BASE) for uri in types)
     for slug, example in examples.items():
