@@ -31,7 +31,7 @@ One line turns it on (OpenAPI 3.0 or 3.1), after ``idem.init_app(app, db)``::
     # apispec's FlaskPlugin: spec.path(view=..., app=app) as usual
     spec = APISpec(..., plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
 
-It needs apispec (``pip install flask-idempotency[openapi]``); the rest of the
+It needs apispec (``pip install "path/to/flask-idempotency[openapi]"``); the rest of the
 package does not. See docs/openapi.md.
 """
 
