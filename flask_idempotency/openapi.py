@@ -73,10 +73,6 @@ PROBLEM_TYPES = "x-problem-types"
 
 _RESPONSES = "#/components/responses/"
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
-_RETRY_AFTER = {
-    "description": "Seconds to wait before retrying with the same key.",
-    "schema": {"type": "integer", "minimum": 1},
-}
 
 
 class IdempotencyPlugin(BasePlugin):
@@ -303,7 +299,7 @@ def _add_problems(
             PROBLEM_TYPE_BASE + kind.slug for kind in problems
         )
         if code in (409, 503):
-            existing.setdefault("headers", {}).setdefault("Retry-After", _RETRY_AFTER)
+            existing.setdefault("headers", {}).setdefault("Retry-After", _retry_after())
 
 
 def _problem_content(
@@ -349,6 +345,13 @@ def _problem_schema() -> dict[str, t.Any]:
             "detail": {"type": "string"},
         },
         "additionalProperties": True,
+    }
+
+
+def _retry_after() -> dict[str, t.Any]:
+    return {
+        "description": "Seconds to wait before retrying with the same key.",
+        "schema": {"type": "integer", "minimum": 1},
     }
 
 
