@@ -65,6 +65,9 @@ setup(
         "testing": ["pytest>=8.0"],
         # flask_idempotency.forms.IdempotencyKeyField, for Flask-WTF's FlaskForm.
         "forms": ["flask-wtf>=1.2"],
+        # flask_idempotency.openapi.IdempotencyPlugin: the protected operations in the
+        # app's OpenAPI document (flask-smorest, APIFlask, apispec's FlaskPlugin).
+        "openapi": ["apispec>=6.0"],
         # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
         # nothing extra. The set-ups python -m bench.telemetry compares (without them
         # it leaves those variants out and says so).

@@ -70,6 +70,7 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "otel": ("opentelemetry.metrics", "opentelemetry.trace", "opentelemetry.propagate"),
     "testing": ("pytest", "flask_idempotency.testing", "flask_idempotency_pytest"),
     "forms": ("flask_wtf", "flask_idempotency.forms"),
+    "openapi": ("apispec", "flask_idempotency.openapi"),
     "bench": ("matplotlib", "opentelemetry.sdk", "opentelemetry.exporter.prometheus"),
 }
 #: The other distributions a line names, with the module each provides.

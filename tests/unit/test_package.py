@@ -122,6 +122,7 @@ PUBLIC: dict[str, set[str]] = {
         "quote_key",
         "scoped_parent_key",
     },
+    "flask_idempotency.openapi": {"IdempotencyPlugin"},
     "flask_idempotency.forms": {
         "IdempotencyKeyField",
         "form_field",
