@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, orm
 
 from .. import models, signals
+from .._context import find_app_state
 from . import _trace
 from ._control import ORIGIN_HEADER, Control, TraceEntry
 from ._trace import request_ended, request_started, request_state
@@ -168,7 +169,7 @@ def _touch_claim(app: t.Any) -> None:
     """A statement on the claim's connection: a held request is a request still
     at work, not a host cut off, so the app's ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``
     must not end its transaction however long the test takes to release it."""
-    state = app.extensions.get("idempotency")
+    state = find_app_state(app)
     if state is None:
         return
     session = state.db.session
