@@ -302,3 +302,13 @@ def test_stats_count_a_request_running_past_its_ttl_as_in_progress(
     assert orders(app, db) == 1
     with app.app_context():
         db.engine.dispose()
+
+
+def test_the_test_apps_own_leases_leave_the_apps_ttl_free() -> None:
+    """The test app's routes with a lease of their own (60 s) carry a ttl of their
+    own, so a test or a review script (``../shared/repros``) may give the app a ttl
+    shorter than that lease: the refusal above is for a route that takes the app's."""
+    from tests.support import testapp
+
+    app = testapp.create_app("sqlite://", IDEMPOTENCY_TTL=3, IDEMPOTENCY_LEASE=1)
+    assert app.config["IDEMPOTENCY_TTL"] == 3

@@ -19,6 +19,8 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, request
 
+from flask_idempotency.models import outbox_table
+from flask_idempotency.outbox import add_event
 from tests.conftest import Clock, ledger_count, pg_options, record_rows, reset_tables
 from tests.support import pgbouncer, testapp
 from tests.support.flow import assert_problem
@@ -92,6 +94,26 @@ def test_non_ascii_scope_round_trips(database_url: str) -> None:
     [record] = record_rows(app)
     assert record["scope"] == "tenant:Zürich-東京"
     assert ledger_count(app, "intl") == 1
+
+
+def test_an_event_id_bound_as_text_finds_its_row_on_every_engine(database_url: str) -> None:
+    """docs/databases.md: a query of one's own on the public tables binds an id as
+    text, one query for every engine (a plain string fails in PyMySQL against
+    MySQL's VARBINARY), and matches byte for byte."""
+    app = make_app(database_url)
+    with app.app_context():
+        add_event(testapp.db.session, "t", {"n": 1}, event_id="Evt-1")
+        testapp.db.session.commit()
+        table = outbox_table(testapp.db.metadata)
+
+        def topics(event_id: str) -> list[str]:
+            wanted = table.c.event_id == sa.bindparam("id", event_id, type_=sa.String())
+            query = sa.select(table.c.topic).where(wanted)
+            return list(testapp.db.session.execute(query).scalars())
+
+        assert topics("Evt-1") == ["t"]
+        assert topics("evt-1") == []
+        assert topics("Evt-1 ") == []
 
 
 # -- precision and size -----------------------------------------------------------
