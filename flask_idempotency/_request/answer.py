@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import typing as t
 
-from flask import Flask, current_app, request
+from flask import Flask, Response, current_app, request
 from werkzeug.sansio.response import Response as SansIOResponse
 
 from .._context import answer_notes
+from .._contract import REPLAYED_HEADER
 from ..errors import IdempotencyError, ProblemError
 
-__all__ = ["install", "keyed", "raised"]
+__all__ = ["install", "keyed", "raised", "render_stored", "stored"]
 
 _ECHO = "echo"
 _PROBLEM = "problem"
+_STORED = "stored"
 
 
 def keyed(header: str, value: str) -> None:
@@ -52,11 +54,45 @@ def _finish(response: SansIOResponse) -> SansIOResponse:
     return response
 
 
+def stored(problem: ProblemError) -> None:
+    """A replay is ``problem``, which the extension itself stored (a
+    ``failed-after-commit``): :func:`render_stored` answers it as the app answers
+    its problems, not as the bytes of the first request's default rendering."""
+    answer_notes()[_STORED] = problem
+
+
+def render_stored(response: Response) -> Response:
+    """``response`` (a replay), or the stored problem it holds rendered by the
+    app's handler (by the default, a browser's page or the same problem+json),
+    marked replayed like any replay."""
+    problem: ProblemError | None = answer_notes().pop(_STORED, None)
+    if problem is None:
+        return response
+    handler = _app_handler(problem)
+    rendered = (
+        problem.get_response(request.environ)
+        if handler is None
+        else current_app.ensure_sync(handler)(problem)
+    )
+    answer = current_app.make_response(rendered)
+    answer.headers[REPLAYED_HEADER] = response.headers.get(REPLAYED_HEADER, "true")
+    return answer
+
+
+def _app_handler(problem: ProblemError) -> t.Callable[[t.Any], t.Any] | None:
+    """The app's own handler for ``problem``, or ``None`` where only the default
+    would answer it. Flask finds the default before a handler for HTTPException
+    or Exception (it walks the problem's classes in order), and also before an
+    app's handler for IdempotencyError, which comes after ProblemError: that
+    one is the app's, then."""
+    handler = current_app._find_error_handler(problem, request.blueprints)
+    if handler is None or handler is _answer_problem:
+        handler = current_app.error_handler_spec[None][None].get(IdempotencyError)
+    return t.cast("t.Callable[[t.Any], t.Any] | None", handler)
+
+
 def _answer_problem(problem: ProblemError) -> t.Any:
-    # Flask finds this handler before one for HTTPException or Exception (it
-    # walks the problem's classes in order), and also before an app's handler
-    # for IdempotencyError, which comes after ProblemError: hand over to that one.
-    handler = current_app.error_handler_spec[None][None].get(IdempotencyError)
+    handler = _app_handler(problem)
     if handler is not None:
         return handler(problem)
     return problem.get_response(request.environ)

@@ -157,6 +157,7 @@ def protect(view: F, route: RouteOptions) -> F:
         call = current_app.ensure_sync(view)
         try:
             response = flow.run(functools.partial(call, *args) if args else call, kwargs)
+            response = answer.render_stored(response)
         except ProblemError as refused:
             answer.raised(refused)
             observed.fail(refused)

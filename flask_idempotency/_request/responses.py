@@ -9,7 +9,8 @@ from flask import Response
 
 from .._contract import NEVER_REPLAYED, REPLAYED_HEADER
 from .._storage.schema import Record
-from ..errors import PROBLEM_JSON, PROBLEM_TYPE_BASE
+from ..errors import PROBLEM_JSON, PROBLEM_TYPE_BASE, FailedAfterCommitError
+from . import answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,9 @@ def replay(record: Record) -> Response:
             if name.lower() == "location":
                 response.headers[name] = value
     else:
+        problem = _stored_problem(record)
+        if problem is not None:
+            answer.stored(problem)
         response = Response(record.response_body, status=record.response_code)
         # The stored headers replace the defaults, Content-Type included, so a
         # replay is what the client would have seen the first time.
@@ -89,3 +93,26 @@ def replay(record: Record) -> Response:
             response.headers.add(name, value)
     response.headers[REPLAYED_HEADER] = "true"
     return response
+
+
+def _stored_problem(record: Record) -> FailedAfterCommitError | None:
+    """The ``failed-after-commit`` the extension stored on ``record`` in its
+    default rendering, or ``None`` for any answer of the view's."""
+    if record.response_code != FailedAfterCommitError.code or record.response_body is None:
+        return None
+    if not any(
+        name.lower() == "content-type" and value == PROBLEM_JSON
+        for name, value in record.response_headers
+    ):
+        return None
+    try:
+        document = json.loads(record.response_body)
+    except ValueError:
+        return None
+    if not isinstance(document, dict) or document.get("type") != _FAILED_AFTER_COMMIT:
+        return None
+    detail = document.get("detail")
+    return FailedAfterCommitError(detail) if isinstance(detail, str) else FailedAfterCommitError()
+
+
+_FAILED_AFTER_COMMIT = PROBLEM_TYPE_BASE + FailedAfterCommitError.slug

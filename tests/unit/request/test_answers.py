@@ -75,6 +75,13 @@ def make_app(url: str, before: Handler | None = None, after: Handler | None = No
         db.session.flush()
         return {"id": row.id}, 201
 
+    @app.post("/commits-then-fails")
+    @idem.idempotent()
+    def commits_then_fails() -> t.NoReturn:
+        db.session.add(Charge(amount=99))
+        db.session.commit()
+        raise RuntimeError("after the commit")
+
     @app.post("/required")
     @idem.idempotent(required=True)
     def required() -> tuple[dict[str, t.Any], int]:
@@ -283,3 +290,32 @@ def test_a_method_view_is_protected_by_the_method_or_the_class_decorators(url: s
     assert post(app, "/payouts", payout).headers["Idempotent-Replayed"] == "true"
     assert charges(app) == 2
     assert app.test_client().get("/charges/3/refunds").get_json() == {"charge": 3}
+
+
+# -- a stored failure, replayed as the app answers problems ----------------------
+
+
+@pytest.mark.parametrize("own_handler", [True, False], ids=["app-envelope", "default"])
+def test_a_stored_failure_after_commit_replays_through_the_apps_handler(
+    url: str, own_handler: bool
+) -> None:
+    """The extension stores the failure in its own rendering; a retry answers it
+    as the app answers every other problem (an SDK reads its envelope), marked
+    replayed, the key echoed; without a handler of the app's, the stored bytes."""
+    app = make_app(url, after=register_after if own_handler else None)
+    app.config["PROPAGATE_EXCEPTIONS"] = False  # the first answer: Flask's own 500
+    key = str(uuid.uuid4())
+    first = post(app, "/commits-then-fails", key)
+    assert first.status_code == 500
+    for _ in range(2):
+        retry = post(app, "/commits-then-fails", key)
+        assert retry.status_code == 500
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.headers["Idempotency-Key"] == key
+        if own_handler:
+            assert retry.content_type == "application/json"
+            assert retry.get_json()["error"]["code"] == "failed-after-commit"
+        else:
+            assert retry.content_type == PROBLEM_JSON
+            assert retry.get_json()["type"].endswith("/failed-after-commit")
+    assert charges(app) == 1
