@@ -195,6 +195,7 @@ def end_request(exc: BaseException | None = None) -> None:
     requests in one context shares ``g`` between them): the next request's event
     ids count from 0 again, and code after the request is outside any view."""
     g.pop(_REQUEST_STATE, None)
+    g.pop(_ANSWER_NOTES, None)
 
 
 def downstream_state(caller: str) -> RequestState:

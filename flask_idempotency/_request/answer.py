@@ -6,39 +6,59 @@
 - A problem's own headers (``Retry-After``), put back where an app's error
   handler answered it in the app's own envelope and did not copy them.
 - A default error handler for :class:`~flask_idempotency.errors.ProblemError`,
-  so that frameworks that answer every ``HTTPException`` in their own envelope
-  (flask-smorest, APIFlask) leave the extension's problems in problem+json, as
-  its OpenAPI documents them. An app's own handler for ``ProblemError`` (before
-  or after ``init_app``), for one of its subclasses, or for ``IdempotencyError``
-  still wins.
+  so that a handler for every ``HTTPException`` or ``Exception`` (flask-smorest's,
+  APIFlask's, an app's or a blueprint's catch-all) leaves the extension's problems
+  in problem+json, as its OpenAPI documents them. An app's own handler for
+  ``ProblemError`` (before or after ``init_app``), for one of its subclasses, or
+  for ``IdempotencyError`` still wins.
+- A stored ``failed-after-commit``, replayed as the app answers its problems.
+
+Both additions are made by a function of the request's own (Flask's
+``after_this_request``), which runs before every ``after_request`` function of
+the app and its blueprints: those see the answer as the client will.
 """
 
 from __future__ import annotations
 
 import typing as t
+import weakref
 
-from flask import Flask, Response, current_app, request
+from flask import Flask, Response, after_this_request, current_app, request
+from werkzeug.exceptions import HTTPException
 from werkzeug.sansio.response import Response as SansIOResponse
 
 from .._context import answer_notes
 from .._contract import REPLAYED_HEADER
 from ..errors import IdempotencyError, ProblemError
 
-__all__ = ["install", "keyed", "raised", "render_stored", "stored"]
+__all__ = ["cover_blueprints", "install", "keyed", "raised", "render_stored", "stored"]
 
 _ECHO = "echo"
 _PROBLEM = "problem"
-_STORED = "stored"
+
+Handler = t.Callable[[t.Any], t.Any]
+
+# The replays that are a problem the extension stored: each is rendered by the
+# wrapper of the request that replays it (weak: a response not rendered is gone
+# with its request; a manual view's own answer is never in here).
+_STORED: weakref.WeakKeyDictionary[Response, ProblemError] = weakref.WeakKeyDictionary()
+
+
+def _notes() -> dict[str, t.Any]:
+    notes = answer_notes()
+    if not notes:  # the first note of this request: its answer gets them
+        after_this_request(_finish)
+    return notes
 
 
 def keyed(header: str, value: str) -> None:
     """The request's ``header`` held ``value``, accepted as its key: echo it."""
-    answer_notes()[_ECHO] = (header, value)
+    _notes()[_ECHO] = (header, value)
 
 
 def raised(problem: ProblemError) -> None:
     """``problem`` is this request's answer, whoever renders it."""
-    answer_notes()[_PROBLEM] = problem
+    _notes()[_PROBLEM] = problem
 
 
 def _finish(response: SansIOResponse) -> SansIOResponse:
@@ -54,18 +74,19 @@ def _finish(response: SansIOResponse) -> SansIOResponse:
     return response
 
 
-def stored(problem: ProblemError) -> None:
-    """A replay is ``problem``, which the extension itself stored (a
+def stored(response: Response, problem: ProblemError) -> Response:
+    """``response`` replays ``problem``, which the extension itself stored (a
     ``failed-after-commit``): :func:`render_stored` answers it as the app answers
     its problems, not as the bytes of the first request's default rendering."""
-    answer_notes()[_STORED] = problem
+    _STORED[response] = problem
+    return response
 
 
 def render_stored(response: Response) -> Response:
-    """``response`` (a replay), or the stored problem it holds rendered by the
-    app's handler (by the default, a browser's page or the same problem+json),
-    marked replayed like any replay."""
-    problem: ProblemError | None = answer_notes().pop(_STORED, None)
+    """``response``, or, where it replays a stored problem, that problem rendered
+    by the app's handler (by the default: a browser's page, or the same
+    problem+json), marked replayed like any replay."""
+    problem = _STORED.pop(response, None)
     if problem is None:
         return response
     handler = _app_handler(problem)
@@ -79,28 +100,47 @@ def render_stored(response: Response) -> Response:
     return answer
 
 
-def _app_handler(problem: ProblemError) -> t.Callable[[t.Any], t.Any] | None:
+def _app_handler(problem: ProblemError) -> Handler | None:
     """The app's own handler for ``problem``, or ``None`` where only the default
     would answer it. Flask finds the default before a handler for HTTPException
-    or Exception (it walks the problem's classes in order), and also before an
-    app's handler for IdempotencyError, which comes after ProblemError: that
-    one is the app's, then."""
+    or Exception (it walks the problem's classes in order), and also before a
+    handler for IdempotencyError, which comes after ProblemError: one of the
+    request's blueprints or the app's, then."""
     handler = current_app._find_error_handler(problem, request.blueprints)
     if handler is None or handler is _answer_problem:
-        handler = current_app.error_handler_spec[None][None].get(IdempotencyError)
-    return t.cast("t.Callable[[t.Any], t.Any] | None", handler)
+        spec = current_app.error_handler_spec
+        for name in (*request.blueprints, None):
+            handler = spec[name][None].get(IdempotencyError) if name in spec else None
+            if handler is not None:
+                break
+    return t.cast("Handler | None", handler)
 
 
 def _answer_problem(problem: ProblemError) -> t.Any:
     handler = _app_handler(problem)
     if handler is not None:
-        return handler(problem)
+        return current_app.ensure_sync(handler)(problem)
     return problem.get_response(request.environ)
 
 
 def install(app: Flask) -> None:
-    """Echo keys and keep problems' headers on ``app``'s answers, and answer its
-    problems in problem+json unless it has its own handler for them."""
-    app.after_request(_finish)
-    if ProblemError not in app.error_handler_spec[None][None]:
-        app.register_error_handler(ProblemError, _answer_problem)
+    """Answer ``app``'s problems in problem+json unless it has its own handler."""
+    handlers = app.error_handler_spec[None][None]
+    if ProblemError not in handlers:
+        handlers[ProblemError] = _answer_problem
+
+
+def cover_blueprints(app: Flask) -> None:
+    """Give each blueprint with a catch-all handler (``HTTPException`` or
+    ``Exception``) and none for ``ProblemError`` the default too: Flask looks in
+    the request's blueprints before the app, so their catch-all would otherwise
+    answer the problems. Run at the app's first request, once its blueprints
+    are registered."""
+    for name, by_code in list(app.error_handler_spec.items()):
+        if name is None or None not in by_code:
+            continue
+        handlers = by_code[None]
+        if ProblemError in handlers:
+            continue
+        if HTTPException in handlers or Exception in handlers:
+            handlers[ProblemError] = _answer_problem

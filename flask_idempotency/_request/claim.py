@@ -41,7 +41,7 @@ from ..errors import (
 from .claim_guard import Reassert
 from .fingerprint import NormalizedRequest, exclude_paths, stored_request_body
 from .formkeys import form_ignored_fields
-from .responses import replay
+from .responses import replay_answer
 from .route import RouteOptions
 
 if t.TYPE_CHECKING:
@@ -258,7 +258,7 @@ def answer_existing(
         if flow.route.manual:
             return record
         with flow.telemetry.replay():
-            return replay(record)
+            return replay_answer(record)
     if record.lease_live(now):
         assert record.locked_until is not None
         signal_conflict(record.scope, record.key, record)
@@ -380,4 +380,4 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
     if flow.route.manual:
         return settled
     with flow.telemetry.replay():
-        return replay(settled)
+        return replay_answer(settled)

@@ -226,6 +226,7 @@ class RouteCheck:
         app = self._app()
         if app is None:
             return
+        answer.cover_blueprints(app)
         unwrapped = unwrapped_endpoints(app)
         if unwrapped:
             raise RuntimeError(

@@ -82,9 +82,6 @@ def replay(record: Record) -> Response:
             if name.lower() == "location":
                 response.headers[name] = value
     else:
-        problem = _stored_problem(record)
-        if problem is not None:
-            answer.stored(problem)
         response = Response(record.response_body, status=record.response_code)
         # The stored headers replace the defaults, Content-Type included, so a
         # replay is what the client would have seen the first time.
@@ -93,6 +90,14 @@ def replay(record: Record) -> Response:
             response.headers.add(name, value)
     response.headers[REPLAYED_HEADER] = "true"
     return response
+
+
+def replay_answer(record: Record) -> Response:
+    """:func:`replay`, for the answer to a retry: a ``failed-after-commit`` the
+    extension stored is rendered as the app answers its problems (``answer``)."""
+    response = replay(record)
+    problem = _stored_problem(record)
+    return response if problem is None else answer.stored(response, problem)
 
 
 def _stored_problem(record: Record) -> FailedAfterCommitError | None:

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
-from flask import Flask, jsonify
+from flask import Flask, abort, jsonify
 from flask.views import MethodView
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
@@ -319,3 +319,126 @@ def test_a_stored_failure_after_commit_replays_through_the_apps_handler(
             assert retry.content_type == PROBLEM_JSON
             assert retry.get_json()["type"].endswith("/failed-after-commit")
     assert charges(app) == 1
+
+
+# -- after the first review: manual views, shared contexts, async, blueprints ----
+
+
+def test_a_manual_views_own_answer_is_kept_after_it_read_a_stored_failure(url: str) -> None:
+    app = make_app(url)
+    app.config["PROPAGATE_EXCEPTIONS"] = False
+
+    @app.post("/manual")
+    @idem.idempotent(manual=True)
+    def manual() -> t.Any:
+        if idem.previous is not None:
+            old = idem.replay()
+            return {"mine": True, "previous": old.status_code}, 200
+        db.session.add(Charge(amount=11))
+        db.session.commit()
+        raise RuntimeError("after the commit")
+
+    key = str(uuid.uuid4())
+    assert post(app, "/manual", key).status_code == 500
+    retry = post(app, "/manual", key)
+    assert retry.status_code == 200, retry.data
+    assert retry.get_json() == {"mine": True, "previous": 500}
+
+
+def test_nothing_of_an_answer_reaches_the_next_request_in_a_shared_context(url: str) -> None:
+    """A test, a script or a CLI command sends several requests in one app
+    context (``g`` is shared): the echo of a request that failed stays its own."""
+    app = make_app(url)
+    app.testing = True
+
+    @app.post("/boom")
+    @idem.idempotent()
+    def boom() -> t.NoReturn:
+        raise ValueError("the view's own error")
+
+    @app.get("/plain")
+    def plain() -> dict[str, t.Any]:
+        return {}
+
+    with app.app_context():
+        client = app.test_client()
+        with pytest.raises(ValueError, match="own error"):
+            client.post("/boom", json={}, headers={"Idempotency-Key": "SECRET-KEY-OF-A"})
+        assert "Idempotency-Key" not in client.get("/plain").headers
+
+
+def test_an_async_handler_for_idempotency_error_sees_every_problem(url: str) -> None:
+    def register(app: Flask) -> None:
+        async def handler(problem: ProblemError) -> tuple[t.Any, int]:
+            return envelope(problem)
+
+        app.register_error_handler(IdempotencyError, handler)
+
+    answers = every_problem(make_app(url, after=register))
+    for status, response in answers.items():
+        assert response.status_code == int(status)
+        assert "error" in response.get_json(), status
+
+
+def test_a_blueprints_catch_all_leaves_problems_to_the_app(url: str) -> None:
+    """Flask asks the request's blueprint before the app: a blueprint's handler
+    for every HTTPException does not turn the problems into its envelope, and
+    the app's IdempotencyError handler still answers them."""
+    from flask import Blueprint
+
+    for app_handler in (False, True):
+        app = make_app(url, after=register_idempotency_error if app_handler else None)
+        api = Blueprint("api", __name__, url_prefix="/api")
+
+        @api.errorhandler(HTTPException)
+        def catch_all(error: HTTPException) -> tuple[t.Any, int]:
+            return jsonify(api_error=error.name), error.code or 500
+
+        @api.post("/x")
+        @idem.idempotent(required=True)
+        def x() -> tuple[dict[str, t.Any], int]:
+            return {}, 201
+
+        @api.get("/gone")
+        def gone() -> t.NoReturn:
+            abort(404)
+
+        app.register_blueprint(api)
+        missing = app.test_client().post("/api/x", json={})
+        assert missing.status_code == 400
+        if app_handler:
+            assert missing.get_json()["error"]["code"] == "missing-key"
+        else:
+            assert missing.content_type == PROBLEM_JSON
+        assert app.test_client().get("/api/gone").get_json() == {"api_error": "Not Found"}
+
+
+def test_every_after_request_function_sees_the_echo(url: str) -> None:
+    from flask import Blueprint
+
+    seen: dict[str, str | None] = {}
+
+    def watcher(name: str) -> t.Callable[[t.Any], t.Any]:
+        def watch(response: t.Any) -> t.Any:
+            seen[name] = response.headers.get("Idempotency-Key")
+            return response
+
+        return watch
+
+    def before(app: Flask) -> None:
+        app.after_request(watcher("app-before-init_app"))
+
+    app = make_app(url, before=before)
+    app.after_request(watcher("app-after-init_app"))
+    shop = Blueprint("shop", __name__)
+    shop.after_request(watcher("blueprint"))
+
+    @shop.post("/orders")
+    @idem.idempotent()
+    def orders() -> tuple[dict[str, t.Any], int]:
+        return {}, 201
+
+    app.register_blueprint(shop)
+    key = str(uuid.uuid4())
+    assert post(app, "/orders", key).status_code == 201
+    assert seen == dict.fromkeys(("app-before-init_app", "app-after-init_app", "blueprint"), key)
