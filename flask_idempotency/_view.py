@@ -20,7 +20,7 @@ from ._context import (
     downstream_state,
 )
 from ._messaging import outbox
-from ._request.responses import replay
+from ._request.responses import replay_answer
 from ._request.steps import run_step
 from .keys import quote_key
 
@@ -66,11 +66,13 @@ class ViewAPI:
 
     def replay(self) -> Response:
         """In manual mode, the answer the extension would have given: the stored
-        response, with ``Idempotent-Replayed: true``."""
+        response, with ``Idempotent-Replayed: true`` (a stored ``failed-after-commit``,
+        returned by the view, is answered as the app answers its problems, with
+        the headers the view added)."""
         previous = self.previous
         if previous is None:
             raise RuntimeError("idem.replay() needs a retry of a completed operation (manual mode)")
-        return replay(previous)
+        return replay_answer(previous)
 
     def step(self, name: str, fn: t.Callable[[], T]) -> T:
         """Run ``fn`` once per operation as the recovery point ``name``.

@@ -28,12 +28,12 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.sansio.response import Response as SansIOResponse
 
 from .._context import answer_notes
-from .._contract import REPLAYED_HEADER
 from ..errors import IdempotencyError, ProblemError
 
 __all__ = ["cover_blueprints", "install", "keyed", "raised", "render_stored", "stored"]
 
 _ECHO = "echo"
+_BODY_HEADERS = frozenset({"content-type", "content-length"})
 _PROBLEM = "problem"
 
 Handler = t.Callable[[t.Any], t.Any]
@@ -96,7 +96,11 @@ def render_stored(response: Response) -> Response:
         else current_app.ensure_sync(handler)(problem)
     )
     answer = current_app.make_response(rendered)
-    answer.headers[REPLAYED_HEADER] = response.headers.get(REPLAYED_HEADER, "true")
+    # The replay's other headers (Idempotent-Replayed, and any a manual view
+    # added to idem.replay()'s answer) stay; the body's own are the rendering's.
+    for name, value in response.headers.items():
+        if name.lower() not in _BODY_HEADERS and name not in answer.headers:
+            answer.headers[name] = value
     return answer
 
 

@@ -325,14 +325,19 @@ def test_a_stored_failure_after_commit_replays_through_the_apps_handler(
 
 
 def test_a_manual_views_own_answer_is_kept_after_it_read_a_stored_failure(url: str) -> None:
-    app = make_app(url)
+    app = make_app(url, after=register_after)
     app.config["PROPAGATE_EXCEPTIONS"] = False
 
     @app.post("/manual")
     @idem.idempotent(manual=True)
     def manual() -> t.Any:
+        from flask import request
+
         if idem.previous is not None:
             old = idem.replay()
+            if request.headers.get("X-Mode") == "replay":
+                old.headers["X-Previous-At"] = "t0"
+                return old
             return {"mine": True, "previous": old.status_code}, 200
         db.session.add(Charge(amount=11))
         db.session.commit()
@@ -343,6 +348,14 @@ def test_a_manual_views_own_answer_is_kept_after_it_read_a_stored_failure(url: s
     retry = post(app, "/manual", key)
     assert retry.status_code == 200, retry.data
     assert retry.get_json() == {"mine": True, "previous": 500}
+    # Returned, idem.replay() answers as an automatic replay does, with what the view added.
+    replayed = app.test_client().post(
+        "/manual", json={}, headers={"Idempotency-Key": key, "X-Mode": "replay"}
+    )
+    assert replayed.status_code == 500
+    assert replayed.get_json()["error"]["code"] == "failed-after-commit"
+    assert replayed.headers["X-Previous-At"] == "t0"
+    assert replayed.headers["Idempotent-Replayed"] == "true"
 
 
 def test_nothing_of_an_answer_reaches_the_next_request_in_a_shared_context(url: str) -> None:
