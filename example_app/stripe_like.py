@@ -43,10 +43,15 @@ import marshmallow as ma
 from flask import Blueprint, Flask, current_app, g, jsonify, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from flask_idempotency import Idempotency, ProblemError
-from flask_idempotency.errors import ConflictError, KeyReusedError, ValidationProblem
+from flask_idempotency.errors import (
+    ConflictError,
+    KeyReusedError,
+    PayloadTooLargeError,
+    ValidationProblem,
+)
 
 from .app import AMOUNT_MAX, DESCRIPTION_LENGTH, create_tables, init_database
 
@@ -239,7 +244,16 @@ def validated(schema: ma.Schema) -> t.Callable[[View], View]:
         @functools.wraps(view)
         def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
             try:
-                g.params = schema.load(request.form.to_dict())
+                form = request.form.to_dict()
+            except RequestEntityTooLarge:
+                # Read here first, the body over the limit is still the extension's problem
+                # (400 for the SDK, which would raise a bare APIError at werkzeug's 413).
+                raise PayloadTooLargeError(
+                    f"The body is larger than this server accepts ({request.max_content_length}"
+                    " bytes)."
+                ) from None
+            try:
+                g.params = schema.load(form)
             except ma.ValidationError as exc:
                 raise ValidationProblem(
                     "The request's parameters failed validation.", extra={"errors": exc.messages}

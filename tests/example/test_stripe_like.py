@@ -149,3 +149,15 @@ def test_an_idempotency_key_body_parameter_is_a_parameter_not_a_form_key(app: Fl
     assert "Idempotency-Key" not in first.headers
     assert first.json["id"] != second.json["id"]  # no key: two calls, two charges
     assert charges(app) == 2
+
+
+def test_a_body_over_the_limit_is_the_extensions_problem_not_werkzeugs_413(app: Flask) -> None:
+    """The form is read before the extension (to validate it before the claim):
+    too large is still ``payload-too-large``, a 400 the SDK raises as ``InvalidRequestError``."""
+    sent = {"amount": "1250", "currency": "eur", "description": "x" * 70_000}
+    headers = {**BEARER, "Idempotency-Key": "k-big"}
+    answer = app.test_client().post("/v1/charges", data=sent, headers=headers)
+    assert answer.status_code == 400
+    assert answer.json["error"]["code"] == "payload-too-large"
+    assert answer.json["error"]["type"] == "invalid_request_error"
+    assert charges(app) == 0
