@@ -33,18 +33,25 @@ Run it with ``python -m example_app stripe`` (127.0.0.1:5003), then::
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import time
 import typing as t
 
+import marshmallow as ma
 from flask import Blueprint, Flask, current_app, g, jsonify, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import orm
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from flask_idempotency import Idempotency, ProblemError
-from flask_idempotency.errors import ConflictError, KeyReusedError
+from flask_idempotency.errors import (
+    ConflictError,
+    KeyReusedError,
+    PayloadTooLargeError,
+    ValidationProblem,
+)
 
 from .app import AMOUNT_MAX, DESCRIPTION_LENGTH, create_tables, init_database
 
@@ -59,6 +66,7 @@ CURRENCIES = ("eur", "gbp", "usd")
 PROBLEM_DOCS = "https://flask-idempotency.readthedocs.io/en/latest/problems/{slug}.html"
 
 Answer = tuple[t.Any, int, dict[str, str]]
+View = t.Callable[..., t.Any]
 
 
 class Charge(db.Model):  # type: ignore[name-defined,misc]
@@ -118,7 +126,9 @@ def stripe_problem(problem: ProblemError) -> Answer:
     400 ``idempotency_error`` (``stripe.IdempotencyError``; at 422 the SDK would
     raise a bare ``APIError``), a request still in progress 409, an outage 503,
     any other bad request 400 ``invalid_request_error``. ``code`` is the
-    problem's slug. ``Stripe-Should-Retry`` says whether the same request may
+    problem's slug, but for a parameter that failed validation
+    (``ValidationProblem``), which is ``parameter_invalid`` with ``param``
+    naming it, as Stripe's own. ``Stripe-Should-Retry`` says whether the same request may
     succeed later: so for the problems that carry ``Retry-After`` (the
     extension adds that header back, with ``Idempotency-Key``, to this answer).
     """
@@ -132,13 +142,22 @@ def stripe_problem(problem: ProblemError) -> Answer:
     else:
         status, kind = 400, "invalid_request_error"
     retry = "Retry-After" in problem.extra_headers
+    headers = {"Stripe-Should-Retry": "true" if retry else "false"}
+    if isinstance(problem, ValidationProblem):
+        # Stripe names the first refused parameter, with the reason as the message.
+        param, reasons = next(iter(problem.extra.get("errors", {}).items()), (None, None))
+        if param is not None:
+            reason = reasons[0] if isinstance(reasons, list) and reasons else problem.detail
+            return stripe_error(
+                400, kind, str(reason), code="parameter_invalid", param=param, headers=headers
+            )
     return stripe_error(
         status,
         kind,
         problem.detail,
         code=problem.slug,
         doc_url=PROBLEM_DOCS.format(slug=problem.slug),
-        headers={"Stripe-Should-Retry": "true" if retry else "false"},
+        headers=headers,
     )
 
 
@@ -166,33 +185,100 @@ def authenticate() -> Answer | None:
     return None
 
 
-def invalid_param(param: str, message: str) -> Answer:
-    return stripe_error(
-        400, "invalid_request_error", message, code="parameter_invalid", param=param
+class Cents(ma.fields.Integer):
+    """A whole number of cents as the form sends it: ASCII digits only (``int``
+    itself would take ``" 12"``, ``"1_000"`` or other scripts' digits)."""
+
+    def _deserialize(self, value: t.Any, attr: t.Any, data: t.Any, **kwargs: t.Any) -> t.Any:
+        if not (isinstance(value, str) and value.isascii() and value.isdigit()):
+            raise self.make_error("invalid")
+        if len(value) > len(str(AMOUNT_MAX)):
+            raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
+def _one_of_currencies(value: str) -> None:
+    if value.lower() not in CURRENCIES:
+        raise ma.ValidationError(f"currency: one of {', '.join(CURRENCIES)}.")
+
+
+def _text(value: str) -> None:
+    if len(value) > DESCRIPTION_LENGTH or "\x00" in value:
+        raise ma.ValidationError(f"description: at most {DESCRIPTION_LENGTH} characters.")
+
+
+class ChargeParams(ma.Schema):
+    """``POST /v1/charges``'s parameters; others (``metadata[...]``) are ignored."""
+
+    class Meta:
+        unknown = ma.EXCLUDE
+
+    amount = Cents(
+        required=True,
+        validate=ma.validate.Range(1, AMOUNT_MAX, error=f"amount: 1 to {AMOUNT_MAX} cents."),
+        error_messages={
+            "required": "Missing required param: amount.",
+            "invalid": f"amount: a whole number of cents, 1 to {AMOUNT_MAX}.",
+        },
     )
+    currency = ma.fields.String(
+        required=True,
+        validate=_one_of_currencies,
+        error_messages={"required": "Missing required param: currency."},
+    )
+    description = ma.fields.String(load_default=None, validate=_text)
+
+
+def validated(schema: ma.Schema) -> t.Callable[[View], View]:
+    """Load the form through ``schema`` into ``g.params`` BEFORE the key is claimed.
+
+    Placed above ``@idem.idempotent``: a refused parameter raises
+    ``ValidationProblem`` (answered 400 ``invalid_request_error`` naming the
+    parameter) before the extension sees the request, so nothing is stored and
+    the corrected request, with the same key, charges once, as Stripe saves no
+    result for a request whose parameters fail validation. The route option
+    ``schema=`` does the same for JSON bodies only: it refuses a form body (415).
+    """
+
+    def decorate(view: View) -> View:
+        @functools.wraps(view)
+        def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            try:
+                form = request.form.to_dict()
+            except RequestEntityTooLarge:
+                # Read here first, the body over the limit is still the extension's problem
+                # (400 for the SDK, which would raise a bare APIError at werkzeug's 413).
+                raise PayloadTooLargeError(
+                    f"The body is larger than this server accepts ({request.max_content_length}"
+                    " bytes)."
+                ) from None
+            try:
+                g.params = schema.load(form)
+            except ma.ValidationError as exc:
+                raise ValidationProblem(
+                    "The request's parameters failed validation.", extra={"errors": exc.messages}
+                ) from exc
+            return view(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 @bp.post("/v1/charges")
+@validated(ChargeParams())  # first: a refused parameter never claims the key
 # The account's keys are its own: another account's identical key is another charge.
 @idem.idempotent(scope=lambda: f"account:{g.account}")
 def create_charge() -> Answer:
     """Charge once per key. The form counts as its fields (``%20`` or ``+``,
-    their order: the same request); a refused one is answered, stored and
-    replayed like a charge."""
-    amount = request.form.get("amount", "")
-    currency = request.form.get("currency", "").lower()
-    description = request.form.get("description") or None
-    whole = amount.isascii() and amount.isdigit() and len(amount) <= len(str(AMOUNT_MAX))
-    if not whole or not 1 <= int(amount) <= AMOUNT_MAX:
-        return invalid_param("amount", f"amount: a whole number of cents, 1 to {AMOUNT_MAX}.")
-    if currency not in CURRENCIES:
-        return invalid_param("currency", f"currency: one of {', '.join(CURRENCIES)}.")
-    if description is not None and (len(description) > DESCRIPTION_LENGTH or "\x00" in description):
-        return invalid_param(
-            "description", f"description: at most {DESCRIPTION_LENGTH} characters."
-        )
+    their order: the same request). Its parameters were validated before the
+    key was claimed (:func:`validated`): a refused one stores nothing."""
+    params = g.params
     charge = Charge(
-        account=g.account, amount=int(amount), currency=currency, description=description
+        account=g.account,
+        amount=params["amount"],
+        currency=params["currency"].lower(),
+        description=params["description"] or None,
     )
     db.session.add(charge)
     db.session.flush()  # the id and defaults; the extension commits with the record
@@ -226,6 +312,9 @@ def create_app(config: t.Mapping[str, t.Any] | None = None) -> Flask:
     )
     app.config["STRIPE_LIKE_API_KEYS"] = DEMO_API_KEYS
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
+    # An API renders no forms: a body parameter ``idempotency_key`` is a
+    # parameter, never read as a rendered form's key (a browser's problem).
+    app.config["IDEMPOTENCY_FORM_FIELD"] = None
     if config:
         app.config.update(config)
     init_database(app, db)

@@ -99,3 +99,65 @@ def test_basic_auth_with_the_key_as_the_user_name_is_the_same_account(app: Flask
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.json == first.json
     assert first.json["currency"] == "eur"
+
+
+def charges(app: Flask) -> int:
+    with app.app_context():
+        return stripe_like.db.session.query(stripe_like.Charge).count()
+
+
+@pytest.mark.parametrize(
+    ("sent", "param"),
+    [
+        ({"amount": "12.50", "currency": "eur"}, "amount"),
+        ({"amount": "0", "currency": "eur"}, "amount"),
+        ({"amount": "1_250", "currency": "eur"}, "amount"),
+        ({"currency": "eur"}, "amount"),
+        ({"amount": "1250", "currency": "xyz"}, "currency"),
+        ({"amount": "1250", "currency": "eur", "description": "x" * 10_000}, "description"),
+    ],
+)
+def test_a_refused_parameter_is_named_and_stores_nothing(
+    app: Flask, sent: dict[str, str], param: str
+) -> None:
+    """Refused before the key is claimed: the corrected request, same key, charges."""
+    client = app.test_client()
+    headers = {**BEARER, "Idempotency-Key": "order-6735"}
+    refused = client.post("/v1/charges", data=sent, headers=headers)
+    assert refused.status_code == 400
+    assert refused.json["error"]["type"] == "invalid_request_error"
+    assert refused.json["error"]["code"] == "parameter_invalid"
+    assert refused.json["error"]["param"] == param
+    assert refused.headers["Stripe-Should-Retry"] == "false"
+    assert "Idempotent-Replayed" not in refused.headers
+    fixed = client.post("/v1/charges", data={"amount": "1250", "currency": "eur"}, headers=headers)
+    assert fixed.status_code == 200
+    assert charges(app) == 1
+    again = client.post("/v1/charges", data={"amount": "1250", "currency": "eur"}, headers=headers)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert charges(app) == 1
+
+
+def test_an_idempotency_key_body_parameter_is_a_parameter_not_a_form_key(app: Flask) -> None:
+    """An API renders no forms: the form field is off, so this is a keyless
+    charge (the example does not require a key), never ``form-key-invalid``."""
+    client = app.test_client()
+    sent = {"amount": "1250", "currency": "eur", "idempotency_key": "order-1"}
+    first = client.post("/v1/charges", data=sent, headers=BEARER)
+    second = client.post("/v1/charges", data=sent, headers=BEARER)
+    assert first.status_code == second.status_code == 200
+    assert "Idempotency-Key" not in first.headers
+    assert first.json["id"] != second.json["id"]  # no key: two calls, two charges
+    assert charges(app) == 2
+
+
+def test_a_body_over_the_limit_is_the_extensions_problem_not_werkzeugs_413(app: Flask) -> None:
+    """The form is read before the extension (to validate it before the claim):
+    too large is still ``payload-too-large``, a 400 the SDK raises as ``InvalidRequestError``."""
+    sent = {"amount": "1250", "currency": "eur", "description": "x" * 70_000}
+    headers = {**BEARER, "Idempotency-Key": "k-big"}
+    answer = app.test_client().post("/v1/charges", data=sent, headers=headers)
+    assert answer.status_code == 400
+    assert answer.json["error"]["code"] == "payload-too-large"
+    assert answer.json["error"]["type"] == "invalid_request_error"
+    assert charges(app) == 0

@@ -185,3 +185,23 @@ def test_a_refused_parameter_is_an_invalid_request_error_naming_it(
     with pytest.raises(stripe.AuthenticationError):
         client(api.url, "sk_test_unknown").v1.charges.create(params=CHARGE)
     assert db.count(Charge) == 0
+
+
+def test_a_parameter_refused_by_validation_stores_nothing_so_the_fixed_call_charges(
+    api: ServedApp, db: Database
+) -> None:
+    """A typo fixed and sent again with the caller's own key (one per order):
+    the refusal came before the key was claimed, so the fixed call charges once."""
+    key = f"order-{uuid.uuid4()}"
+    with pytest.raises(stripe.InvalidRequestError) as raised:
+        client(api.url).v1.charges.create(
+            params={**CHARGE, "amount": "12.50"}, options={"idempotency_key": key}
+        )
+    assert (raised.value.param, raised.value.code) == ("amount", "parameter_invalid")
+    assert raised.value.http_status == 400
+    assert db.records(key) == []
+    charge = client(api.url).v1.charges.create(params=CHARGE, options={"idempotency_key": key})
+    assert charge.amount == 1250
+    assert db.count(Charge) == 1
+    assert charge.id == db.scalar("SELECT id FROM charges")
+    assert len(db.records(key)) == 1
