@@ -47,7 +47,8 @@ def problem_types(op: dict[str, t.Any], status: str) -> list[str]:
 
 def response(op: dict[str, t.Any], status: str) -> dict[str, t.Any]:
     responses = op["responses"]
-    return t.cast(dict[str, t.Any], responses.get(status, responses.get(int(status))))
+    found = responses.get(status, responses.get(int(status)) if status.isdigit() else None)
+    return t.cast(dict[str, t.Any], found)
 
 
 def assert_protected(
@@ -90,8 +91,8 @@ def assert_protected(
     assert problem_types(op, "503") == ["database-unavailable", "server-misconfigured"]
     for status in ("409", "503"):
         assert "Retry-After" in response(op, status)["headers"]
-    for status in PROBLEM_STATUSES:  # every answer to a keyed request echoes the key
-        assert header in response(op, status)["headers"]
+    for status, answer in op["responses"].items():  # every answer to a keyed request
+        assert header in answer["headers"], status  # echoes the key (shared ones copied)
 
     headers = response(op, success)["headers"]
     assert headers["Idempotent-Replayed"]["schema"] == {"type": "string", "enum": ["true"]}
