@@ -197,7 +197,9 @@ def test_the_claim_and_the_completion_are_current_while_they_run(
 
     monkeypatch.setattr(store, "claim", watched("claim", store.claim))
     monkeypatch.setattr(store, "complete", watched("complete", store.complete))
-    monkeypatch.setattr(claim_module, "replay", watched("replay", claim_module.replay))
+    monkeypatch.setattr(
+        claim_module, "replay_answer", watched("replay", claim_module.replay_answer)
+    )
     client = app.test_client()
     assert post(client, "/charges", CHARGE, key="k1").status_code == 201
     assert post(client, "/charges", CHARGE, key="k1").status_code == 201
