@@ -49,8 +49,10 @@ def ecma_pattern(pattern: re.Pattern[str]) -> str | None:
         body = _Translation(pattern.pattern).run()
     except _Untranslatable:
         return None
-    # OpenAPI patterns search; the key must match as a whole (fullmatch).
-    return f"^(?:{body})$"
+    # OpenAPI patterns search; the key must match as a whole (fullmatch), and
+    # be printable ASCII whatever the format says (keys.printable: ".+" is not
+    # a licence for "café").
+    return f"^(?=[ -~]*$)(?:{body})$"
 
 
 class _Translation:
@@ -147,7 +149,8 @@ class _Translation:
             if number > 9:
                 raise _Untranslatable  # "\\10" may read as an octal escape
             self.reference(number)
-            self.out.append(f"\\{number}")
+            # Grouped: a digit after it must not join the number ("\\11").
+            self.out.append(f"(?:\\{number})")
         else:  # flags, a comment, an atomic group, a conditional
             raise _Untranslatable
 

@@ -141,11 +141,18 @@ class Later:
 
 
 def document(
-    operation: dict[str, t.Any], found: Protection, answers: Answers, later: Later
+    operation: dict[str, t.Any],
+    found: Protection,
+    answers: Answers,
+    later: Later,
+    path_parameters: t.Sequence[t.Any] = (),
 ) -> None:
-    """Writes the idempotency of the protected ``operation`` into it."""
+    """Writes the idempotency of the protected ``operation`` into it
+    (``path_parameters``: its path's own, which it inherits)."""
     parameters = operation.setdefault("parameters", [])
-    known = _has_header(parameters, found.settings.header, answers.components)
+    header = found.settings.header
+    on_path = _has_header(list(path_parameters), header, answers.components)
+    known = True if on_path else _has_header(parameters, header, answers.components)
     if not known:  # a parameter of the app's that names the header stays alone
         ours = key_parameter(found)
         parameters.append(ours)

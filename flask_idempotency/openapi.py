@@ -98,6 +98,7 @@ class IdempotencyPlugin(BasePlugin):
         self._statuses = _checked_statuses(statuses or {})
         self._spec: APISpec | None = None
         self._later = Later()
+        self._path_parameters: list[t.Any] = []
 
     def init_spec(self, spec: APISpec) -> None:
         if spec.openapi_version.major < 3:
@@ -120,6 +121,18 @@ class IdempotencyPlugin(BasePlugin):
             return render()
 
         spec.to_dict = to_dict  # type: ignore[method-assign]
+
+    def path_helper(
+        self,
+        path: str | None = None,
+        operations: dict[str, t.Any] | None = None,
+        parameters: list[t.Any] | None = None,
+        **kwargs: t.Any,
+    ) -> None:
+        """Notes the path's own parameters (apispec calls this just before
+        :meth:`operation_helper` for the same path): a key header the app
+        documented for the whole path is the operations' too."""
+        self._path_parameters = list(parameters or [])
 
     def operation_helper(
         self,
@@ -147,7 +160,8 @@ class IdempotencyPlugin(BasePlugin):
             target = view if view is not None else view_at(app, path or "", method)
             found = None if target is None else protection(app, target, method)
             if found is not None:
-                document(operation, found, answers, self._later)
+                document(operation, found, answers, self._later, self._path_parameters)
+        self._path_parameters = []
 
     def _resolve_app(self, given: t.Any) -> Flask:
         if isinstance(given, Flask):

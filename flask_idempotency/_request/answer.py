@@ -111,13 +111,20 @@ def _app_handler(problem: ProblemError) -> Handler | None:
     handler for IdempotencyError, which comes after ProblemError: one of the
     request's blueprints or the app's, then."""
     handler = current_app._find_error_handler(problem, request.blueprints)
-    if handler is None or handler is _answer_problem:
-        spec = current_app.error_handler_spec
-        for name in (*request.blueprints, None):
-            handler = spec[name][None].get(IdempotencyError) if name in spec else None
-            if handler is not None:
-                break
-    return t.cast("Handler | None", handler)
+    if handler is not None and handler is not _answer_problem:
+        return t.cast(Handler, handler)
+    # The default answered in Flask's stead: the first handler of the app's or
+    # the request's blueprints for one of the problem's own classes (the app's
+    # ProblemError handler where a blueprint's catch-all got the default).
+    ours = [cls for cls in type(problem).__mro__ if issubclass(cls, IdempotencyError)]
+    spec = current_app.error_handler_spec
+    for name in (*request.blueprints, None):
+        handlers = spec[name].get(None, {}) if name in spec else {}
+        for cls in ours:
+            found = handlers.get(cls)
+            if found is not None and found is not _answer_problem:
+                return t.cast(Handler, found)
+    return None
 
 
 def _answer_problem(problem: ProblemError) -> t.Any:

@@ -79,7 +79,7 @@ def assert_protected(
     else:
         assert "format" not in schema
     if pattern is not None:
-        assert schema["pattern"] == f"^(?:{pattern})$"
+        assert schema["pattern"] == f"^(?=[ -~]*$)(?:{pattern})$"
     elif not uuid:
         assert "pattern" not in schema
 

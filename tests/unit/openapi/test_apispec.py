@@ -48,3 +48,41 @@ def test_a_docstring_documented_view_gets_its_protection() -> None:
     document = valid(spec.to_dict())
     assert_protected(document, "/transfers", "post", required=True, ttl_seconds=300, success="201")
     assert_unprotected(document, "/transfers", "get")
+
+
+def test_a_key_header_the_app_documents_for_the_whole_path_stays_alone() -> None:
+    """A path-level parameter applies to each operation of the path: the plugin
+    adds no operation-level one beside it (which would override the app's)."""
+    app = Flask("apispec_path_level")
+    app.config.update(SQLALCHEMY_DATABASE_URI="sqlite://")
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db)
+
+    @app.post("/payouts")
+    @idem.idempotent()
+    def payouts() -> dict[str, str]:
+        """Payouts.
+        ---
+        post:
+          responses:
+            201:
+              description: the payout made
+        """
+        return {}
+
+    theirs = {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": True,
+        "description": "Ours, for every operation of the path.",
+        "schema": {"type": "string"},
+    }
+    spec = APISpec("Bank", "1", "3.1.0", plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
+    with app.test_request_context():
+        spec.path(view=payouts, app=app, parameters=[theirs])
+    document = valid(spec.to_dict())
+    path = document["paths"]["/payouts"]
+    assert path["parameters"] == [theirs]
+    operation_headers = [p for p in path["post"].get("parameters", []) if p.get("in") == "header"]
+    assert operation_headers == []
+    assert "x-idempotency" in path["post"]

@@ -35,21 +35,22 @@ KEYS = [
 
 #: Python patterns and their ECMA-262 translation, spelling aside the same.
 TRANSLATED = {
-    r"ord-[0-9]+": "^(?:ord-[0-9]+)$",
-    r"\Aord-[0-9]+\Z": "^(?:^ord-[0-9]+$)$",
-    r"(?P<p>ord)-[0-9]+": "^(?:(ord)-[0-9]+)$",
-    r"(?P<c>[a-z])-(?P=c)": r"^(?:([a-z])-\1)$",
-    r"([a-z])\1": r"^(?:([a-z])\1)$",
-    r"(?!test-)[a-z-]+": "^(?:(?!test-)[a-z-]+)$",
-    r"a{,2}b": "^(?:a{0,2}b)$",
-    r"a{}": r"^(?:a\{\})$",
-    r"[]a]+": r"^(?:[\]a]+)$",
-    r"[^]a]": r"^(?:[^\]a])$",
-    r"a]": r"^(?:a\])$",
-    r"\#\-\ \!": "^(?:#- !)$",
-    r"[\w\-.]+": r"^(?:[\w\-.]+)$",
-    r"\x61\u0062": r"^(?:\x61\u0062)$",
-    r"[a-z]{3}x?": "^(?:[a-z]{3}x?)$",
+    r"ord-[0-9]+": "^(?=[ -~]*$)(?:ord-[0-9]+)$",
+    r"\Aord-[0-9]+\Z": "^(?=[ -~]*$)(?:^ord-[0-9]+$)$",
+    r"(?P<p>ord)-[0-9]+": "^(?=[ -~]*$)(?:(ord)-[0-9]+)$",
+    r"(?P<c>[a-z])-(?P=c)": r"^(?=[ -~]*$)(?:([a-z])-(?:\1))$",
+    r"(?P<y>ab)-(?P=y)1": r"^(?=[ -~]*$)(?:(ab)-(?:\1)1)$",
+    r"([a-z])\1": r"^(?=[ -~]*$)(?:([a-z])\1)$",
+    r"(?!test-)[a-z-]+": "^(?=[ -~]*$)(?:(?!test-)[a-z-]+)$",
+    r"a{,2}b": "^(?=[ -~]*$)(?:a{0,2}b)$",
+    r"a{}": r"^(?=[ -~]*$)(?:a\{\})$",
+    r"[]a]+": r"^(?=[ -~]*$)(?:[\]a]+)$",
+    r"[^]a]": r"^(?=[ -~]*$)(?:[^\]a])$",
+    r"a]": r"^(?=[ -~]*$)(?:a\])$",
+    r"\#\-\ \!": "^(?=[ -~]*$)(?:#- !)$",
+    r"[\w\-.]+": r"^(?=[ -~]*$)(?:[\w\-.]+)$",
+    r"\x61\u0062": r"^(?=[ -~]*$)(?:\x61\u0062)$",
+    r"[a-z]{3}x?": "^(?=[ -~]*$)(?:[a-z]{3}x?)$",
 }
 #: Python patterns no ECMA-262 pattern is known to read exactly alike.
 UNTRANSLATED = [
@@ -113,7 +114,10 @@ def test_compile_flags_that_change_a_match_leave_the_pattern_out() -> None:
     assert ecma_pattern(re.compile("[a-z]{3}", re.IGNORECASE)) is None
     assert ecma_pattern(re.compile("ord - [0-9]+  # a comment", re.VERBOSE)) is None
     # Keys hold no line break: these change nothing a key may match.
-    assert ecma_pattern(re.compile("o.d$", re.DOTALL | re.MULTILINE | re.ASCII)) == "^(?:o.d$)$"
+    assert (
+        ecma_pattern(re.compile("o.d$", re.DOTALL | re.MULTILINE | re.ASCII))
+        == "^(?=[ -~]*$)(?:o.d$)$"
+    )
 
 
 def test_the_translations_accept_exactly_the_keys_python_does() -> None:
@@ -181,3 +185,12 @@ def test_an_untranslatable_pattern_is_stated_in_pythons_dialect(
     assert extension["key_pattern"] == source
     assert extension["key_pattern_dialect"] == "python"
     assert extension.get("key_pattern_flags") == flags
+
+
+def test_the_pattern_admits_only_printable_ascii_whatever_the_format_says() -> None:
+    """The server refuses a key that is not printable ASCII before any format."""
+    pattern = ecma_pattern(re.compile(".+"))
+    assert pattern is not None
+    assert re.search(pattern, "order 1~") is not None
+    for refused in ("café", "a\tb", ""):
+        assert re.search(pattern, refused) is None, refused

@@ -399,8 +399,8 @@ def test_a_blueprints_catch_all_leaves_problems_to_the_app(url: str) -> None:
     the app's IdempotencyError handler still answers them."""
     from flask import Blueprint
 
-    for app_handler in (False, True):
-        app = make_app(url, after=register_idempotency_error if app_handler else None)
+    for app_handler in (None, register_idempotency_error, register_after):
+        app = make_app(url, after=app_handler)
         api = Blueprint("api", __name__, url_prefix="/api")
 
         @api.errorhandler(HTTPException)
