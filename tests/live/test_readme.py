@@ -92,6 +92,10 @@ def blocks(
 
 
 EXCERPT = re.compile(r"\A# (example_app/\w+\.py)\n")
+#: A block that shows code to run elsewhere (a client session against the served
+#: example, one framework's setup among several): its first line says where it is
+#: exercised; it is compiled here, not run.
+ILLUSTRATION = re.compile(r"\A# illustration: \S.*\n")
 
 
 def excerpt_of(code: str) -> str | None:
@@ -171,6 +175,9 @@ def run_blocks(documents: t.Sequence[Path]) -> dict[str, t.Any]:
         for name, line, _, code in blocks("python", documents):
             if excerpt_of(code):
                 continue  # quotes the example app; checked below, not run here
+            if ILLUSTRATION.match(code):
+                compile(code, f"{name}:{line}", "exec")  # runs where its first line says
+                continue
             exec(compile(code, f"{name}:{line}", "exec"), namespace)
             for value in list(namespace.values()):
                 if type(value).__name__ == "Flask" and all(value is not a for a in apps):
