@@ -164,6 +164,40 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
 #: to be sent again once its lease has run out.
 MARK_EVERY = 0.05
 
+
+class _BrokerReports:
+    """An unreachable broker is logged once per outage at WARNING (a relay runs
+    every few seconds: an outage of minutes would log a line per run), the runs
+    that find it still away at DEBUG, and its return at INFO with their count."""
+
+    def __init__(self) -> None:
+        # By publisher (an app's own): two brokers are two outages.
+        self._failed_runs: dict[int, int] = {}
+
+    def down(self, publisher: Publisher, ev: OutboxEvent, exc: BaseException) -> None:
+        runs = self._failed_runs[id(publisher)] = self._failed_runs.get(id(publisher), 0) + 1
+        level = logging.WARNING if runs == 1 else logging.DEBUG
+        logger.log(
+            level,
+            "outbox event %s (%s) not published: %r (the broker is unreachable; repeats of "
+            "this are logged at DEBUG until it answers again)",
+            ev.id,
+            ev.topic,
+            exc,
+        )
+
+    def up(self, publisher: Publisher) -> None:
+        runs = self._failed_runs.pop(id(publisher), 0)
+        if runs:
+            logger.info(
+                "the broker answers again: outbox events are published (%d relay runs "
+                "found it unreachable)",
+                runs,
+            )
+
+
+_BROKER = _BrokerReports()
+
 #: Seconds on a clock that only goes forward: how long a batch has been publishing.
 #: (A test may replace it; the lease itself is on the database's clock.)
 _elapsed_clock: t.Callable[[], float] = time.monotonic
@@ -251,7 +285,7 @@ class _Batch:
                 try:
                     _publish(publisher, ev, system)
                 except BrokerUnavailable as exc:
-                    logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, exc)
+                    _BROKER.down(publisher, ev, exc)
                     tried += 1
                     self.leases.give_back([ev.id], leased_until, _error_text(exc))
                     outcome.unavailable = True
@@ -264,6 +298,7 @@ class _Batch:
                         outcome.parked.append((ev, error))
                     outcome.failed += 1
                 else:
+                    _BROKER.up(publisher)
                     tried += 1
                     if not unmarked:
                         since = _elapsed_clock()

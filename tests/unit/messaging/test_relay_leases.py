@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
+import logging
 import socket
 import threading
 import typing as t
@@ -348,7 +349,9 @@ def test_a_relay_cut_off_from_its_database_leaves_each_event_marked_or_re_sendab
 # -- item 6: only real failures count toward parking --------------------------
 
 
-def test_an_outage_does_not_count_toward_parking(database_url: str, clock: Clock) -> None:
+def test_an_outage_does_not_count_toward_parking(
+    database_url: str, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
     """Fifty runs against an unreachable broker (past MAX_ATTEMPTS=3 many times):
     the event keeps 0 attempts, stays due and first in line (one try per run).
     Then one ordinary error is one failure: backed off 1 s, not parked, and
@@ -369,14 +372,20 @@ def test_an_outage_does_not_count_toward_parking(database_url: str, clock: Clock
             raise RuntimeError("channel closed once")
 
     publisher = CallablePublisher(publish)
+    caplog.set_level(logging.DEBUG, logger="flask_idempotency")
     for _ in range(50):
         assert relay_once(app, publisher) == 0
         clock.advance(seconds=1)
     assert tried == ["e1"] * 50
+    # One WARNING for the outage, not one per run; the other 49 runs at DEBUG.
+    unreachable = [r for r in caplog.records if "the broker is unreachable" in r.getMessage()]
+    assert [r.levelno for r in unreachable] == [logging.WARNING] + [logging.DEBUG] * 49
     e1 = stored(database_url)[0]
     assert (e1["attempts"], e1["failed_at"], e1["next_attempt_at"]) == (0, None, None)
     assert e1["last_error"] == "BrokerUnavailable: connection refused"
     assert relay_once(app, publisher) == 1  # e1 fails once, e2 passes it
+    back = [r for r in caplog.records if "the broker answers again" in r.getMessage()]
+    assert [(r.levelno, "50 relay runs" in r.getMessage()) for r in back] == [(logging.INFO, True)]
     e1 = stored(database_url)[0]
     assert (e1["attempts"], e1["failed_at"]) == (1, None)
     assert e1["next_attempt_at"] == clock() + backoff(1)
