@@ -11,6 +11,9 @@ replays the stored answer to a revoked token, or to no credentials at all."""
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+import time
 import typing as t
 import uuid
 
@@ -87,8 +90,16 @@ def aborting_guard(attempt: ReplayAttempt) -> bool:
     return True
 
 
+#: What a held first request signals, and waits for.
+_started = threading.Event()
+_go_on = threading.Event()
+
+
 def create_order() -> tuple[dict[str, t.Any], int]:
     body = request.get_json()
+    if body.get("hold"):
+        _started.set()
+        assert _go_on.wait(30)
     row = Order(amount=body["amount"])
     db.session.add(row)
     db.session.flush()
@@ -156,11 +167,13 @@ def state(database_url: str) -> None:
     SEEN.clear()
 
 
-def post(app: Flask, key: str, token: str | None, path: str = "/orders", amount: int = 5) -> t.Any:
+def post(
+    app: Flask, key: str, token: str | None, path: str = "/orders", amount: int = 5, **body: t.Any
+) -> t.Any:
     headers = {"Idempotency-Key": key, "X-Account": "acme"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    return app.test_client().post(path, json={"amount": amount}, headers=headers)
+    return app.test_client().post(path, json={"amount": amount, **body}, headers=headers)
 
 
 def claims_and_replays(app: Flask, send: t.Callable[[], t.Any]) -> tuple[t.Any, list[str]]:
@@ -182,7 +195,10 @@ def rows(app: Flask) -> tuple[int, list[tuple[t.Any, ...]]]:
         return int(orders), records
 
 
-def test_a_refused_replay_answers_403_and_changes_nothing(database_url: str) -> None:
+def test_a_refused_replay_answers_403_and_changes_nothing(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "flask_idempotency")
     app = build(database_url, IDEMPOTENCY_REPLAY_GUARD=allowed_guard)
     key = str(uuid.uuid4())
     first = post(app, key, "t-alice")
@@ -200,6 +216,8 @@ def test_a_refused_replay_answers_403_and_changes_nothing(database_url: str) -> 
     assert "Idempotent-Replayed" not in refused.headers
     assert str(first.json["id"]) not in refused.get_data(as_text=True)
     assert rows(app) == before  # nothing stored, nothing changed
+    outcomes = [getattr(r, "idempotency_outcome", None) for r in caplog.records]
+    assert outcomes[-1] == "replay_refused"
 
     (attempt,) = SEEN
     assert attempt.endpoint == "create_order"
@@ -253,6 +271,37 @@ def test_the_guard_is_not_asked_on_a_first_run_or_a_mismatch(database_url: str) 
     assert mismatch.status_code == 422
     assert mismatch.json["type"] == PROBLEM_TYPE_BASE + "key-reused"
     assert SEEN == []
+    assert post(app, key, "t-alice").status_code == 403  # the retry is asked
+    assert len(SEEN) == 1
+
+
+def test_a_duplicate_that_waited_is_asked_too(database_url: str) -> None:
+    """A duplicate sent while the first request runs waits for it, then would get
+    its answer: the guard is asked before that replay as well."""
+    app = build(database_url, IDEMPOTENCY_REPLAY_GUARD=allowed_guard)
+    key = str(uuid.uuid4())
+    _started.clear()
+    _go_on.clear()
+    answers: list[t.Any] = []
+    first = threading.Thread(target=lambda: answers.append(post(app, key, "t-alice", hold=True)))
+    first.start()
+    try:
+        assert _started.wait(30)
+        ALLOWED.discard("bob")
+        waiting = threading.Thread(
+            target=lambda: answers.append(post(app, key, "t-bob", hold=True))
+        )
+        waiting.start()
+        time.sleep(0.5)  # the duplicate is waiting on the first one's claim
+        assert waiting.is_alive()
+    finally:
+        _go_on.set()
+        first.join(30)
+    waiting.join(30)
+    assert sorted(a.status_code for a in answers) == [201, 403]
+    assert answers[-1].json["type"] == REFUSED
+    assert rows(app)[0] == 1
+    assert len(SEEN) == 1
 
 
 @pytest.mark.parametrize("auth", sorted(AUTH))
