@@ -385,3 +385,10 @@ def test_a_login_redirect_below_the_extension_is_stored(
     else:
         assert (retry.status_code, retry.headers["Idempotent-Replayed"]) == (302, "true")
         assert (orders, len(records)) == (0, 1)
+
+
+def test_a_guard_that_is_not_callable_is_refused_when_configured(database_url: str) -> None:
+    with pytest.raises(TypeError, match="replay_guard"):
+        idem.idempotent(replay_guard="allowed")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="IDEMPOTENCY_REPLAY_GUARD"):
+        build(database_url, IDEMPOTENCY_REPLAY_GUARD=True)
