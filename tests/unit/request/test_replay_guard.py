@@ -28,6 +28,9 @@ from flask_idempotency import Idempotency, signals
 from flask_idempotency.errors import PROBLEM_JSON, PROBLEM_TYPE_BASE
 from flask_idempotency.models import TABLE_NAME
 from flask_idempotency.scope import ReplayAttempt
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.support import testapp
+from tests.support.flow import post as flow_post
 from tests.support.tables import recreate_tables
 
 db = SQLAlchemy()
@@ -36,7 +39,7 @@ idem = Idempotency()
 #: Bearer tokens and their users; a test revokes one by removing it.
 TOKENS: dict[str, str] = {}
 #: Users who may still create orders; the guard asks this.
-ALLOWED: set[str] = set()
+ALLOWED: set[str | None] = set()
 REFUSED = PROBLEM_TYPE_BASE + "replay-refused"
 #: What each guard was shown, in order.
 SEEN: list[ReplayAttempt] = []
@@ -392,3 +395,35 @@ def test_a_guard_that_is_not_callable_is_refused_when_configured(database_url: s
         idem.idempotent(replay_guard="allowed")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="IDEMPOTENCY_REPLAY_GUARD"):
         build(database_url, IDEMPOTENCY_REPLAY_GUARD=True)
+
+
+def test_a_settled_operation_is_settled_then_asked(database_url: str, clock: Clock) -> None:
+    """A record whose view committed and whose request died is settled by the retry
+    after its lease (the operation happened: that is not the guard's to stop), and
+    the guard is asked before its answer goes out."""
+    from tests.unit.request.test_view_committed_unfinished import LEASE, ROUTE, _refuse_completions
+
+    app = testapp.create_app(
+        database_url, clock=clock, IDEMPOTENCY_LEASE=LEASE, IDEMPOTENCY_REPLAY_GUARD=allowed_guard
+    )
+    reset_tables(database_url)
+    client = app.test_client()
+    undo = _refuse_completions(app)
+    try:
+        assert flow_post(client, ROUTE, {"delay": 0}, key="k1").status_code == 500
+    finally:
+        undo()
+    clock.advance(seconds=LEASE + 1)
+    ALLOWED.clear()
+    refused = flow_post(client, ROUTE, {"delay": 0}, key="k1")
+    assert (refused.status_code, refused.json["type"]) == (403, REFUSED)
+    [record] = record_rows(app)
+    assert (record["status"], record["response_code"]) == ("completed", 500)
+    assert ledger_count(app) == 1
+    assert [attempt.status for attempt in SEEN] == [500]
+    ALLOWED.add(None)  # testapp's caller sends no bearer token
+    replayed = flow_post(client, ROUTE, {"delay": 0}, key="k1")
+    assert (replayed.status_code, replayed.headers["Idempotent-Replayed"]) == (500, "true")
+    assert ledger_count(app) == 1
+    with app.app_context():
+        testapp.db.engine.dispose()
