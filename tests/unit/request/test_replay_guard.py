@@ -118,21 +118,21 @@ def build(
     **config: t.Any,
 ) -> Flask:
     app = Flask(__name__)
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=url,
-        SECRET_KEY="test",
-        # Keys are the account's (a tenant header), not the credential's: a
-        # token revoked and a token reissued are the same caller's.
-        IDEMPOTENCY_SCOPE=lambda: "account:" + request.headers.get("X-Account", "-"),
-        **config,
+    # Keys are the account's (a tenant header), not the credential's: a token
+    # revoked and a token reissued are the same caller's.
+    config.setdefault(
+        "IDEMPOTENCY_SCOPE", lambda: "account:" + request.headers.get("X-Account", "-")
     )
+    app.config.update(SQLALCHEMY_DATABASE_URI=url, SECRET_KEY="test", **config)
     db.init_app(app)
     idem.init_app(app, db)
-    logins = flask_login.LoginManager(app)
-    logins.request_loader(lambda _request: User(u) if (u := token_user()) else None)
-    if login_view:  # Flask-Login then returns a redirect instead of raising 401
-        logins.login_view = "login"
-        app.add_url_rule("/login", "login", lambda: "log in")
+    # Without a LoginManager the default scope is the Bearer header's digest.
+    if auth == "flask-login" or config["IDEMPOTENCY_SCOPE"] is not None:
+        logins = flask_login.LoginManager(app)
+        logins.request_loader(lambda _request: User(u) if (u := token_user()) else None)
+        if login_view:  # Flask-Login then returns a redirect instead of raising 401
+            logins.login_view = "login"
+            app.add_url_rule("/login", "login", lambda: "log in")
 
     authenticate = AUTH[auth]
     if right_order:
@@ -345,6 +345,20 @@ def test_authentication_below_the_extension_is_too_late(database_url: str, auth:
     assert (retry.status_code, retry.headers["Idempotent-Replayed"]) == (201, "true")
     assert retry.json == first.json
     assert post(app, other, None).status_code == 201  # no credentials at all
+
+
+def test_below_the_extension_a_revoked_token_keeps_its_default_scope(database_url: str) -> None:
+    """The default scope of a Bearer caller is the header's digest: a revoked
+    token still sends it, so its retry is in the operation's scope."""
+    app = build(database_url, "bearer", right_order=False, IDEMPOTENCY_SCOPE=None)
+    key = str(uuid.uuid4())
+    first = post(app, key, "t-alice")
+    assert first.status_code == 201
+    del TOKENS["t-alice"]
+    retry = post(app, key, "t-alice")
+    assert (retry.status_code, retry.headers["Idempotent-Replayed"]) == (201, "true")
+    assert post(app, key, None).status_code == 401  # no header: another scope, the view runs
+    assert rows(app)[0] == 1
 
 
 @pytest.mark.parametrize("auth", sorted(AUTH))
