@@ -227,6 +227,8 @@ class Settings:
     #: ``None``: every method but :data:`SAFE_METHODS`.
     methods: frozenset[str] | None = None
     skip: t.Callable[[], bool] | None = None
+    #: Called with a ``scope.ReplayAttempt`` before a replay; false refuses it.
+    replay_guard: t.Callable[[t.Any], t.Any] | None = None
     stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
     scheduler: bool = False
@@ -293,6 +295,7 @@ class Settings:
             scope=scope,
             methods=resolve_methods(values["METHODS"], "IDEMPOTENCY_METHODS"),
             skip=optional_callable(values["SKIP"], "IDEMPOTENCY_SKIP"),
+            replay_guard=optional_callable(values["REPLAY_GUARD"], "IDEMPOTENCY_REPLAY_GUARD"),
             stored_statuses=resolve_stored_statuses(
                 values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
             ),

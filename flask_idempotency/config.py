@@ -62,6 +62,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("SKIP", None, "A callable; true runs the request unprotected, as without a key."),
     Setting(
+        "REPLAY_GUARD",
+        None,
+        "A callable run before each replay of a completed operation with a"
+        " `flask_idempotency.scope.ReplayAttempt` (no body): a false"
+        " value refuses the replay with 403 `replay-refused`, an `HTTPException` it raises"
+        " (`abort(403)`) answers instead; nothing changes either way. Not run in manual mode.",
+    ),
+    Setting(
         "KEY_FORMAT",
         None,
         'What a key must look like, else 400 `invalid-key`: `None` any printable ASCII; `"uuid"`'

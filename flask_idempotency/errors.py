@@ -10,7 +10,8 @@ Every error of the extension is an :class:`IdempotencyError`::
     +-- ProblemError (HTTP, problem+json): what a client sees
     |   +-- MissingKeyError, InvalidKeyError, MalformedBodyError,
     |   |   UnsupportedMediaTypeError, PayloadTooLargeError, LengthRequiredError,
-    |   |   ValidationProblem, KeyReusedError, NothingToRecoverError (4xx)
+    |   |   ValidationProblem, KeyReusedError, NothingToRecoverError,
+    |   |   ReplayRefusedError (4xx)
     |   |   +-- FormKeyError (an InvalidKeyError), FormKeyExpiredError (400)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
@@ -56,6 +57,7 @@ __all__ = [
     "NothingToRecoverError",
     "PayloadTooLargeError",
     "ProblemError",
+    "ReplayRefusedError",
     "ServerMisconfiguredError",
     "StalledMessage",
     "StepNotStoredError",
@@ -318,17 +320,23 @@ class FailedAfterCommitError(ProblemError):
 
 
 class StepNotStoredError(ProblemError):
-    """A step (``idem.step``) ran but its result could not be saved: it is not
-    JSON-serializable, or larger than the database takes, a programming error
-    of the view (500). The step is marked done without a result, so no retry
-    runs it again: every retry with the key gets this answer until an operator
-    releases the record (``flask idempotency release --override
-    recovery-points``, after which the retry runs the step again) or it
-    expires."""
+    """A step (``idem.step``) ran but its result, not JSON or larger than the database
+    takes, could not be saved: the view's bug (500). The step is marked done, so every
+    retry gets this answer until the record expires or an operator releases it
+    (``flask idempotency release --override recovery-points``: the step runs again)."""
 
     slug = "step-not-stored"
     title = "A step of the operation ran but its result could not be saved"
     code = 500
+
+
+class ReplayRefusedError(ProblemError):
+    """The replay guard refused to give this caller the stored answer (403);
+    nothing changed, and the record stays for a retry the guard allows."""
+
+    slug = "replay-refused"
+    title = "The stored response is not replayed to this caller"
+    code = 403
 
 
 class NothingToRecoverError(ProblemError):
@@ -372,15 +380,11 @@ class DatabaseUnavailableError(ProblemError):
 
 
 class ServerMisconfiguredError(ProblemError):
-    """The server is not set up to run the request (503, ``Retry-After``): a table
-    of the extension's is missing (``flask idempotency create-tables`` or the
-    app's migrations were never run against this database). The request's
-    transaction was rolled back: nothing it wrote to the database was kept and
-    no record was stored (the view may have run up to the failing statement: work
-    it did outside the database is not undone). A retry with the same key, once
-    an operator has created the table, runs the request. ``Retry-After`` is
-    :attr:`RETRY_AFTER`: long enough that retrying clients do not hammer a host
-    that readiness already reports not ready."""
+    """A table of the extension's is missing (503, ``Retry-After``: :attr:`RETRY_AFTER`,
+    so retrying clients do not hammer a host readiness reports not ready). The
+    transaction rolled back: no record was stored, nothing written to the database
+    kept (work the view did outside it is not undone). Once an operator has created
+    the table (``flask idempotency create-tables``), a retry with the key runs it."""
 
     slug = "server-misconfigured"
     title = "The server is misconfigured"

@@ -36,6 +36,7 @@ from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_t
 from ._storage.schema import OUTBOX_TABLE_NAME
 from ._view import ViewAPI
 from .cli import idempotency_cli
+from .scope import ReplayAttempt
 
 if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -188,6 +189,7 @@ class Idempotency(ViewAPI):
         methods: t.Iterable[str] | None = None,
         stored_statuses: t.Iterable[int] | None = None,
         skip: t.Callable[[], bool] | None = None,
+        replay_guard: t.Callable[[ReplayAttempt], t.Any] | None = None,
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
         wait: dt.timedelta | float | Unset | None = UNSET,
@@ -211,6 +213,7 @@ class Idempotency(ViewAPI):
         methods: t.Iterable[str] | None = None,
         stored_statuses: t.Iterable[int] | None = None,
         skip: t.Callable[[], bool] | None = None,
+        replay_guard: t.Callable[[ReplayAttempt], t.Any] | None = None,
         replay_headers: t.Iterable[str] | t.Literal["*"] | None = None,
         manual: bool = False,
         wait: dt.timedelta | float | Unset | None = UNSET,
@@ -254,6 +257,10 @@ class Idempotency(ViewAPI):
             its writes commit with a 2xx or 3xx, and roll back otherwise.
         :param skip: callable; ``True`` runs this request unprotected (default
             ``IDEMPOTENCY_SKIP``).
+        :param replay_guard: callable run before a replay with a
+            :class:`~flask_idempotency.scope.ReplayAttempt`; a false value refuses
+            it (403 ``replay-refused``), or it raises the app's own error (default
+            ``IDEMPOTENCY_REPLAY_GUARD``).
         :param replay_headers: headers replayed besides Content-Type and
             Location, or ``"*"`` for all but the never-replayed ones (default
             ``IDEMPOTENCY_REPLAY_HEADERS``).
@@ -287,6 +294,7 @@ class Idempotency(ViewAPI):
             methods=methods,
             stored_statuses=stored_statuses,
             skip=skip,
+            replay_guard=replay_guard,
             replay_headers=replay_headers,
             manual=manual,
             wait=wait,

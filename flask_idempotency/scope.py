@@ -7,6 +7,8 @@ in which identities are looked for, and README "Scope" for the formats.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import hashlib
 import hmac
 import importlib
@@ -22,6 +24,7 @@ from .keys import printable, sha256_hex
 __all__ = [
     "FORM_OWNER_SESSION_KEY",
     "MAX_SCOPE_LENGTH",
+    "ReplayAttempt",
     "default_scope",
 ]
 
@@ -48,6 +51,23 @@ _BASIC_PROOF_CONTEXT = b"flask-idempotency basic scope\x00"
 _STABLE_SCHEMES = frozenset({"basic", "bearer", "dpop"})
 
 logger = logging.getLogger("flask_idempotency")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayAttempt:
+    """What a replay guard (``replay_guard=``, ``IDEMPOTENCY_REPLAY_GUARD``) is
+    shown of the completed operation a retry is about to get: its metadata, never
+    its body or headers. ``endpoint`` is the current request's (the record's
+    fingerprint holds its path, so a replay only ever happens on that route)."""
+
+    endpoint: str | None
+    scope: str
+    key: str
+    #: When the operation started and when its answer was stored (the app's clock, UTC).
+    created_at: dt.datetime
+    completed_at: dt.datetime | None
+    #: The stored answer's HTTP status.
+    status: int | None
 
 
 def _identity(kind: str, value: str) -> str:

@@ -41,6 +41,7 @@ from ..errors import (
 from .claim_guard import Reassert
 from .fingerprint import NormalizedRequest, exclude_paths, stored_request_body
 from .formkeys import form_ignored_fields
+from .replay_guard import check_replay
 from .responses import replay_answer
 from .route import RouteOptions
 
@@ -252,6 +253,8 @@ def answer_existing(
             "Use a new key for a new operation."
         )
     if record.status == COMPLETED:
+        if not flow.route.manual:  # in manual mode the view decides
+            check_replay(flow, record)
         logger.debug("replaying %r in scope %r", record.key, record.scope)
         flow.telemetry.found_completed(record.completed_at)
         signals.response_replayed.send(app, scope=record.scope, key=record.key, record=record)
@@ -374,6 +377,8 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
         completed_at=now,
         expires_at=max(record.expires_at, now + record.retention),
     )
+    if not flow.route.manual:
+        check_replay(flow, settled)  # settled either way: the operation happened
     flow.telemetry.found_completed(None)
     app = resolve_app()
     signals.response_replayed.send(app, scope=record.scope, key=record.key, record=settled)

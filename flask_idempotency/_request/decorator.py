@@ -61,6 +61,7 @@ def route_options(
     methods: t.Iterable[str] | None,
     stored_statuses: t.Iterable[int] | None,
     skip: t.Callable[[], bool] | None,
+    replay_guard: t.Callable[[t.Any], t.Any] | None,
     replay_headers: t.Iterable[str] | t.Literal["*"] | None,
     manual: bool,
     wait: dt.timedelta | float | Unset | None,
@@ -98,6 +99,8 @@ def route_options(
         )
     if skip is not None:
         overrides["skip"] = _config.optional_callable(skip, "skip")
+    if replay_guard is not None:
+        overrides["replay_guard"] = _config.optional_callable(replay_guard, "replay_guard")
     if not isinstance(wait, Unset):
         overrides["wait"] = None if wait is None else _config.engine_timeout(wait, "wait")
     if replay_headers is not None:

@@ -68,6 +68,8 @@ FAILED_AFTER_COMMIT = "failed_after_commit"
 PASSED_THROUGH = "passed_through"
 #: 500 ``server-misconfigured``: a table of the extension's is missing. Nothing stored.
 MISCONFIGURED = "misconfigured"
+#: The replay guard refused a retry its stored answer (403, or the app's own error).
+REPLAY_REFUSED = "replay_refused"
 
 OUTCOMES = (
     EXECUTED,
@@ -84,6 +86,7 @@ OUTCOMES = (
     FAILED_AFTER_COMMIT,
     PASSED_THROUGH,
     MISCONFIGURED,
+    REPLAY_REFUSED,
 )
 #: ``idempotency.key_refusal``, with ``key_refused`` only.
 KEY_REFUSALS = ("missing", "malformed", "too_long")
@@ -283,6 +286,10 @@ class RequestTelemetry:
     def failed_after_commit(self) -> None:
         self.marked = FAILED_AFTER_COMMIT
 
+    def replay_refused(self) -> None:
+        """The replay guard runs: whatever it raises ends the request as ``replay_refused``."""
+        self.marked = REPLAY_REFUSED
+
     def stored(self, size: int) -> None:
         """The answer was stored, its body ``size`` bytes (0: not kept)."""
         self.stored_size = size
@@ -299,8 +306,8 @@ class RequestTelemetry:
 
     def fail(self, error: BaseException) -> None:
         """The flow ended with ``error`` (after the database problem it maps to, if any)."""
-        if self.marked == FAILED_AFTER_COMMIT:
-            self._end(FAILED_AFTER_COMMIT, None, error)
+        if self.marked in (FAILED_AFTER_COMMIT, REPLAY_REFUSED):
+            self._end(self.marked, None, error)
             return
         outcome, refusal = outcome_of(error)
         self._end(outcome, refusal, error)

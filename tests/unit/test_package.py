@@ -131,6 +131,7 @@ PUBLIC: dict[str, set[str]] = {
     "flask_idempotency.scope": {
         "FORM_OWNER_SESSION_KEY",
         "MAX_SCOPE_LENGTH",
+        "ReplayAttempt",
         "default_scope",
     },
     "flask_idempotency.config": {
@@ -159,6 +160,7 @@ PUBLIC: dict[str, set[str]] = {
         "PROBLEM_TYPE_BASE",
         "PayloadTooLargeError",
         "ProblemError",
+        "ReplayRefusedError",
         "ServerMisconfiguredError",
         "StalledMessage",
         "StepNotStoredError",
