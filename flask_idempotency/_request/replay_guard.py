@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import typing as t
 
-from flask import request
+from flask import current_app, request
 from werkzeug.exceptions import HTTPException
 
 from .._storage import Record
 from ..errors import ReplayRefusedError
 from ..scope import ReplayAttempt
+from .steps import RECOVERY_ENVIRON_KEY
 
 if t.TYPE_CHECKING:
     from .flow import Flow
@@ -32,7 +33,8 @@ def check_replay(flow: Flow, record: Record) -> None:
     Any other exception of the guard's is a failure of the request (500).
     """
     guard = flow.settings.replay_guard
-    if guard is None:
+    if guard is None or RECOVERY_ENVIRON_KEY in request.environ:
+        # The recovery job's re-run answers no caller: nothing is replayed to anyone.
         return
     attempt = ReplayAttempt(
         endpoint=request.endpoint,
@@ -43,7 +45,7 @@ def check_replay(flow: Flow, record: Record) -> None:
         status=record.response_code,
     )
     try:
-        allowed = guard(attempt)
+        allowed = current_app.ensure_sync(guard)(attempt)  # an async guard is awaited
     except HTTPException:  # the app's own refusal (abort(403)): it answers as usual
         flow.telemetry.replay_refused()
         raise

@@ -441,3 +441,82 @@ def test_a_settled_operation_is_settled_then_asked(database_url: str, clock: Clo
     assert ledger_count(app) == 1
     with app.app_context():
         testapp.db.engine.dispose()
+
+
+def test_an_async_guard_is_awaited_and_refuses(database_url: str) -> None:
+    """A coroutine function, as Flask allows for views and error handlers: its
+    answer counts, not the coroutine object (which is always true)."""
+
+    async def revoked(attempt: ReplayAttempt) -> bool:
+        return False
+
+    app = build(database_url, IDEMPOTENCY_REPLAY_GUARD=revoked)
+    key = str(uuid.uuid4())
+    assert post(app, key, "t-alice").status_code == 201
+    refused = post(app, key, "t-alice")
+    assert refused.status_code == 403, refused.data
+    assert refused.get_json()["type"].endswith("/replay-refused")
+
+
+def test_the_recovery_jobs_rerun_does_not_ask_the_guard(database_url: str) -> None:
+    """The job re-runs a record that another request completed meanwhile: it
+    replays to no caller, so no guard is asked (it would see a request without
+    credentials) and the re-run counts as skipped, not failed."""
+    from flask_idempotency._context import app_state
+    from flask_idempotency._maintenance.jobs import _rerun
+
+    asked: list[str] = []
+
+    def guard(attempt: ReplayAttempt) -> bool:
+        asked.append(attempt.key)
+        return request.headers.get("Authorization") == "Bearer t-alice"
+
+    app = build(database_url)
+
+    @app.post("/recovered")
+    @idem.idempotent(lease=30, recover=True, replay_guard=guard)
+    def recovered() -> tuple[dict[str, t.Any], int]:
+        return create_order()
+
+    key = str(uuid.uuid4())
+    assert post(app, key, "t-alice", path="/recovered").status_code == 201
+    with app.app_context():
+        record = app_state(app).store.load(db.session(), "account:acme", key)
+        db.session.rollback()
+    assert record is not None
+    before = rows(app)
+    assert _rerun(app, record) is None
+    assert asked == []
+    assert rows(app) == before
+
+
+def test_flask_httpauths_401_below_the_extension_is_stored(database_url: str) -> None:
+    """Flask-HTTPAuth returns its 401 (it does not raise it): below the extension
+    that answer is stored, and the caller who then authenticates gets it replayed
+    (docs/scope.md). Above the extension nothing is claimed."""
+    from flask_httpauth import HTTPTokenAuth
+
+    for right_order in (False, True):
+        app = build(database_url)
+        auth = HTTPTokenAuth(scheme="Bearer")
+        auth.verify_token(lambda token: TOKENS.get(token))
+        if right_order:
+            view = auth.login_required(idem.idempotent(create_order))
+        else:
+            view = idem.idempotent(auth.login_required(create_order))
+        app.add_url_rule("/httpauth", "httpauth", view, methods=["POST"])
+        key = str(uuid.uuid4())
+
+        def first_try(app: Flask = app, key: str = key) -> t.Any:
+            return post(app, key, None, path="/httpauth")
+
+        first, sent = claims_and_replays(app, first_try)
+        assert first.status_code == 401
+        retry = post(app, key, "t-alice", path="/httpauth")
+        if right_order:
+            assert sent == []
+            assert retry.status_code == 201
+        else:
+            assert sent == ["claimed"]
+            assert retry.status_code == 401
+            assert retry.headers["Idempotent-Replayed"] == "true"
