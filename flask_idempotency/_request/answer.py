@@ -89,13 +89,7 @@ def render_stored(response: Response) -> Response:
     problem = _STORED.pop(response, None)
     if problem is None:
         return response
-    handler = _app_handler(problem)
-    rendered = (
-        problem.get_response(request.environ)
-        if handler is None
-        else current_app.ensure_sync(handler)(problem)
-    )
-    answer = current_app.make_response(rendered)
+    answer = current_app.make_response(_answer_problem(problem))
     # The replay's other headers (Idempotent-Replayed, and any a manual view
     # added to idem.replay()'s answer) stay; the body's own are the rendering's.
     for name, value in response.headers.items():
