@@ -68,6 +68,10 @@ setup(
         # flask_idempotency.openapi.IdempotencyPlugin: the protected operations in the
         # app's OpenAPI document (flask-smorest, APIFlask, apispec's FlaskPlugin).
         "openapi": ["apispec>=6.0"],
+        # Encryption at rest (docs/encryption.md): AES-256-GCM over stored answers,
+        # kept requests, recovery points and outbox payloads. pyca/cryptography is the
+        # maintained binding to OpenSSL's AEAD; nothing we would write is safer.
+        "crypto": ["cryptography>=42"],
         # The benchmarks' plots (python -m bench.run, bench.run_more); the tables need
         # nothing extra. The set-ups python -m bench.telemetry compares (without them
         # it leaves those variants out and says so).

@@ -11,12 +11,12 @@ Every error of the extension is an :class:`IdempotencyError`::
     |   +-- MissingKeyError, InvalidKeyError, MalformedBodyError,
     |   |   UnsupportedMediaTypeError, PayloadTooLargeError, LengthRequiredError,
     |   |   ValidationProblem, KeyReusedError, NothingToRecoverError,
-    |   |   ReplayRefusedError (4xx)
+    |   |   ReplayRefusedError, KeyErasedError (4xx)
     |   |   +-- FormKeyError (an InvalidKeyError), FormKeyExpiredError (400)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
-    |   +-- FailedAfterCommitError, StepNotStoredError, DatabaseUnavailableError,
-    |       ServerMisconfiguredError (5xx)
+    |   +-- FailedAfterCommitError, StepNotStoredError, RecordUnreadableError,
+    |       DatabaseUnavailableError, ServerMisconfiguredError (5xx)
     +-- EventIdConflictError: an outbox event id already names another event
     +-- BrokerUnavailable: a publisher cannot reach the broker (the relay retries)
     +-- StalledMessage: one event's publish stalled again and again (its failure)
@@ -36,6 +36,10 @@ from werkzeug.sansio.response import Response as SansIOResponse
 from werkzeug.wrappers import Response
 
 from . import _pages
+from ._failures import BrokerUnavailable, EventIdConflictError, IdempotencyError, StalledMessage
+from ._failures import ClaimWaitExceeded as ClaimWaitExceeded
+from ._failures import RecordGone as RecordGone
+from ._failures import TooLargeToStore as TooLargeToStore
 
 __all__ = [
     "PROBLEM_JSON",
@@ -49,6 +53,7 @@ __all__ = [
     "FormKeyExpiredError",
     "IdempotencyError",
     "InvalidKeyError",
+    "KeyErasedError",
     "KeyReusedError",
     "LeaseLostError",
     "LengthRequiredError",
@@ -57,6 +62,7 @@ __all__ = [
     "NothingToRecoverError",
     "PayloadTooLargeError",
     "ProblemError",
+    "RecordUnreadableError",
     "ReplayRefusedError",
     "ServerMisconfiguredError",
     "StalledMessage",
@@ -71,10 +77,6 @@ __all__ = [
 PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem/"
 #: The media type of every error the extension answers (RFC 9457).
 PROBLEM_JSON = "application/problem+json"
-
-
-class IdempotencyError(Exception):
-    """Base class of every error this extension raises."""
 
 
 class ProblemError(HTTPException, IdempotencyError):
@@ -339,6 +341,29 @@ class ReplayRefusedError(ProblemError):
     code = 403
 
 
+class KeyErasedError(ProblemError):
+    """The operation's stored data was erased (``idem.erase``, ``flask idempotency
+    erase``) and its record kept as a tombstone until it expires (410): the
+    operation ran once and will not run again with this key, and its answer is
+    gone."""
+
+    slug = "key-erased"
+    title = "The data of this idempotency key was erased"
+    code = 410
+
+
+class RecordUnreadableError(ProblemError):
+    """The stored record exists but cannot be opened (500): it was sealed with an
+    encryption key that is no longer configured, or its sealed data does not
+    belong to it (copied from another record, altered). Nothing ran and nothing
+    changed; the log names the key id. A retry gets the same answer until an
+    operator configures the key again."""
+
+    slug = "record-unreadable"
+    title = "The stored record cannot be opened"
+    code = 500
+
+
 class NothingToRecoverError(ProblemError):
     """A recovery run found the record finished or gone (409); only the recovery job sees it."""
 
@@ -398,53 +423,3 @@ class ServerMisconfiguredError(ProblemError):
     def __init__(self, detail: str) -> None:
         super().__init__(detail, headers={"Retry-After": str(self.RETRY_AFTER)})
         self.retry_after = self.RETRY_AFTER
-
-
-class EventIdConflictError(IdempotencyError):
-    """An outbox event id already names another event (another topic or payload).
-
-    Raised by ``idem.emit`` and ``add_event`` in the caller's transaction, which
-    stays usable; nothing was added. Not an HTTP error: it is a bug in the
-    caller (two events given one name, or a named event whose payload differs
-    between attempts), and a view that lets it through fails as for any error.
-    """
-
-
-class BrokerUnavailable(IdempotencyError):
-    """Raised by a publisher when the broker cannot be reached (connection
-    refused, lost, timed out): the failure is not the event's.
-
-    The relay then stops the batch (the next events would only wait on the same
-    broker) and gives the event back as it was, its attempts unchanged and
-    ``last_error`` set: an outage never counts toward parking, and the events
-    flow again, in order, without an operator. A message the broker refused
-    (a nack) is the event's failure: raise something else for it.
-    """
-
-
-class StalledMessage(IdempotencyError):
-    """The same event's publish was cut off or timed out
-    :attr:`KombuPublisher.STALLS` times in a row while the broker kept
-    accepting connections: counted as the event's failure (see
-    :class:`KombuPublisher`)."""
-
-
-class ClaimWaitExceeded(IdempotencyError):
-    """The database gave up on this transaction while the claim waited (lock
-    timeout, deadlock victim, serialization failure): on another request with
-    the same key, or on an unrelated writer (``on_record``)."""
-
-    def __init__(self, message: str, *, on_record: bool | None = None) -> None:
-        super().__init__(message)
-        #: The wait was on the key's own record (``True``), not on it
-        #: (``False``), or the database's error does not say (``None``).
-        self.on_record = on_record
-
-
-class TooLargeToStore(IdempotencyError):
-    """The request to keep for the recovery job is larger than the database takes
-    in one statement (MySQL's ``max_allowed_packet``)."""
-
-
-class RecordGone(IdempotencyError):
-    """A recovery run found no abandoned record to resume (someone else finished it)."""

@@ -1,0 +1,247 @@
+"""Encryption at rest: what is sealed, how, and with which key.
+
+A sealed value is AES-256-GCM ciphertext under a key derived for that value
+alone, bound to its place (table, column and the row's identity: scope and key
+for a record, event id for an outbox row) by associated data. So:
+
+* a value copied into another record, another column or another event fails to
+  open (:class:`~flask_idempotency._failures.SealBroken`), and is never read as
+  that record's;
+* each value names the id of the configured key it was sealed with, so records
+  sealed before a rotation still open while the old key is configured, and one
+  whose key is gone fails with that id in the error;
+* a subkey per value (HMAC-SHA256 of the key and a random 128-bit salt) lifts
+  GCM's limit of about 2**32 random nonces per key: a busy API seals billions
+  of values a month.
+
+Binary columns hold ``MAGIC + len(id) + id + salt + nonce + ciphertext``; text
+columns (JSON) hold ``"fis1:" + id + ":" + base64url(salt + nonce + ciphertext)``.
+Neither can be mistaken for what the columns held in clear: the binary prefix
+starts with the bytes 0x00 0xFF, never in UTF-8 text; ``fis1:`` starts no JSON
+document. A value in clear (written before encryption was turned on) is read
+as it is: :func:`is_sealed` tells them apart.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import hmac
+import os
+import re
+import typing as t
+
+from .._failures import SealBroken
+
+#: The first bytes of a sealed binary value.
+MAGIC = b"\x00\xffFIS1"
+#: The first characters of a sealed text value.
+TEXT_PREFIX = "fis1:"
+_SALT = 16
+_NONCE = 12
+_TAG = 16
+#: A key id: what the config names a key by, and what a sealed value records.
+KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
+_AAD_VERSION = b"flask-idempotency/seal/1"
+_SUBKEY = b"flask-idempotency/seal/1/subkey"
+
+#: The record's columns that are sealed: text (JSON) and binary.
+RECORD_TEXT = ("response_headers", "recovery_points", "request_path")
+RECORD_BINARY = ("response_body", "request_body")
+#: The outbox's sealed columns (text).
+OUTBOX_TEXT = ("payload", "headers")
+
+
+def _aead() -> t.Any:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:  # pragma: no cover - the crypto extra is missing
+        raise RuntimeError(
+            "IDEMPOTENCY_ENCRYPTION_KEYS needs the cryptography package: "
+            "pip install 'flask-idempotency[crypto]'"
+        ) from exc
+    return AESGCM
+
+
+def associated_data(table: str, column: str, *identity: str) -> bytes:
+    """What binds a sealed value to its place: the table, the column and the
+    row's identity, each length-prefixed (no two places share a byte string)."""
+    parts = [_AAD_VERSION, table.encode(), column.encode(), *(i.encode() for i in identity)]
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def is_sealed(value: str | bytes | bytearray | memoryview | None) -> bool:
+    """Whether a stored value is sealed (``False`` for ``None`` and clear values)."""
+    if isinstance(value, str):
+        return value.startswith(TEXT_PREFIX)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value[: len(MAGIC)]) == MAGIC
+    return False
+
+
+def key_id_of(value: str | bytes | bytearray | memoryview | None) -> str | None:
+    """The id of the key a sealed value names; ``None`` for a clear value."""
+    if not is_sealed(value):
+        return None
+    if isinstance(value, str):
+        return value[len(TEXT_PREFIX) :].split(":", 1)[0]
+    raw = bytes(t.cast(bytes, value))
+    n = raw[len(MAGIC)] if len(raw) > len(MAGIC) else 0
+    return raw[len(MAGIC) + 1 : len(MAGIC) + 1 + n].decode("ascii", "replace")
+
+
+def parse_key(text: str | bytes, name: str) -> bytes:
+    """A 256-bit key from its base64 (standard or URL-safe) text, or refused."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    cleaned = text.strip()
+    padded = cleaned + "=" * (-len(cleaned) % 4)
+    try:
+        raw = base64.urlsafe_b64decode(padded.replace("+", "-").replace("/", "_"))
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(
+            f"{name}: a key must be 32 random bytes in base64 (44 characters), e.g. from "
+            "`flask idempotency generate-key`; this one is not"
+        )
+    return raw
+
+
+def new_key_text() -> str:
+    """A fresh random 256-bit key, in URL-safe base64."""
+    return base64.urlsafe_b64encode(os.urandom(32)).decode("ascii")
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyring:
+    """The configured keys: ``keys[0]`` seals, every one of them opens."""
+
+    keys: tuple[tuple[str, bytes], ...]
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            raise ValueError("a keyring needs at least one key")
+        seen: set[str] = set()
+        for kid, key in self.keys:
+            if not KEY_ID.fullmatch(kid):
+                raise ValueError(f"key id {kid!r}: 1 to 32 letters, digits, '.', '_' or '-'")
+            if kid in seen:
+                raise ValueError(f"key id {kid!r} is configured twice")
+            if len(key) != 32:
+                raise ValueError(f"key {kid!r} must be 32 bytes")
+            seen.add(kid)
+        aead = _aead()
+        object.__setattr__(self, "_by_id", {kid: key for kid, key in self.keys})
+        object.__setattr__(self, "_aead", aead)
+
+    @property
+    def current(self) -> str:
+        """The id of the key that seals new values."""
+        return self.keys[0][0]
+
+    def has(self, kid: str) -> bool:
+        return kid in self._by_id  # type: ignore[attr-defined]
+
+    def _cipher(self, key: bytes, salt: bytes) -> t.Any:
+        subkey = hmac.new(key, _SUBKEY + salt, hashlib.sha256).digest()
+        return self._aead(subkey)  # type: ignore[attr-defined]
+
+    def _seal_raw(self, data: bytes, aad: bytes) -> tuple[str, bytes]:
+        kid, key = self.keys[0]
+        salt, nonce = os.urandom(_SALT), os.urandom(_NONCE)
+        return kid, salt + nonce + self._cipher(key, salt).encrypt(nonce, data, aad)
+
+    def _open_raw(self, kid: str, blob: bytes, aad: bytes, where: str) -> bytes:
+        key = self._by_id.get(kid)  # type: ignore[attr-defined]
+        if key is None:
+            raise SealBroken(where, kid, "its key id is not configured")
+        if len(blob) < _SALT + _NONCE + _TAG:
+            raise SealBroken(where, kid, "it is truncated")
+        salt, nonce, body = blob[:_SALT], blob[_SALT : _SALT + _NONCE], blob[_SALT + _NONCE :]
+        try:
+            return bytes(self._cipher(key, salt).decrypt(nonce, body, aad))
+        except Exception as exc:  # cryptography's InvalidTag: altered or not this place's
+            raise SealBroken(
+                where, kid, "it does not open: altered, or sealed for another record"
+            ) from exc
+
+    def seal_bytes(self, data: bytes, aad: bytes) -> bytes:
+        """``data`` sealed for the place ``aad`` names, as a binary column holds it."""
+        kid, blob = self._seal_raw(data, aad)
+        raw_id = kid.encode("ascii")
+        return MAGIC + bytes([len(raw_id)]) + raw_id + blob
+
+    def open_bytes(self, value: bytes, aad: bytes, where: str) -> bytes:
+        """A binary value opened; a clear value as it is. :class:`SealBroken` when
+        it names a key not configured, or does not open for ``aad``."""
+        value = bytes(value)
+        if not is_sealed(value):
+            return value
+        n = value[len(MAGIC)] if len(value) > len(MAGIC) else 0
+        start = len(MAGIC) + 1
+        kid = value[start : start + n].decode("ascii", "replace")
+        return self._open_raw(kid, value[start + n :], aad, where)
+
+    def seal_text(self, text: str, aad: bytes) -> str:
+        """``text`` sealed for the place ``aad`` names, as a text column holds it."""
+        kid, blob = self._seal_raw(text.encode("utf-8"), aad)
+        return f"{TEXT_PREFIX}{kid}:{base64.urlsafe_b64encode(blob).decode('ascii')}"
+
+    def open_text(self, value: str, aad: bytes, where: str) -> str:
+        """A text value opened; a clear value as it is (see :meth:`open_bytes`)."""
+        if not is_sealed(value):
+            return value
+        kid, _, encoded = value[len(TEXT_PREFIX) :].partition(":")
+        try:
+            blob = base64.urlsafe_b64decode(encoded.encode("ascii"))
+        except (binascii.Error, ValueError, UnicodeEncodeError) as exc:
+            raise SealBroken(where, kid, "it is not valid base64") from exc
+        try:
+            return self._open_raw(kid, blob, aad, where).decode("utf-8")
+        except UnicodeDecodeError as exc:  # pragma: no cover - GCM authenticated it
+            raise SealBroken(where, kid, "it is not UTF-8 text") from exc
+
+
+def seal_record(
+    ring: Keyring | None, table: str, scope: str, key: str, values: t.Mapping[str, t.Any]
+) -> dict[str, t.Any]:
+    """``values`` (columns of a record) with every sealed column that is set
+    sealed for (scope, key); a copy, unchanged without a keyring."""
+    out = dict(values)
+    if ring is None:
+        return out
+    for column in RECORD_TEXT:
+        value = out.get(column)
+        if isinstance(value, str) and not is_sealed(value):
+            out[column] = ring.seal_text(value, associated_data(table, column, scope, key))
+    for column in RECORD_BINARY:
+        value = out.get(column)
+        if isinstance(value, (bytes, bytearray, memoryview)) and not is_sealed(value):
+            out[column] = ring.seal_bytes(bytes(value), associated_data(table, column, scope, key))
+    return out
+
+
+def open_record(
+    ring: Keyring | None, table: str, scope: str, key: str, values: t.Mapping[str, t.Any]
+) -> dict[str, t.Any]:
+    """``values`` as read (columns of a record) with its sealed columns opened.
+
+    Raises :class:`SealBroken` for a sealed value that does not open, or when
+    values are sealed and no keyring is configured."""
+    out = dict(values)
+    for column in (*RECORD_TEXT, *RECORD_BINARY):
+        value = out.get(column)
+        if value is None or not is_sealed(value):
+            continue
+        where = f"{table}.{column} of ({scope!r}, {key!r})"
+        if ring is None:
+            raise SealBroken(where, key_id_of(value) or "?", "encryption is not configured")
+        aad = associated_data(table, column, scope, key)
+        if isinstance(value, str):
+            out[column] = ring.open_text(value, aad, where)
+        else:
+            out[column] = ring.open_bytes(value, aad, where)
+    return out
