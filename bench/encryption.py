@@ -6,9 +6,9 @@ round trips) on SQLite (a file) and on a private PostgreSQL cluster through
 psycopg2 and psycopg 3, with a route answering a 1 KiB and a 64 KiB body. Two
 apps on the same database, one with ``IDEMPOTENCY_ENCRYPTION_KEYS`` and one
 without, run side by side in each round (their order alternating): a block of
-new keys, then the same keys again (replays). Per round the fastest of its
-blocks; the figures are medians over the rounds, and each ratio is taken within
-a round, so drift on a shared machine hits both sides alike.
+new keys, then the same keys again (replays), off and on one right after the
+other (their order alternating). The cost is the median, over those pairs, of
+the pair's ratio: drift on a shared machine hits both sides of a pair alike.
 
 It also times sealing and opening one value alone (the work a new key and a
 replay add), to say where the cost goes. It writes its section of
@@ -76,23 +76,22 @@ def _block(client: t.Any, size: int, keys: list[str]) -> float:
 
 
 def measure_engine(url: str, rounds: int, n: int, blocks: int) -> dict[str, list[float]]:
-    """µs per request, fastest block of each round, by ``"size mode new|replay"``."""
+    """µs per request of each block, by ``"size mode new|replay"``, in run order:
+    the i-th "off" and the i-th "on" block of a case ran one right after the other
+    (their order alternating), so their ratio is taken under the same load."""
     apps = _apps(url)
     clients = {mode: apps[mode].test_client() for mode in MODES}
     figures: dict[str, list[float]] = {}
-    for round_ in range(rounds):
-        order = MODES if round_ % 2 == 0 else MODES[::-1]
-        best: dict[str, float] = {}
+    turn = 0
+    for _ in range(rounds):
         for label, size in SIZES.items():
             for _ in range(blocks):
-                for mode in order:
+                turn += 1
+                for mode in MODES if turn % 2 else MODES[::-1]:
                     keys = [uuid.uuid4().hex for _ in range(n)]
                     for kind in ("new", "replay"):
                         spent = _block(clients[mode], size, keys) * 1e6
-                        name = f"{label} {mode} {kind}"
-                        best[name] = min(best.get(name, spent), spent)
-        for name, value in best.items():
-            figures.setdefault(name, []).append(value)
+                        figures.setdefault(f"{label} {mode} {kind}", []).append(spent)
     for app in apps.values():
         with app.app_context():
             testapp.db.engine.dispose()
@@ -141,7 +140,8 @@ def measure(cluster: t.Any, args: argparse.Namespace) -> dict[str, t.Any]:
 
 
 def _cost(figures: dict[str, list[float]], label: str, kind: str) -> tuple[float, float, float]:
-    """Median µs off, on, and the median of the per-round cost (on / off - 1)."""
+    """Median µs off, on, and the median over the pairs of blocks run side by
+    side of the cost (on / off - 1)."""
     off, on = figures[f"{label} off {kind}"], figures[f"{label} on {kind}"]
     cost = statistics.median(b / a - 1 for a, b in zip(off, on, strict=True))
     return statistics.median(off), statistics.median(on), cost
@@ -167,13 +167,13 @@ def section(results: dict[str, t.Any], facts: harness.Facts, args: argparse.Name
         "## Encryption at rest (`python -m bench.encryption`)",
         "",
         *facts.lines(),
-        f"* in-process (Flask's test client), {args.rounds} rounds; per round and case the "
-        f"fastest of {args.blocks} blocks of {args.requests} requests; the route writes a "
-        "ledger row and answers the body (JSON); off and on are two apps on the same "
-        "database, alternating",
+        f"* in-process (Flask's test client), {args.rounds} rounds of {args.blocks} blocks "
+        f"of {args.requests} requests per case; the route writes a ledger row and answers "
+        "the body (JSON); off and on are two apps on the same database, their blocks run "
+        "in pairs, one right after the other, the order alternating",
         "",
-        "µs per request (median of the rounds) and the cost of encryption (median of the",
-        "per-round ratios, on / off - 1):",
+        "µs per request (median of the blocks) and the cost of encryption (median over the",
+        "pairs of blocks of on / off - 1):",
         "",
         "| engine | body | request | off µs | on µs | cost |",
         "|---|---|---|---:|---:|---:|",
@@ -198,15 +198,15 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
     harness.common_options(parser)
     parser.add_argument("--rounds", type=int, help="rounds (default 7; quick 1)")
-    parser.add_argument("--requests", type=int, help="requests per block (default 100; quick 5)")
-    parser.add_argument("--blocks", type=int, help="blocks per case and round (default 3; quick 1)")
+    parser.add_argument("--requests", type=int, help="requests per block (default 50; quick 5)")
+    parser.add_argument("--blocks", type=int, help="blocks per case and round (default 6; quick 1)")
     parser.add_argument(
         "--engines", default="sqlite,postgresql,psycopg", help="any of sqlite,postgresql,psycopg"
     )
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 7)
-    args.requests = args.requests or (5 if args.quick else 100)
-    args.blocks = args.blocks or (1 if args.quick else 3)
+    args.requests = args.requests or (5 if args.quick else 50)
+    args.blocks = args.blocks or (1 if args.quick else 6)
     return harness.run_section(NAME, argv, args, lambda cluster: measure(cluster, args), section)
 
 
