@@ -9,7 +9,9 @@ are tested with those features.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import re
+import socket
 import typing as t
 import uuid
 
@@ -20,8 +22,12 @@ from flask_limiter import Limiter
 
 from flask_idempotency import signals
 from flask_idempotency._maintenance.jobs import purge_expired
+from flask_idempotency._messaging.outbox import OutboxEvent
+from flask_idempotency.errors import BrokerUnavailable
+from flask_idempotency.publishers import KombuPublisher
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables, run_sql
 from tests.support import testapp
+from tests.support.broker import RABBITMQ
 from tests.support.flow import assert_problem, post
 from tests.support.records import cli
 
@@ -279,3 +285,40 @@ def test_the_database_urls_sslmode_governs_the_extensions_connections(pg_url: st
             testapp.db.engine.dispose()
     assert run_sql(pg_url, "SELECT count(*) FROM idempotency_keys")[0][0] == 0
     assert run_sql(pg_url, "SELECT count(*) FROM ledger")[0][0] == 0
+
+
+# -- TLS to the broker -------------------------------------------------------------------
+
+
+def an_event() -> OutboxEvent:
+    now = dt.datetime.now(dt.timezone.utc)
+    return OutboxEvent(1, "tls-1", "orders.created", {"id": 1}, {}, now, 0)
+
+
+@pytest.mark.parametrize(
+    ("url", "tls"),
+    [
+        (f"amqps://guest:guest@{RABBITMQ[0]}:{RABBITMQ[1]}//", None),
+        (f"amqp://guest:guest@{RABBITMQ[0]}:{RABBITMQ[1]}//", {"server_hostname": None}),
+    ],
+    ids=["amqps-url", "ssl-option"],
+)
+def test_tls_to_the_broker_is_never_given_up_for_a_connection_in_clear(
+    url: str, tls: dict[str, t.Any] | None
+) -> None:
+    """Against a RabbitMQ that speaks only plain AMQP, a publisher told to use TLS
+    (the URL's ``amqps``, or ``ssl=``) publishes nothing: the broker is unavailable
+    (the event stays pending), the message never crosses in clear."""
+    try:
+        socket.create_connection(RABBITMQ, timeout=2).close()
+    except OSError as exc:
+        pytest.skip(f"no RabbitMQ at {RABBITMQ[0]}:{RABBITMQ[1]}: {exc}")
+    plain = KombuPublisher(f"amqp://guest:guest@{RABBITMQ[0]}:{RABBITMQ[1]}//", timeout=5)
+    over_tls = KombuPublisher(url, exchange="tls-claims", timeout=5, ssl=tls)
+    try:
+        plain.publish(an_event())  # the broker is there, in clear
+        with pytest.raises(BrokerUnavailable):
+            over_tls.publish(an_event())
+    finally:
+        plain.close()
+        over_tls.close()
