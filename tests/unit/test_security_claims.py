@@ -93,6 +93,18 @@ def test_a_key_used_in_another_scope_answers_as_a_fresh_key(app: Flask, client: 
     assert ledger_count(app, "scope/charge") == 4
 
 
+@contextlib.contextmanager
+def claims(app: Flask) -> t.Iterator[list[str]]:
+    """The keys claimed meanwhile (``key_claimed``), in order."""
+    claimed: list[str] = []
+
+    def on_claim(sender: Flask, key: str, **kw: t.Any) -> None:
+        claimed.append(key)
+
+    with signals.key_claimed.connected_to(on_claim, app):
+        yield claimed
+
+
 # -- keys ------------------------------------------------------------------------------
 
 
@@ -132,9 +144,12 @@ def test_a_key_of_the_configured_format_and_length_is_taken(
 
 
 def test_a_body_over_max_content_length_stores_nothing(make_app: t.Callable[..., Flask]) -> None:
+    """Refused before the claim: no row, and no key claimed meanwhile."""
     app = make_app(MAX_CONTENT_LENGTH=1024)
-    answer = post(app.test_client(), "/raw", None, data=b"x" * 4096, content_type="text/plain")
+    with claims(app) as claimed:
+        answer = post(app.test_client(), "/raw", None, data=b"x" * 4096, content_type="text/plain")
     assert_problem(answer, 413)
+    assert claimed == []
     assert record_rows(app) == []
     assert ledger_count(app) == 0
 
@@ -204,12 +219,7 @@ def limited(make_app: t.Callable[..., Flask]) -> t.Iterator[tuple[Flask, list[st
     limiter.init_app(app)
     app.register_blueprint(limited_bp)
     limiter.reset()
-    claimed: list[str] = []
-
-    def on_claim(sender: Flask, key: str, **kw: t.Any) -> None:
-        claimed.append(key)
-
-    with signals.key_claimed.connected_to(on_claim, app):
+    with claims(app) as claimed:
         yield app, claimed
 
 
@@ -255,13 +265,44 @@ def test_default_limits_refuse_before_any_claim(make_app: t.Callable[..., Flask]
         key_func=lambda: "everyone", default_limits=["2/minute"], storage_uri="memory://"
     )
     throttle.init_app(app)
-    claimed: list[str] = []
-    with signals.key_claimed.connected_to(lambda sender, key, **kw: claimed.append(key), app):
+    with claims(app) as claimed:
         client = app.test_client()
         assert [post(client, "/raw", BODY, key=k).status_code for k in "abc"] == [200, 200, 429]
     assert claimed == ["a", "b"]
     assert sorted(r["key"] for r in record_rows(app)) == ["a", "b"]
     assert ledger_count(app) == 2
+
+
+# Default limits, and a route with a decorator of its own below the extension.
+defaults = Limiter(
+    key_func=lambda: "everyone", default_limits=["2/minute"], storage_uri="memory://"
+)
+defaults_bp = Blueprint("defaults", __name__)
+
+
+@defaults_bp.post("/defaults/decorated-below")
+@testapp.idem.idempotent
+@defaults.limit("100/minute", override_defaults=False)
+def decorated_below() -> tuple[dict[str, t.Any], int]:
+    row = testapp.write_ledger("decorated-below")
+    return {"id": row.id}, 201
+
+
+def test_default_limits_move_to_a_routes_decorator(make_app: t.Callable[..., Flask]) -> None:
+    """On a route with a ``@limiter.limit`` of its own that keeps the default limits
+    (``override_defaults=False``), Flask-Limiter checks them at that decorator, not in
+    ``before_request``: below the extension, they too run after the claim. The
+    decorator's place decides for every limit of the route."""
+    app = make_app()
+    defaults.init_app(app)
+    defaults.reset()
+    app.register_blueprint(defaults_bp)
+    with claims(app) as claimed:
+        client = app.test_client()
+        answers = [post(client, "/defaults/decorated-below", BODY, key=k) for k in "abc"]
+    assert [a.status_code for a in answers] == [201, 201, 429]
+    assert claimed == ["a", "b", "c"]  # "c" was claimed, then refused by the default limit
+    assert sorted(r["key"] for r in record_rows(app)) == ["a", "b"]
 
 
 # -- TLS to the database -----------------------------------------------------------------
