@@ -124,8 +124,10 @@ def test_a_refused_key_stores_nothing_and_runs_nothing(
     make_app: t.Callable[..., Flask], config: dict[str, t.Any], key: str
 ) -> None:
     app = make_app(**config)
-    answer = post(app.test_client(), "/raw", BODY, key=key)
+    with claims(app) as claimed:
+        answer = post(app.test_client(), "/raw", BODY, key=key)
     assert assert_problem(answer, 400)["type"].endswith("/invalid-key")
+    assert claimed == []
     assert record_rows(app) == []
     assert ledger_count(app) == 0
 
@@ -166,6 +168,17 @@ def test_a_response_over_max_body_keeps_no_body(app: Flask, client: t.Any) -> No
     assert retry.status_code == 201  # the operation's status, with the problem's body
     assert retry.get_json()["type"].endswith("/response-not-stored")
     assert ledger_count(app, "big") == 1
+
+
+def test_cookies_and_credentials_are_never_kept(app: Flask, client: t.Any) -> None:
+    """The test app lists Set-Cookie in IDEMPOTENCY_REPLAY_HEADERS, and /charges sets
+    one: the stored headers hold the other listed header, never the cookie."""
+    charge = {"amount": 500, "currency": "EUR"}
+    assert "visitor=" in post(client, "/charges", charge).headers["Set-Cookie"]
+    [row] = record_rows(app)
+    assert "X-Request-Cost" in row["response_headers"]
+    assert "visitor" not in row["response_headers"]
+    assert "Set-Cookie" not in row["response_headers"]
 
 
 # -- a flood of unique keys ---------------------------------------------------------------
