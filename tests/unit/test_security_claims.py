@@ -105,6 +105,18 @@ def claims(app: Flask) -> t.Iterator[list[str]]:
         yield claimed
 
 
+def test_callers_that_share_a_scope_share_their_keys(make_app: t.Callable[..., Flask]) -> None:
+    """The flip side: the scope is the boundary. In a tenant-wide scope, a colleague who
+    sends Alice's key (and her body) is replayed Alice's answer."""
+    app = make_app(IDEMPOTENCY_SCOPE=lambda: "scope/charge|tenant:acme")
+    client = app.test_client()
+    alice = post(client, "/scope/charge", BODY, key="order-7", headers=bearer("alice-token"))
+    bob = post(client, "/scope/charge", BODY, key="order-7", headers=bearer("bob-token"))
+    assert bob.headers["Idempotent-Replayed"] == "true"
+    assert bob.get_json() == alice.get_json()
+    assert ledger_count(app, "scope/charge") == 1
+
+
 # -- keys ------------------------------------------------------------------------------
 
 
