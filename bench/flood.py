@@ -146,15 +146,15 @@ def main(argv: t.Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=10_000)
     args = parser.parse_args(argv)
-    try:
-        for engine, measure in (("PostgreSQL", on_postgres), ("SQLite", on_sqlite)):
-            figures = measure(args.records)
-            print(f"{engine}, {args.records} records of a small request (batch 1000):")
-            for name, value in figures.items():
-                print(f"  {name:28} {value:10.0f}")
-    finally:  # the schema of a configured PostgreSQL, or the embedded server, goes
-        pytest_sessionfinish(t.cast(t.Any, None), 0)
+    for engine, measure in (("PostgreSQL", on_postgres), ("SQLite", on_sqlite)):
+        figures = measure(args.records)
+        print(f"{engine}, {args.records} records of a small request (batch 1000):")
+        for name, value in figures.items():
+            print(f"  {name:28} {value:10.0f}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the schema made in a configured PostgreSQL goes, as after a test run
+        pytest_sessionfinish(t.cast(t.Any, None), 0)

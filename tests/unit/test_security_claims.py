@@ -211,6 +211,15 @@ def test_a_flood_of_unique_keys_is_one_row_each_and_cleanup_removes_them(
     assert record_rows(app) == []
 
 
+def test_the_flood_bench_measures_both_engines() -> None:
+    """``python -m bench.flood``, whose figures docs/security.md quotes, runs (tiny)."""
+    from bench.flood import on_postgres, on_sqlite
+
+    for figures in (on_postgres(40), on_sqlite(40)):
+        assert 200 < figures["bytes/record"] < 20_000, figures
+        assert figures["cleanup rows/s"] > 0
+
+
 # -- rate limiting with Flask-Limiter -------------------------------------------------------
 
 # One limiter for this module's routes; each test starts its counts afresh. The limit
