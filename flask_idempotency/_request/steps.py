@@ -44,6 +44,9 @@ class RecoveryRun:
     """Marks a request the recovery job re-runs for an abandoned record."""
 
     scope: str
+    #: The record's fingerprint: its kept request, without the fields the
+    #: route redacts, no longer hashes to it.
+    request_hash: str | None = None
 
 
 logger = logging.getLogger("flask_idempotency")
