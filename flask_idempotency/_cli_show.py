@@ -58,7 +58,10 @@ def record_document(record: Record, *, reveal: bool) -> dict[str, t.Any]:
         document.update(
             response_headers=record.response_headers,
             response_body=_text(record.response_body, masks),
-            recovery_points=masked(record.recovery_points, masks),
+            # Each step's result, masked as a body is.
+            recovery_points={
+                name: masked(result, masks) for name, result in record.recovery_points.items()
+            },
             request_path=record.request_path,
             request_content_type=record.request_content_type,
             request_body=_text(record.request_body, masks),
