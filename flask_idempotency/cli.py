@@ -175,9 +175,10 @@ def _load(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
     "stored request, with the fields the app's routes redact masked.",
 )
 def show(scope: str, key: str, reveal: bool) -> None:
-    """Print one record as JSON: its state, the sizes and names of what it holds.
+    """Print one record as JSON; its contents only with --reveal.
 
-    Its contents (bodies as text when UTF-8) only with --reveal."""
+    Without it: the record's state, the sizes of its bodies and stored request, the
+    names of its headers and recovery points. Bodies show as text when UTF-8."""
     record, _ = _load(scope, key)
     click.echo(json.dumps(_cli_show.record_document(record, reveal=reveal), indent=2))
 
