@@ -142,7 +142,9 @@ def _mark_unstored(
         state.key,
         state.scope,
         problem,
-        exc_info=exc,
+        # Not for a refusal for size: its cause, SQLAlchemy's error, carries the
+        # statement's parameters (the result itself) into the traceback.
+        exc_info=None if isinstance(exc, TooLargeToStore) else exc,
     )
     points = {**state.recovery_points, name: unstored_mark(why)}
     _fenced(state, name, points)
