@@ -42,7 +42,7 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
-from . import _cli
+from . import _cli, _cli_show
 from ._cli import (
     EXIT_CODES_HELP,
     MAX_OLDER_THAN_HOURS,
@@ -170,39 +170,20 @@ def _load(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
 @_command("show")
 @click.argument("scope", callback=scope_argument)
 @click.argument("key", callback=key_argument)
-def show(scope: str, key: str) -> None:
-    """Print one record as JSON (the body as text when it is UTF-8); one whose sealed
-    data does not open (encryption at rest) with what is in clear and why (`unreadable`)."""
+@click.option(
+    "--reveal",
+    is_flag=True,
+    help="Also print the response body and header values, the recovery points and the "
+    "stored request, with the fields the app's routes redact masked.",
+)
+def show(scope: str, key: str, reveal: bool) -> None:
+    """Print one record as JSON; its contents only with --reveal.
+
+    Without it: the record's state, the sizes of its bodies and stored request, the
+    names of its headers and recovery points. Bodies show as text when UTF-8. A record
+    whose sealed data does not open shows what is in clear and why (`unreadable`)."""
     record, _ = _load(scope, key)
-    body: str | None = None
-    if record.response_body is not None:
-        try:
-            body = record.response_body.decode("utf-8")
-        except UnicodeDecodeError:
-            body = f"<{len(record.response_body)} bytes, not UTF-8>"
-    click.echo(
-        json.dumps(
-            {
-                "scope": record.scope,
-                "key": record.key,
-                "status": record.status,
-                "request_hash": record.request_hash,
-                "fencing_token": record.fencing_token,
-                "response_code": record.response_code,
-                "response_headers": record.response_headers,
-                "response_body": body,
-                "body_omitted": record.body_omitted,
-                "recovery_points": record.recovery_points,
-                "recoverable": record.recoverable,
-                "locked_until": _cli.iso(record.locked_until),
-                "created_at": _cli.iso(record.created_at),
-                "completed_at": _cli.iso(record.completed_at),
-                "expires_at": _cli.iso(record.expires_at),
-                **({"unreadable": record.unreadable} if record.unreadable else {}),
-            },
-            indent=2,
-        )
-    )
+    click.echo(json.dumps(_cli_show.record_document(record, reveal=reveal), indent=2))
 
 
 def _refuse_force(ctx: click.Context, param: click.Parameter, value: bool) -> bool:

@@ -132,6 +132,17 @@ SETTINGS: tuple[Setting, ...] = (
         "A callable returning the scope string. `None`: the endpoint plus the caller's identity;"
         " see [Scope](scope.md).",
     ),
+    Setting(
+        "FINGERPRINT_KEY",
+        None,
+        "The secret that keys the request fingerprint: with it the stored `request_hash` is"
+        " HMAC-SHA256 instead of SHA-256, so whoever reads the table cannot confirm a guess of"
+        ' a small body (`{"amount": 100}`). Text or bytes, at least 32 characters (bytes); make'
+        ' one with `python -c "import secrets; print(secrets.token_urlsafe(32))"`. Required'
+        " with `IDEMPOTENCY_ENCRYPTION_KEYS` and on any route with `redact=`. Changing it turns"
+        " the retries of operations still in their retention into 422 mismatches. See"
+        " [Redaction](scope.md#redaction-and-the-keyed-fingerprint).",
+    ),
     Setting("PURGE_BATCH", 1000, "Expired rows deleted per transaction by cleanup."),
     Setting("SCHEDULER", False, "Run the jobs in each serving process, from its first request."),
     Setting("PURGE_EVERY", timedelta(minutes=5), "The interval of the cleanup job."),

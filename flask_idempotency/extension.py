@@ -191,6 +191,7 @@ class Idempotency(ViewAPI):
         *,
         schema: SchemaArg = None,
         exclude: t.Sequence[str] = (),
+        redact: t.Sequence[str] = (),
         required: bool | None = None,
         ttl: dt.timedelta | float | None = None,
         scope: t.Callable[[], str] | None = None,
@@ -215,6 +216,7 @@ class Idempotency(ViewAPI):
         *,
         schema: SchemaArg = None,
         exclude: t.Sequence[str] = (),
+        redact: t.Sequence[str] = (),
         required: bool | None = None,
         ttl: dt.timedelta | float | None = None,
         scope: t.Callable[[], str] | None = None,
@@ -240,6 +242,9 @@ class Idempotency(ViewAPI):
             pass; its loaded data is what the fingerprint and ``idem.payload`` see.
         :param exclude: field names left out of the fingerprint; dotted for nested
             fields, ``\\.`` for a dot inside a name (``r"client\\.sent_at"``).
+        :param redact: fields never kept in the stored request (``recover=True``),
+            as ``exclude`` names them, and masked by ``show --reveal``; they still
+            count in the fingerprint, which needs ``IDEMPOTENCY_FINGERPRINT_KEY``.
         :param required: a request without a key answers 400 (default
             ``IDEMPOTENCY_REQUIRED``).
         :param ttl: retention of this route's records (default ``IDEMPOTENCY_TTL``).
@@ -296,6 +301,7 @@ class Idempotency(ViewAPI):
         route = route_options(
             schema=schema,
             exclude=exclude,
+            redact=redact,
             required=required,
             ttl=ttl,
             scope=scope,

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import typing as t
@@ -96,6 +97,12 @@ class KombuPublisher:
     confirm, so a broker that stopped answering cannot hold the relay (and its
     rows) for ever.
 
+    ``ssl``: kombu's ``Connection(ssl=...)``, TLS to the broker. ``amqps://``
+    alone verifies the broker's certificate chain against the system's CAs but
+    not its host name (py-amqp checks the name only when given one); pass
+    ``ssl={"server_hostname": None}`` (the URL's host) and ``"ca_certs"``,
+    ``"certfile"``/``"keyfile"`` as needed. See docs/security.md.
+
     ``publish`` raises :class:`~flask_idempotency.relay.BrokerUnavailable`
     (never counted toward parking; the relay ends its batch) when the broker is
     not there to take any message: connecting, logging in or declaring failed
@@ -135,6 +142,7 @@ class KombuPublisher:
         transport_options: dict[str, t.Any] | None = None,
         declare: bool = True,
         timeout: float = 10.0,
+        ssl: bool | dict[str, t.Any] | None = None,
     ) -> None:
         try:
             import kombu
@@ -162,6 +170,7 @@ class KombuPublisher:
         ]
         self.declare = declare
         self.timeout = timeout
+        self.ssl = ssl
         self._connection: t.Any = None
         self._producer: t.Any = None
         self._lock = threading.Lock()
@@ -194,8 +203,14 @@ class KombuPublisher:
     def _ensure(self) -> t.Any:
         if self._producer is None:
             self._blocked = False
+            # Without ssl= the URL decides (amqps:// is TLS); a copy of a dict, as
+            # kombu fills in the server_hostname None stands for on the one it is given.
+            tls = {} if self.ssl is None else {"ssl": copy.copy(self.ssl)}
             self._connection = self._kombu.Connection(
-                self.url, transport_options=self._connection_options(), connect_timeout=self.timeout
+                self.url,
+                transport_options=self._connection_options(),
+                connect_timeout=self.timeout,
+                **tls,
             )
             self._connection.ensure_connection(max_retries=0)  # one try, no sleeping
             self._producer = self._connection.Producer()

@@ -6,6 +6,10 @@ Keyword arguments: ``scope`` and ``key`` always; ``record`` (a
 ``record_completed``; ``fencing_token`` for ``key_claimed`` and
 ``record_completed``; ``name`` and ``result`` for ``step_saved``. The job
 signals carry ``name`` and ``holder``.
+
+A receiver may log what it gets: a record's repr (and an outbox event's) shows
+the sizes of its bodies, never their contents. ``step_saved``'s ``result`` is
+the step's result itself.
 """
 
 from __future__ import annotations

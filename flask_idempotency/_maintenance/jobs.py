@@ -214,7 +214,9 @@ def _rerun(app: Flask, record: Record) -> bool | None:
             method=record.request_method,
             data=record.request_body or b"",
             headers=headers,
-            environ_overrides={RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope)},
+            environ_overrides={
+                RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope, record.request_hash)
+            },
         )
     if response.status_code == 409:
         return None

@@ -31,7 +31,7 @@ _wakers: set[t.Callable[[], None]] = set()
 
 @dataclasses.dataclass(frozen=True)
 class OutboxEvent:
-    """One event as the relay hands it to a publisher."""
+    """One event as the relay hands it to a publisher (its repr shows no payload)."""
 
     id: int
     event_id: str
@@ -44,6 +44,14 @@ class OutboxEvent:
     #: ``tracestate``, ``baggage`` if the app opted in; empty without one). The
     #: relay publishes the event under it and puts the publish's context in ``headers``.
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        # The event signals carry it and a receiver may log it: no payload, no header values.
+        return (
+            f"OutboxEvent(id={self.id}, event_id={self.event_id!r}, topic={self.topic!r}, "
+            f"payload=<{type(self.payload).__name__}>, headers=<{len(self.headers)} headers>, "
+            f"created_at={self.created_at!r}, attempts={self.attempts})"
+        )
 
     @classmethod
     def from_row(cls, row: t.Any) -> OutboxEvent:

@@ -39,8 +39,9 @@ from ..errors import (
     TooLargeToStore,
 )
 from .claim_guard import Reassert
-from .fingerprint import NormalizedRequest, exclude_paths, stored_request_body
+from .fingerprint import NormalizedRequest, exclude_paths
 from .formkeys import form_ignored_fields
+from .redact import kept_request
 from .replay_guard import check_replay
 from .responses import replay_answer
 from .route import RouteOptions
@@ -94,8 +95,9 @@ def claim_values(flow: Flow, fingerprint: str, now: dt.datetime) -> dict[str, t.
     )
     if flow.route.recover:
         # The body as sent, or, if a hook parsed the form first, a faithful
-        # re-encoding of it (with the content type that goes with it).
-        body, content_type = stored_request_body()
+        # re-encoding of it (with the content type that goes with it); without
+        # the fields the route redacts.
+        body, content_type = kept_request(flow.route.schema, flow.route.redact)
         values.update(
             request_method=request.method,
             request_path=request_target(),

@@ -52,6 +52,7 @@ def route_options(
     *,
     schema: SchemaArg,
     exclude: t.Sequence[str],
+    redact: t.Sequence[str],
     required: bool | None,
     ttl: dt.timedelta | float | None,
     scope: t.Callable[[], str] | None,
@@ -76,6 +77,10 @@ def route_options(
         raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
     excluded = tuple(exclude)
     exclude_paths(excluded)  # a wrong name is an error here, not at the first request
+    if isinstance(redact, str):
+        raise TypeError(f"redact must be a list of field names, not the string {redact!r}")
+    redacted = tuple(redact)
+    exclude_paths(redacted, "redact")
     overrides: dict[str, t.Any] = {}
     if required is not None:
         overrides["required"] = _config.as_bool(required, "required")
@@ -132,6 +137,7 @@ def route_options(
         manual=bool(manual),
         optimistic=bool(optimistic),
         overrides=overrides,
+        redact=redacted,
     )
     return route
 

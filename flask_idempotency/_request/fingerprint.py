@@ -1,4 +1,5 @@
-"""The request fingerprint: normalize the payload, then SHA-256.
+"""The request fingerprint: normalize the payload, then SHA-256, or
+HMAC-SHA256 under ``IDEMPOTENCY_FINGERPRINT_KEY`` (over the same bytes).
 
 Two requests have the same fingerprint when they have the same method, path,
 query arguments, media type of the body and normalized payload. An honest retry
@@ -47,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import hmac
 import inspect
 import json
 import typing as t
@@ -250,14 +252,24 @@ def load_payload(schema: Schema | None) -> t.Any:
     return read_body()
 
 
+@functools.lru_cache(maxsize=16)
+def keyed_hmac(key: bytes) -> hmac.HMAC:
+    """The HMAC-SHA256 of ``key`` before any input, built once per key: each
+    fingerprint ``.copy()``-s it rather than hashing the key's pads again."""
+    return hmac.new(key, digestmod="sha256")
+
+
 def compute(
     method: str,
     path: str,
     query: t.Iterable[tuple[str, str]],
     payload: bytes,
     mimetype: str | None = None,
+    *,
+    key: bytes | None = None,
 ) -> str:
-    """SHA-256 (hex) of method, path, query arguments, media type and payload bytes.
+    """SHA-256 (hex) of method, path, query arguments, media type and payload
+    bytes; with ``key`` (``IDEMPOTENCY_FINGERPRINT_KEY``), HMAC-SHA256 of the same.
 
     Query arguments are sorted by name only: each name keeps its values in the
     order given. ``mimetype`` is the body's media type (``None`` without a body).
@@ -265,7 +277,12 @@ def compute(
     ordered = sorted(query, key=lambda pair: pair[0])
     # A JSON array ends where it ends: no part can run into the next one.
     head = json.dumps([method.upper(), path, ordered, mimetype], separators=(",", ":"))
-    digest = hashlib.sha256(head.encode("ascii"))
+    digest: hmac.HMAC | hashlib._Hash
+    if key is None:
+        digest = hashlib.sha256(head.encode("ascii"))
+    else:
+        digest = keyed_hmac(key).copy()
+        digest.update(head.encode("ascii"))
     digest.update(b"\x00")
     digest.update(payload)
     return digest.hexdigest()
@@ -295,34 +312,38 @@ class NormalizedRequest:
     schema: Schema | None = dataclasses.field(default=None, repr=False, compare=False)
     raw: t.Any = dataclasses.field(default=None, repr=False, compare=False)
     payload: t.Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: The fingerprint's key (``IDEMPOTENCY_FINGERPRINT_KEY``); ``None``: SHA-256.
+    key: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def fingerprint(self, path: str) -> str:
         """The hash of this request as sent to ``path``."""
-        return compute(self.method, path, self.query, self.body, self.mimetype)
+        return compute(self.method, path, self.query, self.body, self.mimetype, key=self.key)
 
     def renormalized(
         self, exclude: t.Iterable[str], form_ignored: t.Collection[str] = ()
     ) -> NormalizedRequest:
         """This request normalized with other excluded (and ignored form) fields,
-        under the same schema: the payload is not loaded again."""
-        return _normalize(self.schema, self.raw, self.payload, exclude, form_ignored)
+        under the same schema (and key): the payload is not loaded again."""
+        return _normalize(self.schema, self.raw, self.payload, exclude, form_ignored, self.key)
 
 
 def normalize_request(
     schema: Schema | None,
     exclude: t.Iterable[str],
     form_ignored: t.Collection[str] = (),
+    key: bytes | None = None,
 ) -> tuple[t.Any, NormalizedRequest]:
     """Load the current request's payload and normalize it: ``(payload, normalized)``.
 
     ``form_ignored`` names the fields of a form body that never count (the
-    form's key, the CSRF token: both change with each rendering of one form)."""
+    form's key, the CSRF token: both change with each rendering of one form).
+    ``key``: the fingerprint's (``IDEMPOTENCY_FINGERPRINT_KEY``), if any."""
     if schema is not None:
         raw = read_json_body()
         payload = _load(schema, raw)
     else:
         raw = payload = load_payload(None)
-    return payload, _normalize(schema, raw, payload, exclude, form_ignored)
+    return payload, _normalize(schema, raw, payload, exclude, form_ignored, key)
 
 
 def _normalize(
@@ -331,6 +352,7 @@ def _normalize(
     payload: t.Any,
     exclude: t.Iterable[str],
     form_ignored: t.Collection[str],
+    key: bytes | None = None,
 ) -> NormalizedRequest:
     paths = exclude_paths(exclude)
     if schema is not None:
@@ -354,7 +376,14 @@ def _normalize(
     query = tuple((k, v) for k, values in request.args.lists() for v in values)
     mimetype = request.mimetype if normalized else None
     return NormalizedRequest(
-        request.method, query, normalized, mimetype, schema=schema, raw=raw, payload=payload
+        request.method,
+        query,
+        normalized,
+        mimetype,
+        schema=schema,
+        raw=raw,
+        payload=payload,
+        key=key,
     )
 
 
@@ -364,12 +393,13 @@ def request_fingerprint(
     form_ignored: t.Collection[str] = (),
     *,
     path: str | None = None,
+    key: bytes | None = None,
 ) -> tuple[t.Any, str]:
     """Load the current request's payload and fingerprint it: ``(payload, hash)``.
 
-    ``form_ignored`` as for :func:`normalize_request`. ``path``: the hash as if
-    the same request had been sent to that path; default the request's own."""
-    payload, normalized = normalize_request(schema, exclude, form_ignored)
+    ``form_ignored`` and ``key`` as for :func:`normalize_request`. ``path``: the
+    hash as if the same request had been sent to that path; default the request's own."""
+    payload, normalized = normalize_request(schema, exclude, form_ignored, key)
     return payload, normalized.fingerprint(request.path if path is None else path)
 
 

@@ -141,9 +141,12 @@ class Flow:
         if form_token is not None and recovery is None:
             check_binding(form_token, scope)
         payload, self.normalized = normalize_request(
-            route.schema, route.exclude, form_ignored_fields(settings)
+            route.schema, route.exclude, form_ignored_fields(settings), settings.fingerprint_key
         )
         fingerprint = self.normalized.fingerprint(request.path)
+        if recovery is not None and route.redact and recovery.request_hash is not None:
+            # The record's own request, kept without the redacted fields.
+            fingerprint = recovery.request_hash
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )

@@ -98,18 +98,19 @@ def form_fields() -> dict[str, list[t.Any]] | None:
 # -- the stored request -------------------------------------------------------------
 
 
-def stored_request_body() -> tuple[bytes, str | None]:
+def stored_request_body(drop: t.Collection[str] = ()) -> tuple[bytes, str | None]:
     """The body and content type to store for the recovery job's re-run.
 
     The body as sent when the extension could read it; when something parsed
-    the form first, a re-encoding of the parsed fields and files.
+    the form first, or a form has fields named in ``drop`` (redacted), a
+    re-encoding of the parsed fields and files, without those.
     """
     body = read_body()
-    if not consumed():
+    if not consumed() and not (drop and is_form() and _has_any(drop)):
         return body, request.content_type
     if request.mimetype == MULTIPART:
-        return _multipart()
-    pairs = list(request.form.items(multi=True))
+        return _multipart(drop)
+    pairs = [(name, value) for name, value in request.form.items(multi=True) if name not in drop]
     # "&" is a body that parses to no field: it fingerprints as the form it stands for.
     return urllib.parse.urlencode(pairs).encode("ascii") or b"&", URLENCODED
 
@@ -122,12 +123,21 @@ def _parameter(name: str, value: str | None) -> bytes:
     return f"; {name}*=UTF-8''{urllib.parse.quote(value, safe='')}".encode("ascii")
 
 
-def _parts() -> list[tuple[bytes, bytes]]:
-    """Each part of the form as (headers, content)."""
+def _has_any(names: t.Collection[str]) -> bool:
+    """Whether the parsed form has a field or file of one of ``names``."""
+    return any(name in request.form or name in request.files for name in names)
+
+
+def _parts(drop: t.Collection[str]) -> list[tuple[bytes, bytes]]:
+    """Each part of the form as (headers, content), but those named in ``drop``."""
     parts = []
     for name, value in request.form.items(multi=True):
+        if name in drop:
+            continue
         parts.append((b"Content-Disposition: form-data" + _parameter("name", name), value.encode()))
     for name, storage in request.files.items(multi=True):
+        if name in drop:
+            continue
         stream = storage.stream
         start = stream.tell()
         stream.seek(0)
@@ -144,8 +154,8 @@ def _parts() -> list[tuple[bytes, bytes]]:
     return parts
 
 
-def _multipart() -> tuple[bytes, str]:
-    parts = _parts()
+def _multipart(drop: t.Collection[str] = ()) -> tuple[bytes, str]:
+    parts = _parts(drop)
     while True:  # a boundary that occurs in no part (the first one, in practice)
         boundary = f"flask-idempotency-{uuid.uuid4().hex}"
         delimiter = b"--" + boundary.encode("ascii")

@@ -14,27 +14,28 @@ Path = tuple[str, ...]
 # -- excluded fields --------------------------------------------------------------
 
 
-def exclude_paths(exclude: t.Iterable[str]) -> tuple[Path, ...]:
+def exclude_paths(exclude: t.Iterable[str], option: str = "exclude") -> tuple[Path, ...]:
     r"""The paths ``exclude`` names: each name split at its dots, where ``\.`` is a
     dot inside a name and ``\\`` a backslash (``r"client\.sent_at"`` is one name).
 
     Raises ``TypeError`` for anything but a collection of strings, and
-    ``ValueError`` for a backslash before anything else.
+    ``ValueError`` for a backslash before anything else; the errors name
+    ``option`` (``redact`` takes its paths the same way).
     """
     if isinstance(exclude, str):
-        raise TypeError(f"exclude must be a list of field names, not the string {exclude!r}")
+        raise TypeError(f"{option} must be a list of field names, not the string {exclude!r}")
     names = tuple(exclude)
     if not all(isinstance(name, str) for name in names):
-        raise TypeError(f"exclude must be a list of field names, not {names!r}")
-    return _parsed_paths(names)
+        raise TypeError(f"{option} must be a list of field names, not {names!r}")
+    return _parsed_paths(names, option)
 
 
 @functools.lru_cache(maxsize=512)
-def _parsed_paths(names: tuple[str, ...]) -> tuple[Path, ...]:
-    return tuple(_split_path(name) for name in names)
+def _parsed_paths(names: tuple[str, ...], option: str) -> tuple[Path, ...]:
+    return tuple(_split_path(name, option) for name in names)
 
 
-def _split_path(name: str) -> Path:
+def _split_path(name: str, option: str) -> Path:
     parts: list[str] = []
     current: list[str] = []
     chars = iter(name)
@@ -43,7 +44,7 @@ def _split_path(name: str) -> Path:
             escaped = next(chars, "")
             if escaped not in (".", "\\"):
                 raise ValueError(
-                    f"exclude name {name!r} has an unknown escape: write \\. for a dot "
+                    f"{option} name {name!r} has an unknown escape: write \\. for a dot "
                     "inside a name and \\\\ for a backslash"
                 )
             current.append(escaped)

@@ -8,6 +8,7 @@ import typing as t
 from marshmallow import Schema
 
 from .._config import Settings, check_retention
+from .._secrets import MAKE_ONE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,6 +27,8 @@ class RouteOptions:
     overrides: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
     #: The decorated view (module and name), for errors about this route.
     view_name: str = "a view"
+    #: Fields never kept in the stored request (``redact=``), as written.
+    redact: tuple[str, ...] = ()
 
     def settings_for(self, app_settings: Settings) -> Settings:
         """The app's settings with this route's overrides; validated.
@@ -37,7 +40,16 @@ class RouteOptions:
         lease only counts after the view commits in the middle of its run, and a
         record held under a live lease never counts as expired (whatever its
         ttl, ``Record.is_expired``), so no retry starts beside it either way.
+        A route with ``redact=`` needs ``IDEMPOTENCY_FINGERPRINT_KEY``: the
+        redacted fields count in the fingerprint, which must not be guessable.
         """
+        if self.redact and app_settings.fingerprint_key is None:
+            raise ValueError(
+                f"@idem.idempotent on {self.view_name}: redact= needs IDEMPOTENCY_FINGERPRINT_KEY."
+                " The redacted fields still count in the request's fingerprint, and an unkeyed"
+                " SHA-256 of them could be confirmed by guessing; make a key with: "
+                f"{MAKE_ONE}"
+            )
         if not self.overrides:
             return app_settings
         settings = dataclasses.replace(app_settings, **self.overrides)

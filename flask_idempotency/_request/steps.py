@@ -45,6 +45,9 @@ class RecoveryRun:
     """Marks a request the recovery job re-runs for an abandoned record."""
 
     scope: str
+    #: The record's fingerprint: its kept request, without the fields the
+    #: route redacts, no longer hashes to it.
+    request_hash: str | None = None
 
 
 logger = logging.getLogger("flask_idempotency")
@@ -140,7 +143,9 @@ def _mark_unstored(
         state.key,
         state.scope,
         problem,
-        exc_info=exc,
+        # Not for a refusal for size: its cause, SQLAlchemy's error, carries the
+        # statement's parameters (the result itself) into the traceback.
+        exc_info=None if isinstance(exc, TooLargeToStore) else exc,
     )
     points = {**state.recovery_points, name: unstored_mark(why)}
     _fenced(state, name, points)

@@ -203,7 +203,8 @@ def is_unstored(saved: t.Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One row of ``idempotency_keys``, as read."""
+    """One row of ``idempotency_keys``, as read. Its repr shows the sizes of the
+    bodies, headers, stored request and recovery points, never their contents."""
 
     scope: str
     key: str
@@ -232,6 +233,23 @@ class Record:
     #: return such a record, with those fields empty; a request that meets
     #: one answers 500 ``record-unreadable`` instead.
     unreadable: str | None = None
+
+    def __repr__(self) -> str:
+        # Signals carry records, and a receiver may log them: bodies, header
+        # values, the stored request and recovery points show as sizes only.
+        def size(value: bytes | None) -> str:
+            return "None" if value is None else f"<{len(value)} bytes>"
+
+        return (
+            f"Record(scope={self.scope!r}, key={self.key!r}, status={self.status!r}, "
+            f"fencing_token={self.fencing_token}, response_code={self.response_code}, "
+            f"response_headers=<{len(self.response_headers)} headers>, "
+            f"response_body={size(self.response_body)}, body_omitted={self.body_omitted}, "
+            f"recovery_points=<{len(self.recovery_points)} steps>, "
+            f"request_method={self.request_method!r}, request_body={size(self.request_body)}, "
+            f"created_at={self.created_at!r}, completed_at={self.completed_at!r}, "
+            f"expires_at={self.expires_at!r}, locked_until={self.locked_until!r})"
+        )
 
     @property
     def view_committed(self) -> bool:

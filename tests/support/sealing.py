@@ -27,6 +27,15 @@ def sealed_config(*keys: str) -> dict[str, t.Any]:
     return found
 
 
+def fingerprint_config() -> dict[str, t.Any]:
+    """:func:`sealed_config` without the keys: the keyed fingerprint alone (a
+    record written so replays once encryption is turned on: changing the
+    fingerprint's key, not sealing, is what turns a retry into a mismatch)."""
+    found = sealed_config()
+    del found["IDEMPOTENCY_ENCRYPTION_KEYS"]
+    return found
+
+
 def _text(value: t.Any) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("latin-1")

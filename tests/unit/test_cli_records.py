@@ -14,6 +14,7 @@ import pytest
 from flask import Flask
 
 from tests.conftest import Clock, ledger_count, record_rows
+from tests.support.redact_app import MARKER, SCOPE, make_app
 from tests.support.scopes import basic_scope
 
 ENDPOINT = "t.scope_charge"
@@ -188,3 +189,54 @@ def test_release_leaves_alone_a_record_that_completed_during_the_prompt(
     retry = app.test_client().post("/slow-charge", json={}, headers={"Idempotency-Key": "stuck"})
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert ledger_count(app, "slow-charge") == 1
+
+
+# -- show prints no contents unless asked (issue 27) --------------------------------
+
+
+def test_show_prints_no_contents_without_reveal_and_masks_redacted_fields_with_it(
+    fresh_database: str, clock: Clock
+) -> None:
+    """A completed record whose answer echoes a redacted card number, and one
+    in progress that kept its request: without --reveal nothing of either body,
+    header value, recovery point or stored request; with it, all of them, the
+    redacted paths masked wherever the content is JSON."""
+    made = make_app(fresh_database, clock=clock)
+    made.app.config["PROPAGATE_EXCEPTIONS"] = False
+    client = made.app.test_client()
+    card = {"amount": 5, "card": {"number": MARKER, "exp": "12/30"}, "cvc": MARKER}
+    headers = {"Idempotency-Key": "done"}
+    assert client.post("/pay", json=card, headers=headers).status_code == 201
+    crashed = {"Idempotency-Key": "crashed", "X-Crash": "1"}
+    assert client.post("/pay", json=card, headers=crashed).status_code == 500
+
+    for key in ("done", "crashed"):
+        hidden = cli(made.app, "show", SCOPE, key)
+        assert hidden.exit_code == 0, hidden.output
+        assert MARKER not in hidden.output
+        assert "visa" not in hidden.output  # the step's result
+        shown = json.loads(hidden.output)
+        assert shown["revealed"] is False
+        assert shown["recovery_point_names"] == ["received"]
+        assert not {"response_body", "response_headers", "recovery_points", "request_body"} & set(
+            shown
+        )
+
+    done = json.loads(cli(made.app, "show", SCOPE, "done").output)
+    assert done["response_body_bytes"] > 0
+    assert done["response_header_names"] == ["Content-Type"]
+
+    revealed = cli(made.app, "show", SCOPE, "done", "--reveal")
+    assert revealed.exit_code == 0, revealed.output
+    assert MARKER not in revealed.output
+    shown = json.loads(revealed.output)
+    assert json.loads(shown["response_body"]) == {"charged": 5, "card": {"number": "[redacted]"}}
+    assert shown["response_headers"] == [["Content-Type", "application/json"]]
+    assert shown["recovery_points"] == {
+        "received": {"card": {"number": "[redacted]", "brand": "visa"}}
+    }
+
+    stored = json.loads(cli(made.app, "show", SCOPE, "crashed", "--reveal").output)
+    assert MARKER not in json.dumps(stored)
+    assert stored["request_path"] == "/pay"
+    assert json.loads(stored["request_body"]) == {"amount": 5, "card": {"exp": "12/30"}}

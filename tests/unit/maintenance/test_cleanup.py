@@ -162,7 +162,9 @@ def test_cli_show(app: Flask, client: t.Any) -> None:
     shown = json.loads(result.output)
     assert shown["status"] == "completed"
     assert shown["response_code"] == 201
-    assert json.loads(shown["response_body"])["amount"] == 1
+    assert "response_body" not in shown  # contents only with --reveal
+    revealed = json.loads(cli(app, "show", record["scope"], "shown", "--reveal").output)
+    assert json.loads(revealed["response_body"])["amount"] == 1
     missing = cli(app, "show", record["scope"], "nope")
     assert missing.exit_code == 1
     assert "no record" in missing.output

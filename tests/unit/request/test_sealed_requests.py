@@ -20,7 +20,13 @@ from tests.conftest import Clock, ledger_count, record_rows
 from tests.support import testapp
 from tests.support.flow import assert_problem, post
 from tests.support.records import cli
-from tests.support.sealing import KEY_A, KEY_B, clear_in_rows, sealed_config
+from tests.support.sealing import (
+    KEY_A,
+    KEY_B,
+    clear_in_rows,
+    fingerprint_config,
+    sealed_config,
+)
 
 
 def _marker() -> str:
@@ -144,7 +150,8 @@ def test_a_record_from_before_encryption_replays_and_old_keys_still_open(
     make_app: t.Callable[..., Flask],
 ) -> None:
     calls: list[str] = []
-    clear = _app(make_app, calls)
+    # Written in clear, under the fingerprint's key (set first, see docs/encryption.md).
+    clear = _app(make_app, calls, **fingerprint_config())
     first = post(clear.test_client(), "/sealed-echo", {"note": "before"}, key="old")
     sealed = _app(make_app, calls, **sealed_config(KEY_A))
     client = sealed.test_client()

@@ -156,6 +156,10 @@ def test_a_step_result_larger_than_the_database_takes_is_not_stored(
     doc = assert_problem(first, 500)
     assert doc["type"].endswith("step-not-stored")
     assert [r for r in caplog.records if "larger than the database takes" in r.getMessage()]
+    # The error line names the step, never its result (the statement's
+    # parameters, in the text of SQLAlchemy's error that caused the refusal).
+    assert "receipt" not in caplog.text
+    assert "x" * 50 not in caplog.text
     clock.advance(seconds=31)  # past the lease: the retry resumes the record
     again = client.post("/charge-object", json={}, headers={"Idempotency-Key": "k"})
     assert assert_problem(again, 500)["type"].endswith("step-not-stored")

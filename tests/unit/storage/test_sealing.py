@@ -22,7 +22,7 @@ from flask_idempotency._storage import (
     seal,
     text_param,
 )
-from tests.support.sealing import KEY_A, KEY_B
+from tests.support.sealing import FINGERPRINT_SECRET, KEY_A, KEY_B, sealed_config
 from tests.support.storage import HOUR, SCOPE, Impl, claimed, new_key, now_ms, record_values
 
 MARK = f"MARK-{uuid.uuid4().hex}"
@@ -189,8 +189,10 @@ TEXT_A, TEXT_B = KEY_A.split(":", 1)[1], KEY_B.split(":", 1)[1]
 
 
 def _settings(keys: t.Any) -> Settings:
-    values = {name: setting for name, setting in config.DEFAULTS.items()}
-    return Settings.from_mapping({**values, "ENCRYPTION_KEYS": keys})
+    values = {**config.DEFAULTS, "ENCRYPTION_KEYS": keys}
+    if "FINGERPRINT_KEY" in config.DEFAULTS:  # required beside encryption keys
+        values["FINGERPRINT_KEY"] = FINGERPRINT_SECRET
+    return Settings.from_mapping(values)
 
 
 @pytest.mark.parametrize(
@@ -237,12 +239,11 @@ def test_init_app_refuses_a_bad_key(tmp_path: t.Any) -> None:
 
     with pytest.raises(ValueError, match="IDEMPOTENCY_ENCRYPTION_KEYS, key 'a'"):
         testapp.create_app(
-            f"sqlite:///{tmp_path / 'bad.sqlite3'}", IDEMPOTENCY_ENCRYPTION_KEYS=["a:too-short"]
+            f"sqlite:///{tmp_path / 'bad.sqlite3'}",
+            **{**sealed_config(), "IDEMPOTENCY_ENCRYPTION_KEYS": ["a:too-short"]},
         )
     # Out of the store's hot path: the keyring is built once, at init_app.
-    app = testapp.create_app(
-        f"sqlite:///{tmp_path / 'good.sqlite3'}", IDEMPOTENCY_ENCRYPTION_KEYS=[KEY_A]
-    )
+    app = testapp.create_app(f"sqlite:///{tmp_path / 'good.sqlite3'}", **sealed_config(KEY_A))
     store = app.extensions["idempotency"].store
     assert store.keyring is not None
     assert store.keyring.current == "a"
