@@ -72,6 +72,7 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "forms": ("flask_wtf", "flask_idempotency.forms"),
     "openapi": ("apispec", "flask_idempotency.openapi"),
     "bench": ("matplotlib", "opentelemetry.sdk", "opentelemetry.exporter.prometheus"),
+    "crypto": ("cryptography.hazmat.primitives.ciphers.aead",),
 }
 #: The other distributions a line names, with the module each provides.
 PACKAGE_IMPORTS = {
