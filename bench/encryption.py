@@ -5,10 +5,9 @@ client: no network, so what shows is the request's own work and its database
 round trips) on SQLite (a file) and on a private PostgreSQL cluster through
 psycopg2 and psycopg 3, with a route answering a 1 KiB and a 64 KiB body. Two
 apps on the same database, one with ``IDEMPOTENCY_ENCRYPTION_KEYS`` and one
-without, run side by side in each round (their order alternating): a block of
-new keys, then the same keys again (replays), off and on one right after the
-other (their order alternating). The cost is the median, over those pairs, of
-the pair's ratio: drift on a shared machine hits both sides of a pair alike.
+without, run side by side in each round: new keys, then the same keys again
+(replays), off and on alternating request by request, so that the load of a
+shared machine falls on both alike. The cost is the ratio of the median requests.
 
 It also times sealing and opening one value alone (the work a new key and a
 replay add), to say where the cost goes. It writes its section of
@@ -65,33 +64,32 @@ def _apps(url: str) -> dict[str, Flask]:
     return made
 
 
-def _block(client: t.Any, size: int, keys: list[str]) -> float:
-    started = time.perf_counter()
-    for key in keys:
-        response = client.post(
-            f"/answer/{size}", json={"amount": 1}, headers={"Idempotency-Key": key}
-        )
-        assert response.status_code == 201, response.get_data(as_text=True)[:200]
-    return (time.perf_counter() - started) / len(keys)
+def _one(client: t.Any, size: int, key: str) -> tuple[float, float]:
+    """Seconds of one request: wall time, and this process's CPU time."""
+    started, cpu = time.perf_counter(), time.process_time()
+    response = client.post(f"/answer/{size}", json={"amount": 1}, headers={"Idempotency-Key": key})
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    assert response.status_code == 201, response.get_data(as_text=True)[:200]
+    return wall, cpu
 
 
-def measure_engine(url: str, rounds: int, n: int, blocks: int) -> dict[str, list[float]]:
-    """µs per request of each block, by ``"size mode new|replay"``, in run order:
-    the i-th "off" and the i-th "on" block of a case ran one right after the other
-    (their order alternating), so their ratio is taken under the same load."""
+def measure_engine(url: str, rounds: int, n: int) -> dict[str, list[float]]:
+    """µs of each request, by ``"size mode new|replay"`` (and ``... cpu``): off and
+    on alternate request by request (which goes first alternating too), so the
+    load of a shared machine falls on both alike; each round sends ``n`` new keys
+    to each app, then the same keys again (replays)."""
     apps = _apps(url)
     clients = {mode: apps[mode].test_client() for mode in MODES}
     figures: dict[str, list[float]] = {}
-    turn = 0
     for _ in range(rounds):
         for label, size in SIZES.items():
-            for _ in range(blocks):
-                turn += 1
-                for mode in MODES if turn % 2 else MODES[::-1]:
-                    keys = [uuid.uuid4().hex for _ in range(n)]
-                    for kind in ("new", "replay"):
-                        spent = _block(clients[mode], size, keys) * 1e6
-                        figures.setdefault(f"{label} {mode} {kind}", []).append(spent)
+            keys = {mode: [uuid.uuid4().hex for _ in range(n)] for mode in MODES}
+            for kind in ("new", "replay"):
+                for i in range(n):
+                    for mode in MODES if i % 2 else MODES[::-1]:
+                        wall, cpu = _one(clients[mode], size, keys[mode][i])
+                        figures.setdefault(f"{label} {mode} {kind}", []).append(wall * 1e6)
+                        figures.setdefault(f"{label} {mode} {kind} cpu", []).append(cpu * 1e6)
     for app in apps.values():
         with app.app_context():
             testapp.db.engine.dispose()
@@ -133,18 +131,15 @@ def measure(cluster: t.Any, args: argparse.Namespace) -> dict[str, t.Any]:
         }
         for engine in args.engines.split(","):
             harness.say(f"{engine}: {args.rounds} rounds")
-            results["engines"][engine] = measure_engine(
-                urls[engine], args.rounds, args.requests, args.blocks
-            )
+            results["engines"][engine] = measure_engine(urls[engine], args.rounds, args.requests)
     return results
 
 
 def _cost(figures: dict[str, list[float]], label: str, kind: str) -> tuple[float, float, float]:
-    """Median µs off, on, and the median over the pairs of blocks run side by
-    side of the cost (on / off - 1)."""
-    off, on = figures[f"{label} off {kind}"], figures[f"{label} on {kind}"]
-    cost = statistics.median(b / a - 1 for a, b in zip(off, on, strict=True))
-    return statistics.median(off), statistics.median(on), cost
+    """Median µs of a request off and on, and the cost: on / off - 1."""
+    off = statistics.median(figures[f"{label} off {kind}"])
+    on = statistics.median(figures[f"{label} on {kind}"])
+    return off, on, on / off - 1
 
 
 def section(results: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace) -> list[str]:
@@ -154,11 +149,15 @@ def section(results: dict[str, t.Any], facts: harness.Facts, args: argparse.Name
         for label in SIZES:
             for kind in ("new", "replay"):
                 off, on, cost = _cost(figures, label, kind)
+                cpu_off, cpu_on, cpu_cost = _cost(figures, label, f"{kind} cpu")
                 rows.append(
                     f"| {engine} | {label} | {'new key' if kind == 'new' else 'replay'} | "
-                    f"{off:,.0f} | {on:,.0f} | {cost * 100:+.1f} % |"
+                    f"{off:,.0f} | {on:,.0f} | {cost * 100:+.1f} % | "
+                    f"{cpu_off:,.0f} | {cpu_on:,.0f} | {cpu_on - cpu_off:+,.0f} | "
+                    f"{cpu_cost * 100:+.1f} % |"
                 )
                 data[f"{engine} {label} {kind}"] = round(cost, 4)
+                data[f"{engine} {label} {kind} cpu"] = round(cpu_cost, 4)
     alone = [
         f"| {label} | {sealed:.1f} | {opened:.1f} |"
         for label, (sealed, opened) in results["alone"].items()
@@ -167,16 +166,18 @@ def section(results: dict[str, t.Any], facts: harness.Facts, args: argparse.Name
         "## Encryption at rest (`python -m bench.encryption`)",
         "",
         *facts.lines(),
-        f"* in-process (Flask's test client), {args.rounds} rounds of {args.blocks} blocks "
-        f"of {args.requests} requests per case; the route writes a ledger row and answers "
-        "the body (JSON); off and on are two apps on the same database, their blocks run "
-        "in pairs, one right after the other, the order alternating",
+        f"* in-process (Flask's test client), {args.rounds} rounds of {args.requests} "
+        "requests per case and app; the route writes a ledger row and answers the body "
+        "(JSON); off and on are two apps on the same database, their requests alternating "
+        "one by one (which goes first alternating too)",
         "",
-        "µs per request (median of the blocks) and the cost of encryption (median over the",
-        "pairs of blocks of on / off - 1):",
+        "µs per request (the median request) and the cost of encryption (on / off - 1), in",
+        "wall time and in the app process's CPU time (SQLite runs in it; PostgreSQL's own",
+        "work does not count there):",
         "",
-        "| engine | body | request | off µs | on µs | cost |",
-        "|---|---|---|---:|---:|---:|",
+        "| engine | body | request | off µs | on µs | cost | CPU off µs | CPU on µs | "
+        "+CPU µs | CPU cost |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "One value sealed and opened alone (µs, the fastest of 5 loops; AES-256-GCM under",
@@ -197,16 +198,16 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
     harness.common_options(parser)
-    parser.add_argument("--rounds", type=int, help="rounds (default 7; quick 1)")
-    parser.add_argument("--requests", type=int, help="requests per block (default 50; quick 5)")
-    parser.add_argument("--blocks", type=int, help="blocks per case and round (default 6; quick 1)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 5; quick 1)")
+    parser.add_argument(
+        "--requests", type=int, help="requests per case, app and round (default 300; quick 5)"
+    )
     parser.add_argument(
         "--engines", default="sqlite,postgresql,psycopg", help="any of sqlite,postgresql,psycopg"
     )
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 7)
-    args.requests = args.requests or (5 if args.quick else 50)
-    args.blocks = args.blocks or (1 if args.quick else 6)
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    args.requests = args.requests or (5 if args.quick else 300)
     return harness.run_section(NAME, argv, args, lambda cluster: measure(cluster, args), section)
 
 
