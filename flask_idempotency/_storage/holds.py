@@ -107,10 +107,13 @@ class Hold(enum.Enum):
                 "longer store its answer or steps (it is answered lease-lost), and the "
                 "next retry runs the operation again"
             )
+        steps = ", ".join(sorted(record.recovery_points)) or "none, derived keys handed out"
+        held = f"{len(record.recovery_points)} step(s) {steps}"
+        if record.unreadable is not None:  # sealed, and they do not open here
+            held = "sealed, unreadable"
         given_up = (
-            f"recovery-points ({len(record.recovery_points)} step(s) "
-            f"{', '.join(sorted(record.recovery_points)) or 'none, derived keys handed out'}): "
-            "the next retry starts the operation afresh with new derived keys"
+            f"recovery-points ({held}): the next retry starts the operation afresh with "
+            "new derived keys"
         )
         unstored = record.unstored_steps
         if not unstored:

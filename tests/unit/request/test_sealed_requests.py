@@ -256,3 +256,9 @@ def test_the_job_and_the_cli_report_an_unreadable_record_and_go_on(
     assert "key id 'a'" in shown.output
     assert marker not in shown.output
     assert "Traceback" not in shown.output + listed.output
+    # The operator may still release the unreadable operation kept for its retry.
+    [kept] = [row for row in record_rows(later) if row["key"] == "k1"]
+    released = cli(later, "release", kept["scope"], "k1", "--override", "recovery-points", "--yes")
+    assert released.exit_code == 0, released.output
+    assert "recovery-points (sealed, unreadable)" in released.output
+    assert [row["key"] for row in record_rows(later)] == ["k2"]
