@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import hashlib
+import functools
 import hmac
 import os
 import typing as t
@@ -64,11 +64,20 @@ def _aead() -> t.Any:
     return AESGCM
 
 
+def _framed(part: bytes) -> bytes:
+    return len(part).to_bytes(4, "big") + part
+
+
+@functools.lru_cache(maxsize=64)
+def _place(table: str, column: str) -> bytes:
+    # The same for every value of a column: framed once, not per value.
+    return _framed(_AAD_VERSION) + _framed(table.encode()) + _framed(column.encode())
+
+
 def associated_data(table: str, column: str, *identity: str) -> bytes:
     """What binds a sealed value to its place: the table, the column and the
     row's identity, each length-prefixed (no two places share a byte string)."""
-    parts = [_AAD_VERSION, table.encode(), column.encode(), *(i.encode() for i in identity)]
-    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return _place(table, column) + b"".join(_framed(i.encode()) for i in identity)
 
 
 def is_sealed(value: str | bytes | bytearray | memoryview | None) -> bool:
@@ -127,7 +136,8 @@ class Keyring:
         return kid in self._by_id  # type: ignore[attr-defined]
 
     def _cipher(self, key: bytes, salt: bytes) -> t.Any:
-        subkey = hmac.new(key, _SUBKEY + salt, hashlib.sha256).digest()
+        # hmac.digest: OpenSSL's one-shot HMAC, without the Python object of hmac.new.
+        subkey = hmac.digest(key, _SUBKEY + salt, "sha256")
         return self._aead(subkey)  # type: ignore[attr-defined]
 
     def _seal_raw(self, data: bytes, aad: bytes) -> tuple[str, bytes]:
