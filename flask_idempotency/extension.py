@@ -23,7 +23,7 @@ from ._context import (
     resolve_app,
     watch_pooled_engines,
 )
-from ._maintenance import gauges, health, readiness_http
+from ._maintenance import erasure, gauges, health, readiness_http
 from ._maintenance.gauges import KeyStats
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
@@ -376,6 +376,18 @@ class Idempotency(ViewAPI):
         :func:`flask_idempotency.relay.outbox_stats`.
         """
         return gauges.key_stats(resolve_app())
+
+    def erase(
+        self, scope: str, key: str | None = None, *, batch: int | None = None
+    ) -> erasure.ErasureReport:
+        """Erase what is kept of a caller's operations: every record of ``scope``, or
+        only ``key``'s, and the outbox events they emitted (docs/erasure.md). Each
+        record becomes a tombstone until it expires (a retry gets 410 ``key-erased``):
+        response, recovery points, kept request and fingerprint gone. A record under
+        a live lease and a pending event are skipped and counted. ``batch`` rows per
+        short transaction (default ``IDEMPOTENCY_PURGE_BATCH``). Idempotent; returns
+        a :class:`~flask_idempotency.jobs.ErasureReport`. Call in an app context."""
+        return erasure.erase(resolve_app(), scope, key, batch=batch)
 
     def readiness_view(self) -> Response:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.
