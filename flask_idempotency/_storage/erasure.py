@@ -86,6 +86,9 @@ def erase_records(
     now, as settling it would have kept its answer.
     """
     c = table.c
+    # SQLite: its one write lock first, so that the batch waits here for a
+    # writer rather than failing at its update after reading.
+    dialect_for(conn.dialect.name).lock_writers(conn, table, "status")
     where = [c.scope == text_param("w_scope", scope), c.status != ERASED]
     if key is not None:
         where.append(c.key == text_param("w_key", key))
@@ -173,6 +176,7 @@ def erase_events(
     pending one is skipped and counted (the relay must publish it first).
     ``trace_context=False``: the table has no such column (an earlier release's)."""
     c = table.c
+    dialect_for(conn.dialect.name).lock_writers(conn, table, "attempts")
     owned = [c[OWNER_SCOPE] == text_param("w_scope", scope)]
     if key is not None:
         owned.append(c[OWNER_KEY] == text_param("w_key", key))

@@ -296,3 +296,29 @@ def test_concurrent_traffic_while_erasing_never_loses_a_completion(
         if code == 201:
             assert_problem(tenant(app.test_client(), "c", key), 410)
     assert sum(ledger.values()) == ledger_count(app, "tenant")
+
+
+def test_a_form_sent_again_after_erasure_gets_a_page_for_a_visitor(
+    database_url: str, clock: Clock
+) -> None:
+    from tests.support import formapp
+    from tests.unit.request.test_form_keys import BROWSER_ACCEPT, fields, records, rendered_key
+
+    shop = formapp.create_app(database_url, clock)
+    try:
+        browser = shop.test_client()
+        key = rendered_key(browser.get("/checkout").text)
+        assert browser.post("/checkout", data=fields(key)).status_code == 303
+        [(scope, stored_key)] = records(shop)
+        with shop.app_context():
+            idem = shop.extensions["form_test"]["idem"]
+            assert idem.erase(scope, stored_key).erased == 1
+        again = browser.post("/checkout", data=fields(key), headers={"Accept": BROWSER_ACCEPT})
+        assert again.status_code == 410
+        assert again.mimetype == "text/html"
+        assert "erased" in again.text
+        assert "reload the page to start anew" in again.text
+        assert formapp.order_count(shop) == 1
+    finally:
+        with shop.app_context():
+            shop.extensions["form_test"]["db"].engine.dispose()
