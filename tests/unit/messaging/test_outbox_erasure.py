@@ -112,3 +112,51 @@ def test_a_retry_of_an_erased_operation_emits_nothing(app: Flask) -> None:
     with app.app_context(), outbox_app.db.engine.connect() as conn:
         table = outbox_app.db.metadata.tables["idempotency_keys"]
         assert [r.status for r in conn.execute(sa.select(table.c.status))] == [ERASED]
+
+
+def test_an_outbox_from_before_erasure_works_without_its_owner_columns(
+    app: Flask, database_url: str, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``idempotency_outbox`` created before erasure (no owner columns): an
+    emit answers 201 and stores its event without an owner, the relay
+    publishes it, one WARNING per engine and column names the ALTER TABLE to
+    run, erasure erases the records and says it could not search the events,
+    and ``create-tables`` exits 78 with the statements."""
+    from flask_idempotency._storage.outbox import add_column_sql
+
+    fresh = outbox_app.create_app(database_url, clock=clock)  # a process of its own
+    with fresh.app_context():
+        engine = outbox_app.db.engine
+        table = outbox_table(outbox_app.db.metadata)
+        alters = [add_column_sql(engine.dialect, table, c) for c in ("owner_scope", "owner_key")]
+        with engine.begin() as conn:
+            found = sa.Table(table.name, sa.MetaData(), autoload_with=conn)
+            [index] = [i for i in found.indexes if i.name == "idempotency_outbox_owner"]
+            index.drop(conn)
+            for column in ("owner_scope", "owner_key"):
+                conn.execute(sa.text(f"ALTER TABLE {table.name} DROP COLUMN {column}"))
+        engine.dispose()
+    try:
+        with caplog.at_level("WARNING", "flask_idempotency"):
+            assert post(fresh, key="k1").status_code == 201
+            assert post(fresh, key="k2").status_code == 201
+            assert relay_once(fresh, ListPublisher()) == 2
+            with fresh.app_context():
+                scope = (
+                    outbox_app.db.session.execute(sa.text("SELECT scope FROM idempotency_keys"))
+                    .scalars()
+                    .first()
+                )
+                report = outbox_app.idem.erase(text(scope))
+        assert (report.erased, report.events_erased) == (2, 0)
+        warnings = [r.getMessage() for r in caplog.records if "owner" in r.getMessage()]
+        assert len(warnings) == 3  # one per column, and the erasure's
+        assert alters[0] in warnings[0]
+        assert alters[1] in warnings[1]
+        assert "its events were not erased" in warnings[2]
+        result = fresh.test_cli_runner().invoke(args=["idempotency", "create-tables"])
+        assert result.exit_code == 78
+        assert all(alter in result.output for alter in alters)
+    finally:
+        with fresh.app_context():
+            outbox_app.db.engine.dispose()
