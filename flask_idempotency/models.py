@@ -2,7 +2,8 @@
 
 One row per (scope, key). It lives in the app's database, next to the business
 tables, because the point of the record is to commit in the same transaction as
-the side effect it guards.
+the side effect it guards. Its ``status`` is ``IN_PROGRESS``, ``COMPLETED`` or
+``ERASED`` (a tombstone left by erasure, answered 410 until it expires).
 """
 
 from __future__ import annotations
