@@ -380,13 +380,11 @@ class Idempotency(ViewAPI):
     def erase(
         self, scope: str, key: str | None = None, *, batch: int | None = None
     ) -> erasure.ErasureReport:
-        """Erase what is kept of a caller's operations: every record of ``scope``, or
-        only ``key``'s, and the outbox events they emitted (docs/erasure.md). Each
-        record becomes a tombstone until it expires (a retry gets 410 ``key-erased``):
-        response, recovery points, kept request and fingerprint gone. A record under
-        a live lease and a pending event are skipped and counted. ``batch`` rows per
-        short transaction (default ``IDEMPOTENCY_PURGE_BATCH``). Idempotent; returns
-        a :class:`~flask_idempotency.jobs.ErasureReport`. Call in an app context."""
+        """Erase what is kept of ``scope``'s operations (only ``key``'s, if given) and
+        their outbox events: each record is a tombstone until it expires, answered 410
+        ``key-erased``; a live lease and a pending event are skipped and counted. ``batch``
+        rows per transaction (``IDEMPOTENCY_PURGE_BATCH``). Idempotent. In an app context;
+        a :class:`~flask_idempotency.jobs.ErasureReport`. See the Erasure page."""
         return erasure.erase(resolve_app(), scope, key, batch=batch)
 
     def readiness_view(self) -> Response:

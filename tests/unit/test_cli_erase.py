@@ -103,12 +103,17 @@ def test_the_record_commands_treat_a_tombstone_right(app: Flask) -> None:
 
     listed = json.loads(cli(app, "list", "--status", "erased").output)
     assert [(r["key"], r["status"], r["response_code"]) for r in listed] == [("k1", ERASED, None)]
-    shown = json.loads(cli(app, "show", "tenant:a", "k1").output)
+    shown = json.loads(cli(app, "show", "tenant:a", "k1", "--reveal").output)
     assert shown["status"] == ERASED
     assert (shown["response_body"], shown["response_headers"], shown["recovery_points"]) == (
         None,
         [],
         {},
+    )
+    assert (shown["request_body"], shown["response_body_bytes"], shown["request_hash"]) == (
+        None,
+        None,
+        "erased",
     )
     stats = json.loads(cli(app, "stats").output)
     assert stats["by_status"] == {ERASED: 1}
