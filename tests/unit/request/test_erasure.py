@@ -322,3 +322,46 @@ def test_a_form_sent_again_after_erasure_gets_a_page_for_a_visitor(
     finally:
         with shop.app_context():
             shop.extensions["form_test"]["db"].engine.dispose()
+
+
+def test_a_manual_route_answers_410_without_calling_its_view(
+    database_url: str, clock: Clock
+) -> None:
+    from tests.unit.request.test_options import call, options_app
+
+    app = options_app(database_url, clock)
+    try:
+        client = app.test_client()
+        assert call(client, "POST", "/manual").status_code == 201
+        [row] = record_rows(app)
+        assert erase(app, row["scope"], "K").erased == 1
+        for want in ("replay", "own"):
+            assert_problem(call(client, "POST", "/manual", **{"X-Want": want}), 410)
+        assert ledger_count(app, "manual") == 1
+        assert ledger_count(app, "manual-retry") == 0
+    finally:
+        with app.app_context():
+            testapp.db.engine.dispose()
+
+
+def test_an_expired_form_key_meets_the_tombstone_too(database_url: str, clock: Clock) -> None:
+    """A form past its max age only replays or resumes; after erasure it gets
+    the visitor's page too, never a new order."""
+    from tests.support import formapp
+    from tests.unit.request.test_form_keys import BROWSER_ACCEPT, fields, records, rendered_key
+
+    shop = formapp.create_app(database_url, clock, IDEMPOTENCY_FORM_KEY_MAX_AGE=300)
+    try:
+        browser = shop.test_client()
+        key = rendered_key(browser.get("/checkout").text)
+        assert browser.post("/checkout", data=fields(key)).status_code == 303
+        [(scope, stored_key)] = records(shop)
+        with shop.app_context():
+            assert shop.extensions["form_test"]["idem"].erase(scope, stored_key).erased == 1
+        clock.advance(seconds=3600)
+        again = browser.post("/checkout", data=fields(key), headers={"Accept": BROWSER_ACCEPT})
+        assert (again.status_code, again.mimetype) == (410, "text/html")
+        assert formapp.order_count(shop) == 1
+    finally:
+        with shop.app_context():
+            shop.extensions["form_test"]["db"].engine.dispose()
