@@ -74,6 +74,15 @@ class SealBroken(IdempotencyError):
         self.why = why
 
 
-# Documented and exported by flask_idempotency.errors.
-for _public in (IdempotencyError, EventIdConflictError, BrokerUnavailable, StalledMessage):
+# Exported by flask_idempotency.errors (the first four documented there): named
+# by it, so that a span's or log's exception type reads as before the split.
+for _public in (
+    IdempotencyError,
+    EventIdConflictError,
+    BrokerUnavailable,
+    StalledMessage,
+    ClaimWaitExceeded,
+    TooLargeToStore,
+    RecordGone,
+):
     _public.__module__ = "flask_idempotency.errors"

@@ -42,7 +42,7 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
-from . import _cli, _cli_show
+from . import _cli, _cli_erase, _cli_show
 from ._cli import (
     EXIT_CODES_HELP,
     MAX_OLDER_THAN_HOURS,
@@ -98,9 +98,9 @@ idempotency_cli = AppGroup(
 def create_tables() -> None:
     """Create the idempotency tables (only those) if they do not exist.
 
-    Never a column of a table that exists: an outbox from a release before
-    traces, without ``trace_context``, exits 78 with the statement to run (or
-    run your migrations), as the changelog's schema changes say."""
+    Never a column of a table that exists: an outbox from an earlier release,
+    without ``trace_context`` or the owner columns, exits 78 with the statements
+    to run (or run your migrations), as the changelog's schema changes say."""
     state = _cli.current_state()
     metadata = state.db.metadata
     outbox = outbox_table(metadata)
@@ -109,11 +109,13 @@ def create_tables() -> None:
         table.create(state.db.engine, checkfirst=True)
         _cli.report(f"{table.name}: present")
     with state.db.engine.connect() as conn:
-        if outbox_sql.lacks_trace_context(conn, outbox):
-            statement = outbox_sql.add_trace_context_sql(conn.dialect, outbox)
+        if missing := outbox_sql.lacking_columns(conn, outbox):
+            statements = "; ".join(
+                outbox_sql.add_column_sql(conn.dialect, outbox, name) for name in missing
+            )
             raise _cli.Misconfigured(
-                f"{outbox.name} has no column {outbox_sql.TRACE_CONTEXT} (created by a release "
-                f"before traces; create-tables adds no columns): run {statement} "
+                f"{outbox.name} has no column {', '.join(missing)} (created by an earlier "
+                f"release; create-tables adds no columns): run {statements} "
                 "or your migrations"
             )
 
@@ -271,7 +273,7 @@ def release(scope: str, key: str, yes: bool, overrides: tuple[str, ...]) -> None
 )
 @click.option(
     "--status",
-    type=click.Choice(["in_progress", "completed"]),
+    type=click.Choice(["in_progress", "completed", "erased"]),
     default=None,
     help="Only records in this state.",
 )
@@ -424,3 +426,6 @@ def outbox_purge(older_than: float | None) -> None:
     age = None if older_than is None else dt.timedelta(hours=older_than)
     deleted = purge_published(resolve_app(), age)
     _cli.report(f"deleted {deleted} published event(s)")
+
+
+_command("erase")(_cli_erase.erase)

@@ -349,6 +349,10 @@ class KeyErasedError(ProblemError):
 
     slug = "key-erased"
     title = "The data of this idempotency key was erased"
+    visitor = (
+        "This form was already sent, and what it did was since erased at someone's "
+        "request. It will not be done again: reload the page to start anew."
+    )
     code = 410
 
 

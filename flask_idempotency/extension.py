@@ -23,7 +23,7 @@ from ._context import (
     resolve_app,
     watch_pooled_engines,
 )
-from ._maintenance import gauges, health, readiness_http
+from ._maintenance import erasure, gauges, health, readiness_http
 from ._maintenance.gauges import KeyStats
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
@@ -34,7 +34,7 @@ from ._request.flow import Clock
 from ._request.route import RouteOptions, view_name
 from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
 from ._storage.schema import OUTBOX_TABLE_NAME
-from ._storage.seal import Keyring
+from ._storage.seal import keyring_of
 from ._view import ViewAPI
 from .cli import idempotency_cli
 from .scope import ReplayAttempt
@@ -63,17 +63,6 @@ def in_utc(clock: Clock) -> Clock:
         return value.astimezone(dt.timezone.utc)
 
     return now
-
-
-def _keyring(settings: _config.Settings) -> Keyring | None:
-    """The keys of ``IDEMPOTENCY_ENCRYPTION_KEYS`` (checked by the settings),
-    ready to seal; ``None`` when encryption at rest is off."""
-    if settings.encryption_keys is None:
-        return None
-    try:
-        return Keyring(settings.encryption_keys)
-    except RuntimeError as exc:  # the crypto extra is not installed
-        raise RuntimeError(f"Flask-Idempotency: {exc}") from None
 
 
 class Idempotency(ViewAPI):
@@ -149,9 +138,10 @@ class Idempotency(ViewAPI):
         )
         table = record_table(db.metadata)
         inbox_table(db.metadata)
+        keyring = keyring_of(settings.encryption_keys)  # once: never looked up per request
         state = AppState(
             db=db,
-            store=Store(table, claim_idle=settings.claim_idle_timeout, keyring=_keyring(settings)),
+            store=Store(table, claim_idle=settings.claim_idle_timeout, keyring=keyring),
             settings=settings,
             clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),
@@ -388,6 +378,16 @@ class Idempotency(ViewAPI):
         :func:`flask_idempotency.relay.outbox_stats`.
         """
         return gauges.key_stats(resolve_app())
+
+    def erase(
+        self, scope: str, key: str | None = None, *, batch: int | None = None
+    ) -> erasure.ErasureReport:
+        """Erase what is kept of ``scope``'s operations (only ``key``'s, if given) and
+        their outbox events: each record is a tombstone until it expires, answered 410
+        ``key-erased``; a live lease and a pending event are skipped and counted. ``batch``
+        rows per transaction (``IDEMPOTENCY_PURGE_BATCH``). Idempotent. In an app context;
+        a :class:`~flask_idempotency.jobs.ErasureReport`. See the Erasure page."""
+        return erasure.erase(resolve_app(), scope, key, batch=batch)
 
     def readiness_view(self) -> Response:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.

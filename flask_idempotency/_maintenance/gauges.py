@@ -65,7 +65,7 @@ class KeyStats:
     query, judged by the database's clock.
     """
 
-    #: Records within their retention (completed or in progress).
+    #: Records within their retention (completed, in progress, or erased tombstones).
     live: int
     #: Of those, the ones in progress (a request running, or abandoned).
     in_progress: int

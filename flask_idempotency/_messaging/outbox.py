@@ -133,7 +133,9 @@ def add_event(
     (OpenTelemetry), its context is stored with the event (``trace_context``:
     ``traceparent`` and a bounded ``tracestate``, ``baggage`` only with
     ``IDEMPOTENCY_TRACE_BAGGAGE``) and continued by the relay; an outbox without
-    that column (the release before traces) stores none. The event is
+    that column (the release before traces) stores none. Inside a protected
+    request the event names its operation (``owner_scope``, ``owner_key``), so
+    that erasing the operation erases the event's payload too. The event is
     published by the relay once the session's transaction commits, and never if
     it rolls back. Returns ``event_id``. Call in an app context of an app with
     the extension registered.
@@ -162,6 +164,12 @@ def add_event(
     # outbox from before traces (no column; a WARNING says what to run) still works.
     if trace_context is not None and outbox_sql.has_trace_context(session.connection(), table):
         values["trace_context"] = trace_context
+    # Emitted by a protected operation: erasing it finds the event.
+    owner = current_request_state()
+    scope, key = (owner.scope, owner.key) if owner is not None else (None, None)
+    if scope is not None and key is not None and outbox_sql.has_owner(session.connection(), table):
+        values["owner_scope"] = sa.bindparam("owner_scope", scope, type_=sa.String())
+        values["owner_key"] = sa.bindparam("owner_key", key, type_=sa.String())
     sql = outbox_sql.for_session(session)
     if not sql.insert_event(session, table, values):
         _check_same_event(session, table, sql, event_id, topic, text)

@@ -23,6 +23,7 @@ from .. import signals
 from .._context import app_state, resolve_app
 from .._storage import (
     COMPLETED,
+    ERASED,
     IN_PROGRESS,
     Record,
     dberrors,
@@ -43,7 +44,7 @@ from .fingerprint import NormalizedRequest, exclude_paths
 from .formkeys import form_ignored_fields
 from .redact import kept_request
 from .replay_guard import check_replay
-from .responses import replay_answer
+from .responses import erased_error, replay_answer
 from .route import RouteOptions
 
 if t.TYPE_CHECKING:
@@ -147,6 +148,8 @@ def claim_key(
             if record is None:
                 continue  # deleted since our insert; insert again
             if not expired:
+                if record.status == ERASED and not allow_new and not replay:
+                    raise RecordGone(f"{scope!r} {key!r} (erased)")  # a recovery run
                 answer = answer_existing(flow, record, fingerprint, now)
                 if answer is not None:
                     if not allow_new and not replay:
@@ -238,7 +241,12 @@ def answer_existing(
 ) -> Response | Record | None:
     """Replay (or, in manual mode, the record for the view), 422 or 409 for an
     unexpired record; ``None`` means "reclaim it". A record whose view
-    committed is never reclaimed: it is settled (:func:`settle_view_committed`)."""
+    committed is never reclaimed: it is settled (:func:`settle_view_committed`).
+    A tombstone is answered 410 ``key-erased`` whatever the payload (its
+    fingerprint is gone): never replayed, never run."""
+    if record.status == ERASED:
+        logger.debug("%r in scope %r was erased", record.key, record.scope)
+        raise erased_error()
     app = resolve_app()
     if record.request_hash != fingerprint:
         signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)

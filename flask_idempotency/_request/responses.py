@@ -8,8 +8,8 @@ import json
 from flask import Response
 
 from .._contract import NEVER_REPLAYED, REPLAYED_HEADER
-from .._storage.schema import Record
-from ..errors import PROBLEM_JSON, PROBLEM_TYPE_BASE, FailedAfterCommitError
+from .._storage.schema import ERASED, Record
+from ..errors import PROBLEM_JSON, PROBLEM_TYPE_BASE, FailedAfterCommitError, KeyErasedError
 from . import answer
 
 
@@ -51,13 +51,25 @@ def capture(response: Response, header_names: frozenset[str] | None, max_body: i
     return Captured(response.status_code, headers, body, body_omitted=body is None)
 
 
+def erased_error() -> KeyErasedError:
+    """The answer to a request that finds its key's record erased (a tombstone)."""
+    return KeyErasedError(
+        "The data of the operation with this idempotency key was erased: it ran once, "
+        "it does not run again with this key, and its answer is no longer kept. Do not "
+        "retry it; ask the service for the state of what it did."
+    )
+
+
 def replay(record: Record) -> Response:
     """The stored response: same status, byte-identical body, stored safe headers.
 
     When the body was not kept, the answer keeps the original status (the
     operation did succeed) and explains in a problem+json body, with the original
-    ``Location`` if there was one.
+    ``Location`` if there was one. An erased record (a tombstone) has no
+    response: :class:`~flask_idempotency.errors.KeyErasedError`.
     """
+    if record.status == ERASED:
+        raise erased_error()
     assert record.response_code is not None
     if record.body_omitted or record.response_body is None:
         response = Response(

@@ -44,6 +44,7 @@ from .holds import OVERRIDABLE, Hold, Verdict, release_verdict
 from .locks import JobLocks, new_holder_id
 from .schema import (
     COMPLETED,
+    ERASED,
     IN_PROGRESS,
     INBOX_TABLE_NAME,
     JOB_LOCK_TABLE_NAME,
@@ -73,6 +74,7 @@ from .store import Store
 
 __all__ = [
     "COMPLETED",
+    "ERASED",
     "INBOX_TABLE_NAME",
     "IN_PROGRESS",
     "JOB_LOCK_TABLE_NAME",

@@ -2,7 +2,7 @@
 command line and any other entry point that deletes a record follow.
 
 A record that is not expired may be released (deleted, so the client's next
-retry runs the operation again) only when nothing holds it. Four things do,
+retry runs the operation again) only when nothing holds it. Five things do,
 each stated here twice, once on a record as read (:meth:`Hold.applies`) and
 once in SQL (:meth:`Hold.condition`), side by side so that the two cannot
 drift apart:
@@ -12,9 +12,11 @@ drift apart:
   stored): the operation happened, and is settled with that answer;
 * a **live lease**: the operation is running now;
 * **recovery points** (finished steps, or derived keys handed out): the
-  client's retry resumes the operation where it stopped.
+  client's retry resumes the operation where it stopped;
+* an **erased** record (a tombstone): it is the fence that keeps an erased
+  operation from running again until it expires.
 
-The first two are committed outcomes and are never overridden; the last two
+The first two and the last are never overridden; the other two
 may be, by an operator who names them (:data:`OVERRIDABLE`). An expired
 record (:func:`.sql.expired`) already counts as absent, so nothing holds it.
 :func:`release_verdict` judges a record read; :func:`releasable` is the same
@@ -31,7 +33,7 @@ import typing as t
 
 import sqlalchemy as sa
 
-from .schema import COMPLETED, IN_PROGRESS, Record
+from .schema import COMPLETED, ERASED, IN_PROGRESS, Record
 from .sql import expired
 
 
@@ -42,6 +44,7 @@ class Hold(enum.Enum):
     VIEW_COMMITTED = "view-committed"
     LIVE_LEASE = "live-lease"
     RECOVERY_POINTS = "recovery-points"
+    ERASED = "erased"
 
     def applies(self, record: Record, now: dt.datetime) -> bool:
         """Whether this holds ``record`` (as read) at ``now``."""
@@ -51,6 +54,8 @@ class Hold(enum.Enum):
             return record.view_committed
         if self is Hold.LIVE_LEASE:
             return record.lease_live(now)
+        if self is Hold.ERASED:
+            return record.status == ERASED
         return record.status == IN_PROGRESS and record.holds_recovery_points
 
     def condition(self, c: t.Any, now: t.Any) -> t.Any:
@@ -63,6 +68,8 @@ class Hold(enum.Enum):
             return sa.and_(
                 c.status == IN_PROGRESS, c.locked_until.is_not(None), c.locked_until > now
             )
+        if self is Hold.ERASED:
+            return c.status == ERASED
         return sa.and_(c.status == IN_PROGRESS, c.recovery_points.is_not(None))
 
     @property
@@ -91,6 +98,13 @@ class Hold(enum.Enum):
                 f"its lease is live until {_iso(record.locked_until)}: the operation is "
                 "running now, and a retry would start a second one beside it. Wait for "
                 "the lease to end (--override live-lease releases it anyway)"
+            )
+        if self is Hold.ERASED:
+            return (
+                "it is an erased tombstone: it keeps the erased operation from running "
+                "again with this key (a retry is answered 410 key-erased); releasing it "
+                f"would run it a second time. It expires at {_iso(record.expires_at)} and "
+                "is purged after"
             )
         return (
             "it holds recovery points (finished steps, or derived keys handed out): the "
@@ -134,7 +148,7 @@ class Hold(enum.Enum):
 
 
 #: The holds an operator may override by naming them; a committed outcome
-#: (a completed record, a view that committed) never.
+#: (a completed record, a view that committed) and a tombstone never.
 OVERRIDABLE = frozenset({Hold.LIVE_LEASE, Hold.RECOVERY_POINTS})
 
 

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 
 from .dialects import Dialect, dialect_for
 from .notify import NOTIFY
+from .schema import ERASED_PAYLOAD, OWNER_KEY, OWNER_SCOPE
 from .sql import database_now
 
 _R = t.TypeVar("_R")
@@ -36,53 +37,88 @@ logger = logging.getLogger("flask_idempotency")
 #: The column a release added to the outbox for traces; an outbox created
 #: before it works without it (no trace context stored) until it is added.
 TRACE_CONTEXT = "trace_context"
+#: The columns a later release added for erasure (the emitting operation); an
+#: outbox created before them works without them (events stored without their
+#: owner, which erasure then cannot find) until they are added.
+OWNER = (OWNER_SCOPE, OWNER_KEY)
+#: What each added column's absence costs, for the WARNING that says so.
+_WITHOUT = {
+    TRACE_CONTEXT: "events are stored and published without their trace context",
+    OWNER_SCOPE: "events are stored without their owner, and erasure cannot find them",
+    OWNER_KEY: "events are stored without their owner, and erasure cannot find them",
+}
+#: The columns a release added to an existing outbox, in the order they came.
+ADDED_COLUMNS = (TRACE_CONTEXT, *OWNER)
 
-_trace_column: weakref.WeakKeyDictionary[sa.Engine, bool] = weakref.WeakKeyDictionary()
-_trace_column_lock = threading.Lock()
+_absent: weakref.WeakKeyDictionary[sa.Engine, frozenset[str]] = weakref.WeakKeyDictionary()
+_absent_lock = threading.Lock()
 
 
-def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:
-    """The statement that adds ``trace_context`` to ``table`` on ``dialect``,
-    as the table declares it (``TEXT``; ``LONGTEXT`` on MySQL/MariaDB)."""
-    column = table.c[TRACE_CONTEXT]
+def add_column_sql(dialect: sa.Dialect, table: sa.Table, name: str) -> str:
+    """The statement that adds the column ``name`` to ``table`` on ``dialect``,
+    as the table declares it (nullable)."""
+    column = table.c[name]
     quote = dialect.identifier_preparer
     kind = column.type.compile(dialect=dialect)
     return f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {quote.quote(column.name)} {kind}"
 
 
-def lacks_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
-    """Whether ``table`` exists on ``conn`` without ``trace_context`` (an outbox
-    created by a release before traces), read now; ``False`` without the table."""
+def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:
+    """The statement that adds ``trace_context`` to ``table`` on ``dialect``,
+    as the table declares it (``TEXT``; ``LONGTEXT`` on MySQL/MariaDB)."""
+    return add_column_sql(dialect, table, TRACE_CONTEXT)
+
+
+def lacking_columns(conn: sa.Connection, table: sa.Table) -> tuple[str, ...]:
+    """Of :data:`ADDED_COLUMNS`, those ``table`` lacks on ``conn`` (an outbox
+    created by an earlier release), read now; none without the table."""
     try:
         columns = sa.inspect(conn).get_columns(table.name, schema=table.schema)
     except sa.exc.NoSuchTableError:
-        return False
-    return TRACE_CONTEXT not in {c["name"].lower() for c in columns}
+        return ()
+    present = {c["name"].lower() for c in columns}
+    return tuple(name for name in ADDED_COLUMNS if name not in present)
+
+
+def lacks_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
+    """Whether ``table`` exists on ``conn`` without ``trace_context`` (an outbox
+    created by a release before traces), read now; ``False`` without the table."""
+    return TRACE_CONTEXT in lacking_columns(conn, table)
+
+
+def absent_columns(conn: sa.Connection, table: sa.Table) -> frozenset[str]:
+    """The added columns the outbox behind ``conn`` lacks: read once per engine
+    (a column added later is used by processes started after), with one
+    WARNING per engine and column naming the statement to run."""
+    engine = conn.engine
+    known = _absent.get(engine)
+    if known is not None:
+        return known
+    missing = lacking_columns(conn, table)
+    with _absent_lock:
+        if engine in _absent:
+            return _absent[engine]
+        _absent[engine] = frozenset(missing)
+    for name in missing:
+        logger.warning(
+            "outbox: %s has no column %s (a table from an earlier release): %s until you "
+            "run: %s (or your migrations), then restart",
+            table.name,
+            name,
+            _WITHOUT[name],
+            add_column_sql(engine.dialect, table, name),
+        )
+    return frozenset(missing)
 
 
 def has_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
-    """Whether the outbox behind ``conn`` has ``trace_context``: read once per
-    engine (a column added later is used by processes started after), with one
-    WARNING per engine naming the statement to run when it is missing."""
-    engine = conn.engine
-    known = _trace_column.get(engine)
-    if known is not None:
-        return known
-    missing = lacks_trace_context(conn, table)
-    with _trace_column_lock:
-        if engine in _trace_column:
-            return _trace_column[engine]
-        _trace_column[engine] = not missing
-    if missing:
-        logger.warning(
-            "outbox: %s has no column %s (a table from a release before traces): events "
-            "are stored and published without their trace context until you run: %s "
-            "(or your migrations), then restart",
-            table.name,
-            TRACE_CONTEXT,
-            add_trace_context_sql(engine.dialect, table),
-        )
-    return not missing
+    """Whether the outbox behind ``conn`` has ``trace_context`` (:func:`absent_columns`)."""
+    return TRACE_CONTEXT not in absent_columns(conn, table)
+
+
+def has_owner(conn: sa.Connection, table: sa.Table) -> bool:
+    """Whether the outbox behind ``conn`` has its owner columns (:func:`absent_columns`)."""
+    return not absent_columns(conn, table).intersection(OWNER)
 
 
 class OutboxDialect:
@@ -156,8 +192,9 @@ class Leases:
     def _pending(self, conn: sa.Connection, now: dt.datetime) -> sa.Select[t.Any]:
         c = self.table.c
         columns: list[t.Any] = [self.table]
-        if not has_trace_context(conn, self.table):  # an outbox from before traces
-            columns = [column for column in c if column.name != TRACE_CONTEXT]
+        absent = absent_columns(conn, self.table)
+        if absent:  # an outbox from an earlier release
+            columns = [column for column in c if column.name not in absent]
         return (
             sa.select(*columns)
             .where(
@@ -305,10 +342,15 @@ class Leases:
 
 
 def retry_parked(conn: sa.Connection, table: sa.Table) -> int:
-    """Un-park every parked event (attempts reset, due now); the number un-parked."""
+    """Un-park every parked event (attempts reset, due now); the number
+    un-parked. An erased one stays parked: its payload is gone."""
     result = conn.execute(
         sa.update(table)
-        .where(table.c.failed_at.is_not(None), table.c.published_at.is_(None))
+        .where(
+            table.c.failed_at.is_not(None),
+            table.c.published_at.is_(None),
+            table.c.payload != ERASED_PAYLOAD,
+        )
         .values(failed_at=None, attempts=0, next_attempt_at=None)
     )
     return int(result.rowcount)

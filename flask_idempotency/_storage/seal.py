@@ -196,6 +196,12 @@ class Keyring:
             raise SealBroken(where, kid, "it is not UTF-8 text") from exc
 
 
+def keyring_of(keys: tuple[tuple[str, bytes], ...] | None) -> Keyring | None:
+    """The keyring of ``IDEMPOTENCY_ENCRYPTION_KEYS`` as the settings resolved
+    them (built once, at ``init_app``); ``None`` when encryption at rest is off."""
+    return Keyring(keys) if keys else None
+
+
 def seal_record(
     ring: Keyring | None, table: str, scope: str, key: str, values: t.Mapping[str, t.Any]
 ) -> dict[str, t.Any]:

@@ -21,6 +21,7 @@ from ..errors import (
     DatabaseUnavailableError,
     FailedAfterCommitError,
     InvalidKeyError,
+    KeyErasedError,
     KeyReusedError,
     LeaseLostError,
     LengthRequiredError,
@@ -70,6 +71,8 @@ PASSED_THROUGH = "passed_through"
 MISCONFIGURED = "misconfigured"
 #: The replay guard refused a retry its stored answer (403, or the app's own error).
 REPLAY_REFUSED = "replay_refused"
+#: 410 ``key-erased``: the key's record is a tombstone (its data erased).
+ERASED = "erased"
 
 OUTCOMES = (
     EXECUTED,
@@ -87,6 +90,7 @@ OUTCOMES = (
     PASSED_THROUGH,
     MISCONFIGURED,
     REPLAY_REFUSED,
+    ERASED,
 )
 #: ``idempotency.key_refusal``, with ``key_refused`` only.
 KEY_REFUSALS = ("missing", "malformed", "too_long")
@@ -115,6 +119,8 @@ def outcome_of(error: BaseException) -> tuple[str, str | None]:
         return INVALID_PAYLOAD, None
     if isinstance(error, KeyReusedError):
         return MISMATCH, None
+    if isinstance(error, KeyErasedError):
+        return ERASED, None
     if isinstance(error, TransactionConflictError):
         return BUSY, None
     if isinstance(error, LeaseLostError):

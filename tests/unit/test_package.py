@@ -65,6 +65,7 @@ PUBLIC: dict[str, set[str]] = {
     },
     "flask_idempotency.models": {
         "COMPLETED",
+        "ERASED",
         "INBOX_TABLE_NAME",
         "IN_PROGRESS",
         "JOB_LOCK_TABLE_NAME",
@@ -95,6 +96,7 @@ PUBLIC: dict[str, set[str]] = {
         "retry_parked",
     },
     "flask_idempotency.jobs": {
+        "ErasureReport",
         "KeyStats",
         "PurgeReport",
         "RecoveryReport",
