@@ -146,8 +146,9 @@ def _cost(figures: dict[str, list[float]], label: str, kind: str) -> tuple[float
 NOTES = [
     "Where the time goes (the same requests, the seal functions timed inside them): in a",
     "warm loop a request's sealing or opening takes about 15 µs (the table above); inside",
-    "a request, the first value a request seals or opens takes about 100 µs of CPU and the",
-    "second about 25 µs (timed at 1 KiB); at 64 KiB the CPU added is about the same.",
+    "a request, the first value it seals or opens takes 60 to 120 µs and the next one 10",
+    "to 20 µs (timed at 1 KiB; a dummy seal put first takes the start-up instead, and the",
+    "values after it open in 9 to 17 µs); at 64 KiB the CPU added is about the same.",
     "So the cost is a start-up per request, not per byte: OpenSSL's and cryptography's",
     "code and state, cold after the rest of the",
     "request ran (a 2-vCPU machine shared with other work), warmed again each time. No",
