@@ -196,10 +196,11 @@ def _check_same_event(
     if existing.topic == topic and _same_payload(existing.payload, text):
         return
     stored = existing.payload.decode() if isinstance(existing.payload, bytes) else existing.payload
+    # Sizes, never the payloads: this message reaches logs, a payload may be secret.
     raise EventIdConflictError(
         f"outbox event id {event_id!r} already names another event: topic "
-        f"{existing.topic!r}, payload {_clip(stored)}; this one is topic {topic!r}, "
-        f"payload {_clip(text)}. One id is one event: give each event a name of its "
+        f"{existing.topic!r}, payload of {len(stored)} characters; this one is topic {topic!r}, "
+        f"payload of {len(text)} characters. One id is one event: give each event a name of its "
         f"own (idem.emit(..., name=...)) or an event_id of its own (add_event)"
     )
 

@@ -98,15 +98,18 @@ def form_fields() -> dict[str, list[t.Any]] | None:
 # -- the stored request -------------------------------------------------------------
 
 
-def stored_request_body(drop: t.Collection[str] = ()) -> tuple[bytes, str | None]:
+def stored_request_body(
+    drop: t.Collection[str] = (), *, reencode: bool = False
+) -> tuple[bytes, str | None]:
     """The body and content type to store for the recovery job's re-run.
 
     The body as sent when the extension could read it; when something parsed
-    the form first, or a form has fields named in ``drop`` (redacted), a
-    re-encoding of the parsed fields and files, without those.
+    the form first, or ``reencode`` (a redacting route: the raw bytes could
+    hold a spelling of a field the parsed form does not show), a re-encoding
+    of the parsed fields and files, without those named in ``drop``.
     """
     body = read_body()
-    if not consumed() and not (drop and is_form() and _has_any(drop)):
+    if not consumed() and not (reencode and is_form()):
         return body, request.content_type
     if request.mimetype == MULTIPART:
         return _multipart(drop)
@@ -121,11 +124,6 @@ def _parameter(name: str, value: str | None) -> bytes:
     if _PLAIN_PARAMETER.fullmatch(value):
         return f'; {name}="{value}"'.encode("ascii")
     return f"; {name}*=UTF-8''{urllib.parse.quote(value, safe='')}".encode("ascii")
-
-
-def _has_any(names: t.Collection[str]) -> bool:
-    """Whether the parsed form has a field or file of one of ``names``."""
-    return any(name in request.form or name in request.files for name in names)
 
 
 def _parts(drop: t.Collection[str]) -> list[tuple[bytes, bytes]]:

@@ -13,9 +13,12 @@ the request):
 * a JSON body is kept without the redacted fields: removed, not masked, by
   the same paths as ``exclude=`` (dotted, through lists; with a schema, a
   field's name also removes its ``data_key``), re-encoded as compact UTF-8
-  JSON; a body that holds none of them is kept as sent;
-* a form body is kept without the fields (and files) of the redacted names
-  (one-part paths: a form has no nesting), re-encoded as the form it was;
+  JSON (always re-encoded, never the bytes as sent: a duplicate key's hidden
+  value must not stay);
+* a form body is kept without the fields (and files) of the redacted names,
+  re-encoded as the form it was; a form has no nesting, so a dotted path
+  names the field spelled with its dots (``card.number``) or with brackets
+  (``card[number]``);
 * any other body with a redacted route is refused (415, or 400 for a form that
   does not parse): the extension could not tell whether it holds the fields;
 * the recovery job's re-run gets that body, without the fields, and the
@@ -28,7 +31,7 @@ import json
 import typing as t
 
 from flask import Flask, request
-from marshmallow import Schema
+from marshmallow import Schema, fields
 
 from ..errors import MalformedBodyError, UnsupportedMediaTypeError
 from .body import read_body, read_json_body
@@ -56,9 +59,9 @@ def kept_request(schema: Schema | None, redact: t.Sequence[str]) -> tuple[bytes,
         return stored_request_body()  # no body: nothing to redact
     if request.is_json:
         sent = read_json_body()
+        # Always the re-encoding, never the bytes as sent: those could hold a
+        # redacted value the parse does not show (a duplicate key's first value).
         kept = _as_sent(schema, sent, paths)
-        if kept == sent:
-            return stored_request_body()
         text = json.dumps(kept, ensure_ascii=False, separators=(",", ":"))
         return text.encode("utf-8"), request.mimetype
     if is_form():
@@ -67,11 +70,22 @@ def kept_request(schema: Schema | None, redact: t.Sequence[str]) -> tuple[bytes,
                 "The form could not be parsed; this endpoint keeps the request without the "
                 "fields it redacts, and cannot tell them apart in it."
             )
-        return stored_request_body(drop={path[0] for path in paths if len(path) == 1})
+        return stored_request_body(drop=form_names(paths), reencode=True)
     raise UnsupportedMediaTypeError(
         "This endpoint keeps the request without the fields it redacts, which only a JSON or "
         f"form body has: send one of those, not {request.mimetype or 'this body'}."
     )
+
+
+def form_names(paths: t.Iterable[Path]) -> set[str]:
+    """The form field names ``paths`` stand for: a form has no nesting, so a
+    dotted path names the field spelled with its dots (``card.number``) and
+    the one spelled with brackets (``card[number]``)."""
+    names = set()
+    for head, *rest in paths:
+        names.add(".".join((head, *rest)))
+        names.add(head + "".join(f"[{part}]" for part in rest))
+    return names
 
 
 def masked(value: t.Any, paths: t.Sequence[Path]) -> t.Any:
@@ -96,5 +110,27 @@ def app_redacted(app: Flask) -> tuple[Path, ...]:
     for view in app.view_functions.values():
         route = getattr(view, "_idempotency_route", None)
         if isinstance(route, RouteOptions):
-            found.update(dict.fromkeys(redact_paths(route.redact)))
+            for path in redact_paths(route.redact):
+                found.update(dict.fromkeys(sorted(spellings(route.schema, path))))
     return tuple(found)
+
+
+def spellings(shape: t.Any, path: Path) -> set[Path]:
+    """``path`` as each spelling a schema gives it: a field's name, its
+    ``attribute`` and its ``data_key`` at each level (nested schemas, lists
+    and dicts of them included), as a response or a stored result may use any."""
+    head, *rest = path
+    while isinstance(shape, (fields.List, fields.Mapping)):
+        shape = shape.inner if isinstance(shape, fields.List) else shape.value_field
+    schema = shape.schema if isinstance(shape, fields.Nested) else shape
+    names, inner = {head}, list[t.Any]()
+    if isinstance(schema, Schema):
+        for name, field in schema.fields.items():
+            spelled = {name, field.attribute or name, field.data_key or name}
+            if head in spelled:
+                names |= spelled
+                inner.append(field)
+    if not rest:
+        return {(name,) for name in names}
+    tails = set().union(*(spellings(field, tuple(rest)) for field in inner or [None]))
+    return {(name, *tail) for name in names for tail in tails}

@@ -28,6 +28,10 @@ class CardSchema(Schema):
     card_number = fields.String(data_key="cardNumber")
 
 
+class WalletSchema(Schema):
+    owner_card = fields.Nested(CardSchema, data_key="ownerCard")
+
+
 @dataclasses.dataclass
 class RedactApp:
     app: Flask
@@ -99,6 +103,14 @@ def make_app(url: str, *, clock: t.Any = None, **config: t.Any) -> RedactApp:
         seen.append(("/schema-pay", dict(idem.payload)))
         crash_after_a_step(True)
         return {"ok": True}, 201
+
+    @app.post("/wallet-pay")
+    @idem.idempotent(schema=WalletSchema, lease=30, recover=True, redact=["owner_card.card_number"])
+    def wallet_pay() -> tuple[dict[str, t.Any], int]:
+        number = idem.payload["owner_card"]["card_number"]
+        # The step's result under the attributes, the answer under the data keys.
+        idem.step("received", lambda: {"owner_card": {"card_number": number}})
+        return {"ownerCard": {"cardNumber": number, "amount": 1}}, 201
 
     @app.post("/one-time")
     @idem.idempotent(lease=30, recover=True, redact=["otp"], exclude=["otp"])

@@ -240,3 +240,25 @@ def test_show_prints_no_contents_without_reveal_and_masks_redacted_fields_with_i
     assert MARKER not in json.dumps(stored)
     assert stored["request_path"] == "/pay"
     assert json.loads(stored["request_body"]) == {"amount": 5, "card": {"exp": "12/30"}}
+
+
+def test_show_reveal_masks_a_redacted_field_under_its_data_key_and_attribute(
+    fresh_database: str, clock: Clock
+) -> None:
+    """``redact=["owner_card.card_number"]`` on a route whose schema spells it
+    ``ownerCard.cardNumber``: --reveal masks it under either spelling, at each
+    level of the nested schema (the answer and the step's result)."""
+    made = make_app(fresh_database, clock=clock)
+    body = {"ownerCard": {"cardNumber": MARKER, "amount": 1}}
+    answer = made.app.test_client().post(
+        "/wallet-pay", json=body, headers={"Idempotency-Key": "w1"}
+    )
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    revealed = cli(made.app, "show", SCOPE, "w1", "--reveal")
+    assert revealed.exit_code == 0, revealed.output
+    assert MARKER not in revealed.output
+    shown = json.loads(revealed.output)
+    assert json.loads(shown["response_body"]) == {
+        "ownerCard": {"cardNumber": "[redacted]", "amount": 1}
+    }
+    assert shown["recovery_points"] == {"received": {"owner_card": {"card_number": "[redacted]"}}}

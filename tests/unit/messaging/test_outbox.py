@@ -102,6 +102,21 @@ def test_a_replayed_request_does_not_emit_again(app: Flask) -> None:
     assert orders(app) == 1
 
 
+def test_an_event_id_conflict_names_sizes_not_payloads(app: Flask) -> None:
+    """The conflict's message reaches logs: it names the id and topics, never
+    either payload's text (issue 27's review)."""
+    with app.app_context():
+        session = outbox_app.db.session
+        add_event(session, "t", {"card": "SECRET-ONE"}, event_id="e1")
+        session.commit()
+        with pytest.raises(EventIdConflictError) as conflict:
+            add_event(session, "t", {"card": "SECRET-TWO"}, event_id="e1")
+    message = str(conflict.value)
+    assert "SECRET" not in message
+    assert "'e1' already names another event" in message
+    assert "topic 't'" in message
+
+
 def test_an_event_id_names_one_event(app: Flask) -> None:
     """``add_event`` with an id that exists: the same topic and payload (however
     its keys were ordered, whatever its headers) adds nothing and returns the

@@ -182,6 +182,52 @@ def test_form_fields_and_files_are_redacted(
     assert redacting.seen[-1] == ("/form-pay", expected)
 
 
+@pytest.mark.parametrize("name", ["card.number", "card[number]"])
+@pytest.mark.parametrize("multipart", [False, True], ids=["urlencoded", "multipart"])
+def test_a_dotted_path_redacts_the_form_field_spelled_with_dots_or_brackets(
+    redacting: RedactApp, name: str, multipart: bool
+) -> None:
+    """A form has no nesting: ``redact=["card.number"]`` names the field
+    ``card.number`` (or ``card[number]``), never kept silently."""
+    data: dict[str, t.Any] = {"amount": "5", name: MARKER, "cvc": MARKER}
+    if multipart:
+        data["note"] = (io.BytesIO(b"kept"), "note.txt")
+    client = redacting.app.test_client()
+    assert post(client, "/pay", "k1", crash=True, data=data).status_code == 500
+    kept = bytes(redacting.row("k1")["request_body"])
+    assert MARKER.encode() not in kept
+    assert b"amount" in kept
+
+
+def test_a_json_body_is_kept_re_encoded_never_as_sent(redacting: RedactApp) -> None:
+    """A duplicate key hides its first value from the parse: the raw bytes
+    would keep it, so a redacting route keeps the parsed body re-encoded."""
+    sent = '{"amount":5,"card":{"number":"' + MARKER + '"},"card":{"exp":"12/30"}}'
+    client = redacting.app.test_client()
+    response = post(client, "/pay", "k1", crash=True, data=sent, content_type="application/json")
+    assert response.status_code == 500
+    kept = bytes(redacting.row("k1")["request_body"])
+    assert MARKER.encode() not in kept
+    assert json.loads(kept) == {"amount": 5, "card": {"exp": "12/30"}}
+
+
+def test_a_form_body_is_kept_re_encoded_never_as_sent(redacting: RedactApp) -> None:
+    """A form body too is kept as its parse, re-encoded, even when the parse
+    shows no redacted field (the raw bytes are never what is kept)."""
+    sent = "amount=5&note=a%20b"
+    client = redacting.app.test_client()
+    response = post(
+        client,
+        "/pay",
+        "k1",
+        crash=True,
+        data=sent,
+        content_type="application/x-www-form-urlencoded",
+    )
+    assert response.status_code == 500
+    assert bytes(redacting.row("k1")["request_body"]) == b"amount=5&note=a+b"
+
+
 def test_a_field_both_excluded_and_redacted_is_neither_counted_nor_kept(
     redacting: RedactApp, clock: Clock
 ) -> None:
