@@ -24,8 +24,11 @@ import weakref
 
 import sqlalchemy as sa
 
+from .._failures import SealBroken
+from . import seal
 from .dialects import Dialect, dialect_for
 from .notify import NOTIFY
+from .schema import OUTBOX_TABLE_NAME
 from .sql import database_now
 
 _R = t.TypeVar("_R")
@@ -83,6 +86,39 @@ def has_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
             add_trace_context_sql(engine.dialect, table),
         )
     return not missing
+
+
+def seal_event(
+    ring: seal.Keyring | None, event_id: str, values: dict[str, t.Any]
+) -> dict[str, t.Any]:
+    """``values`` (an outbox row's) with ``payload`` and ``headers``, where set
+    and in clear, sealed for ``event_id``; unchanged without a keyring."""
+    if ring is None:
+        return values
+    out = dict(values)
+    for column in seal.OUTBOX_TEXT:
+        value = out.get(column)
+        if isinstance(value, str) and not seal.is_sealed(value):
+            aad = seal.associated_data(OUTBOX_TABLE_NAME, column, event_id)
+            out[column] = ring.seal_text(value, aad)
+    return out
+
+
+def open_event_text(
+    ring: seal.Keyring | None, event_id: str, column: str, value: str | bytes | None
+) -> str | None:
+    """An outbox row's ``payload`` or ``headers`` as stored, opened (a clear
+    value as it is). Raises :class:`~flask_idempotency._failures.SealBroken`
+    for a sealed value that does not open for ``event_id`` (its key id not
+    configured, encryption off, altered, or copied from another event)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value).decode("utf-8")
+    if value is None or not seal.is_sealed(value):
+        return value
+    where = f"{OUTBOX_TABLE_NAME}.{column} of event {event_id!r}"
+    if ring is None:
+        raise SealBroken(where, seal.key_id_of(value) or "?", "encryption is not configured")
+    return ring.open_text(value, seal.associated_data(OUTBOX_TABLE_NAME, column, event_id), where)
 
 
 class OutboxDialect:
