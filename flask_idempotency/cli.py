@@ -42,7 +42,7 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
-from . import _cli
+from . import _cli, _cli_keys
 from ._cli import (
     EXIT_CODES_HELP,
     MAX_OLDER_THAN_HOURS,
@@ -438,3 +438,8 @@ def outbox_purge(older_than: float | None) -> None:
     age = None if older_than is None else dt.timedelta(hours=older_than)
     deleted = purge_published(resolve_app(), age)
     _cli.report(f"deleted {deleted} published event(s)")
+
+
+# Encryption at rest: the key commands (_cli_keys).
+_command("generate-key")(_cli_keys.generate_key)
+_command("reseal")(_cli_keys.reseal)
