@@ -21,7 +21,7 @@ from flask_idempotency._storage.schema import _text
 from flask_idempotency.publishers import ListPublisher
 from tests.support import outbox_app
 from tests.support.outbox import post, reset
-from tests.support.sealing import KEY_A, KEY_B, use_keys
+from tests.support.keyrings import KEY_A, KEY_B, use_keys
 
 RECORDS = "idempotency_keys"
 RECORD_COLUMNS = (*seal.RECORD_TEXT, *seal.RECORD_BINARY)

@@ -19,7 +19,7 @@ from flask_idempotency.publishers import CallablePublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
 from tests.support.outbox import post, reset, rows
-from tests.support.sealing import KEY_A, KEY_B, use_keys
+from tests.support.keyrings import KEY_A, KEY_B, use_keys
 
 
 @pytest.fixture

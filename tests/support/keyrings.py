@@ -29,5 +29,19 @@ def use_keys(app: Flask, *keys: tuple[str, bytes]) -> Flask:
     """``app`` with ``keys`` (interim, until the setting lands)."""
     with app.app_context():
         ring = seal.Keyring(keys=tuple(keys)) if keys else None
-        object.__setattr__(app_state(app).settings, "encryption_keys", ring)
+        app_state(app).store.keyring = ring  # type: ignore[attr-defined]
     return app
+
+
+def keys_text(*keys: tuple[str, bytes]) -> str:
+    """``keys`` as one string, as an environment variable holds the setting."""
+    return ",".join(key_line(k) for k in keys)
+
+
+def keys_app(factory: t.Callable[..., Flask], url: str, keys: str) -> Flask:
+    """``factory(url)`` with the keys of ``keys`` (:func:`keys_text`)."""
+    ring = []
+    for line in filter(None, keys.split(",")):
+        kid, _, key = line.partition(":")
+        ring.append((kid, seal.parse_key(key, "keys")))
+    return use_keys(factory(url), *ring)
