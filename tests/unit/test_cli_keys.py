@@ -14,14 +14,14 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency._cli import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from flask_idempotency._cli_keys import _Walk
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency._storage import seal, text_param
+from flask_idempotency._storage.reseal import Walk
 from flask_idempotency._storage.schema import _text
 from flask_idempotency.publishers import ListPublisher
 from tests.support import outbox_app
-from tests.support.outbox import post, reset
 from tests.support.keyrings import KEY_A, KEY_B, use_keys
+from tests.support.outbox import post, reset
 
 RECORDS = "idempotency_keys"
 RECORD_COLUMNS = (*seal.RECORD_TEXT, *seal.RECORD_BINARY)
@@ -212,7 +212,7 @@ def test_a_row_that_changed_after_it_was_read_is_not_overwritten(
     with app.app_context():
         state = app.extensions["idempotency"]
         ring = seal.Keyring(keys=(KEY_B, KEY_A))
-        walk = _Walk("records", state.store.table, ring)
+        walk = Walk("records", state.store.table, ring)
         with engine(app).begin() as conn:
             row = conn.execute(sa.select(*walk.columns()).order_by(*walk.key).limit(1)).one()
         new = walk.resealed(row)
