@@ -14,6 +14,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 
 from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
+from ._secrets import KeyPairs, resolve_encryption_keys
 from .config import DEFAULTS, PREFIX
 from .keys import MAX_KEY_LENGTH, KeyFormat, resolve_key_format, resolve_key_max_length
 
@@ -255,6 +256,8 @@ class Settings:
     form_field: str | None = "idempotency_key"
     #: ``None``: the ttl.
     form_key_max_age: timedelta | None = None
+    #: ``None``: encryption at rest off; else (id, key) pairs, the first seals.
+    encryption_keys: KeyPairs | None = dataclasses.field(default=None, repr=False)
 
     @property
     def transaction_pooled(self) -> bool:
@@ -347,6 +350,9 @@ class Settings:
             form_key_max_age=None
             if values.get("FORM_KEY_MAX_AGE") is None
             else positive_duration(values["FORM_KEY_MAX_AGE"], "IDEMPOTENCY_FORM_KEY_MAX_AGE"),
+            encryption_keys=resolve_encryption_keys(
+                values.get("ENCRYPTION_KEYS"), "IDEMPOTENCY_ENCRYPTION_KEYS"
+            ),
         )
         # The app's lease is every ``lease=True`` route's: its records must
         # outlive it. (A route's own ttl or lease is checked on that route.)

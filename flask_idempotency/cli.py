@@ -154,7 +154,9 @@ def _load_or_none(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     with state.db.engine.connect() as conn:
-        return state.store.load(conn, scope, key), state.now(conn)
+        # A record whose sealed data does not open is shown (and judged) by
+        # what is in clear, "unreadable" saying why: never a traceback.
+        return state.store.load(conn, scope, key, unreadable_ok=True), state.now(conn)
 
 
 def _load(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
@@ -195,6 +197,7 @@ def show(scope: str, key: str) -> None:
                 "created_at": _cli.iso(record.created_at),
                 "completed_at": _cli.iso(record.completed_at),
                 "expires_at": _cli.iso(record.expires_at),
+                **({"unreadable": record.unreadable} if record.unreadable else {}),
             },
             indent=2,
         )
@@ -322,6 +325,7 @@ def list_records(key: str | None, scope_prefix: str | None, status: str | None, 
                     "locked_until": _cli.iso(record.locked_until),
                     "expires_at": _cli.iso(record.expires_at),
                     "expired": record.is_expired(now),
+                    **({"unreadable": record.unreadable} if record.unreadable else {}),
                 }
                 for record in records
             ],

@@ -250,6 +250,17 @@ SETTINGS: tuple[Setting, ...] = (
         " the route's `ttl`, whatever is set: a form submitted after its record expired would"
         " run again.",
     ),
+    Setting(
+        "ENCRYPTION_KEYS",
+        None,
+        "Encryption at rest (the `crypto` extra): the keys that seal stored bodies, headers,"
+        " stored requests and recovery points, each with an id; the first seals, every one"
+        ' opens. A list of `"id:base64key"` strings, a list of `(id, key)` pairs, a dict'
+        ' `{id: key}` (in its order), or one string `"id:key,id:key"` (from an environment'
+        " variable); a key is 32 random bytes in base64 (`flask idempotency generate-key`)."
+        " `None`: stored in clear. A bad id or key, an id twice, or an empty list stops"
+        " `init_app`. See [Encryption at rest](encryption.md).",
+    ),
 )
 
 #: Each setting's default, by its name without the prefix (``"TTL"``, ...).

@@ -34,6 +34,7 @@ from ._request.flow import Clock
 from ._request.route import RouteOptions, view_name
 from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_table
 from ._storage.schema import OUTBOX_TABLE_NAME
+from ._storage.seal import Keyring
 from ._view import ViewAPI
 from .cli import idempotency_cli
 from .scope import ReplayAttempt
@@ -62,6 +63,17 @@ def in_utc(clock: Clock) -> Clock:
         return value.astimezone(dt.timezone.utc)
 
     return now
+
+
+def _keyring(settings: _config.Settings) -> Keyring | None:
+    """The keys of ``IDEMPOTENCY_ENCRYPTION_KEYS`` (checked by the settings),
+    ready to seal; ``None`` when encryption at rest is off."""
+    if settings.encryption_keys is None:
+        return None
+    try:
+        return Keyring(settings.encryption_keys)
+    except RuntimeError as exc:  # the crypto extra is not installed
+        raise RuntimeError(f"Flask-Idempotency: {exc}") from None
 
 
 class Idempotency(ViewAPI):
@@ -139,7 +151,7 @@ class Idempotency(ViewAPI):
         inbox_table(db.metadata)
         state = AppState(
             db=db,
-            store=Store(table, claim_idle=settings.claim_idle_timeout),
+            store=Store(table, claim_idle=settings.claim_idle_timeout, keyring=_keyring(settings)),
             settings=settings,
             clock=in_utc(clock or self._clock or utc_now),
             job_lock_table=job_lock_table(db.metadata),

@@ -180,12 +180,15 @@ class RecoveryReport:
     released: int = 0  #: deleted, so the client's next retry runs again
     skipped: int = 0  #: finished or reclaimed by someone else meanwhile
     kept: int = 0  #: left for the client's retry (finished steps, or derived keys handed out)
+    #: left alone: their sealed data does not open (encryption at rest), each logged
+    unreadable: int = 0
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"completed {self.completed}, released {self.released}, kept {self.kept}, "
             f"skipped {self.skipped}"
         )
+        return f"{text}, unreadable {self.unreadable}" if self.unreadable else text
 
 
 def _quoted(key: str) -> str:
@@ -256,6 +259,13 @@ def recover_abandoned(
         for record in abandoned:
             if not keep_going():
                 break
+            if record.unreadable is not None:
+                # Neither re-run (its request is sealed) nor released (its
+                # points may say the operation must resume): it waits for its
+                # key to be configured again, or for its expiry.
+                logger.error("lease recovery left a record alone: %s", record.unreadable)
+                report.unreadable += 1
+                continue
             if record.view_committed:
                 # The operation happened: never re-run nor released, but
                 # completed with the answer the view's commit stored.
@@ -284,7 +294,7 @@ def recover_abandoned(
                 # A failed re-run reclaimed the record (new token) before it
                 # failed: release what is there now, if still abandoned.
                 current = (
-                    state.store.load(conn, record.scope, record.key)
+                    state.store.load(conn, record.scope, record.key, unreadable_ok=True)
                     if record.recoverable
                     else record
                 )

@@ -21,9 +21,10 @@ from flask import Flask, Response, current_app, request
 from .. import _config
 from .. import _telemetry as telemetry
 from .._context import app_state
+from .._failures import SealBroken
 from .._storage import dberrors
 from .._storage.schema import INBOX_TABLE_NAME, OUTBOX_TABLE_NAME
-from ..errors import ProblemError, ServerMisconfiguredError
+from ..errors import ProblemError, RecordUnreadableError, ServerMisconfiguredError
 from ..keys import resolve_key_format, resolve_key_max_length
 from . import answer
 from .fingerprint import SchemaArg, exclude_paths, resolve_schema
@@ -165,6 +166,11 @@ def protect(view: F, route: RouteOptions) -> F:
             answer.raised(refused)
             observed.fail(refused)
             raise
+        except SealBroken as broken:
+            unopened = unreadable(state.db.session, broken)
+            observed.fail(unopened)
+            answer.raised(unopened)
+            raise unopened from None
         except Exception as exc:
             # Wraps the whole flow (claim, view, completion, replay, the
             # no-key path): a database outage or a lock conflict anywhere
@@ -190,6 +196,22 @@ def protect(view: F, route: RouteOptions) -> F:
     wrapper._idempotency_route = route  # type: ignore[attr-defined]
     _WRAPPED_VIEWS.add(view)
     return t.cast(F, wrapper)
+
+
+def unreadable(session: t.Any, broken: SealBroken) -> RecordUnreadableError:
+    """The answer for a record whose sealed data does not open (encryption at
+    rest): the session rolls back (nothing of this request changes), and one
+    ERROR line names the record, the column and the key id, never a body."""
+    try:
+        session.rollback()
+    except Exception:  # the answer stands; the connection goes back to the pool
+        logger.debug("rollback after an unreadable record failed", exc_info=True)
+    logger.error("answered 500 record-unreadable: %s", broken)
+    return RecordUnreadableError(
+        "The stored record of this idempotency key cannot be opened (its encryption key "
+        "is not configured, or its data was not sealed for it); nothing was changed. "
+        "Retry later with the same key."
+    )
 
 
 # Every view function @idem.idempotent wrapped: registered as a view itself, the

@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._context import OPTIMISTIC_WHY as WHY
 from .._context import resolve_app
+from .._failures import SealBroken
 from .._storage import COMPLETED, Record, new_fencing_token, open_transaction, operation_values
 from ..errors import ClaimWaitExceeded, ConflictError
 from .claim import wait_answer
@@ -202,6 +203,8 @@ def _answer_for_record(
     session = flow.session
     try:
         record = flow.store.load(session, state.scope, state.key, stored_request=False)
+    except SealBroken:  # the record's answer, unreadable: 500 record-unreadable
+        raise
     except Exception:  # the view's own failure is the one to report
         session.rollback()
         logger.debug("could not read the record of %r", state.key, exc_info=True)

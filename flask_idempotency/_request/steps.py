@@ -25,6 +25,7 @@ from sqlalchemy import exc as sa_exc
 
 from .. import signals
 from .._context import resolve_app
+from .._failures import SealBroken
 from .._storage import is_unstored, unstored_mark
 from ..errors import LeaseLostError, StepNotStoredError, TooLargeToStore
 from .claim_guard import Claim
@@ -71,7 +72,7 @@ def _expiry(state: RequestState) -> dt.datetime | None:
     try:
         with flow.session.get_bind().engine.connect() as conn:
             record = flow.store.load(conn, state.scope, state.key, stored_request=False)
-    except sa_exc.SQLAlchemyError:
+    except (sa_exc.SQLAlchemyError, SealBroken):
         return None
     return record.expires_at if record is not None else None
 

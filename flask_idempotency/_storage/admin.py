@@ -49,7 +49,7 @@ class OperatorQueries(Statements):
             .order_by(c.locked_until)
             .limit(limit)
         )
-        return [Record.from_row(row) for row in conn.execute(stmt)]
+        return [self._record_or_unreadable(row._mapping) for row in conn.execute(stmt)]
 
     def delete_releasable(
         self,
@@ -185,4 +185,4 @@ class OperatorQueries(Statements):
         if status is not None:
             stmt = stmt.where(c.status == status)
         stmt = stmt.order_by(c.created_at.desc(), c.scope, c.key).limit(limit)
-        return [Record.from_row(row) for row in conn.execute(stmt)]
+        return [self._record_or_unreadable(row._mapping) for row in conn.execute(stmt)]

@@ -7,9 +7,11 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from .._failures import SealBroken
 from ..errors import TooLargeToStore
-from . import drivers
+from . import drivers, seal
 from .dialects import Executor, dialect_for, dialect_of
+from .schema import Record, identity
 from .sql import changed_one
 
 # Room for the rest of a statement besides its one large value.
@@ -23,6 +25,33 @@ class Statements:
 
     Parameters named ``w_*`` are the WHERE clause; the others are column values.
     """
+
+    #: The keys that seal a record's sealed columns (encryption at rest,
+    #: :mod:`.seal`); ``None``: stored in clear.
+    keyring: seal.Keyring | None = None
+
+    def _sealed(self, scope: str, key: str, values: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+        """``values`` (column values, in clear) with the record's sealed columns
+        sealed for (scope, key): every write of those columns goes through here."""
+        if self.keyring is None:
+            return dict(values)
+        return seal.seal_record(self.keyring, self.table.name, scope, key, values)
+
+    def _record(self, m: t.Mapping[t.Any, t.Any]) -> Record:
+        """The record of a row as read, its sealed columns opened; raises
+        :class:`SealBroken` when one does not open for this row."""
+        scope, key = identity(m)
+        opened = seal.open_record(self.keyring, self.table.name, scope, key, m)
+        return Record.from_mapping(opened)
+
+    def _record_or_unreadable(self, m: t.Mapping[t.Any, t.Any]) -> Record:
+        """As :meth:`_record`; a row whose sealed columns do not open is the
+        record of what is in clear, with :attr:`.Record.unreadable` saying why
+        (the operator's reads: one such row never stops a list or a job)."""
+        try:
+            return self._record(m)
+        except SealBroken as exc:
+            return Record.unreadable_from(m, (*seal.RECORD_TEXT, *seal.RECORD_BINARY), str(exc))
 
     def __init__(self, table: sa.Table) -> None:
         self.table = table

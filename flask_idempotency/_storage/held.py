@@ -105,11 +105,12 @@ class HeldRecord(Statements):
         ``False`` means another request took the record over: the caller must
         roll back.
         """
+        answer = answer_values(response_code, response_headers, response_body, body_omitted)
         params = {
             "w_scope": scope,
             "w_key": key,
             "w_token": token,
-            **answer_values(response_code, response_headers, response_body, body_omitted),
+            **self._sealed(scope, key, answer),
             "completed_at": now,
             "e_expires": expires_at,
         }
@@ -230,7 +231,7 @@ class HeldRecord(Statements):
             "w_key": key,
             "w_token": token,
             "locked_until": locked_until,
-            **(answer or {}),
+            **self._sealed(scope, key, answer or {}),
         }
         row: t.Any = self._execute(connection, stmt, params).first()
         if row is None:
@@ -289,18 +290,29 @@ class HeldRecord(Statements):
         :func:`.dberrors.too_large`): nothing was saved, the lease unchanged.
         """
         saved = json.dumps(points, sort_keys=True, separators=(",", ":"))
-        self.refuse_oversized(executor, len(saved.encode()))
-        values = {"locked_until": locked_until, "recovery_points": saved}
+        values = self._sealed(scope, key, {"recovery_points": saved})
+        self.refuse_oversized(executor, len(values["recovery_points"].encode()))
+        values["locked_until"] = locked_until
         try:
-            return self._set_held(executor, scope, key, token, values)
+            return self._set_held(executor, scope, key, token, values, sealed=True)
         except sa.exc.DBAPIError as exc:
             if dberrors.too_large(exc):
                 raise TooLargeToStore(dberrors.summary(exc)) from exc
             raise
 
     def _set_held(
-        self, executor: Executor, scope: str, key: str, token: int, values: dict[str, t.Any]
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        values: dict[str, t.Any],
+        *,
+        sealed: bool = False,
     ) -> bool:
-        """Set ``values`` on a record this holder (``token``) still has in progress."""
+        """Set ``values`` (in clear, or ``sealed`` already) on a record this
+        holder (``token``) still has in progress."""
+        if not sealed:
+            values = self._sealed(scope, key, values)
         params = {"w_scope": scope, "w_key": key, "w_token": token, **values}
         return self._changed_one(executor, self._update_held, params)

@@ -71,6 +71,11 @@ def as_utc(value: dt.datetime | None) -> dt.datetime | None:
     return value.astimezone(dt.timezone.utc)
 
 
+def identity(m: t.Mapping[t.Any, t.Any]) -> tuple[str, str]:
+    """The (scope, key) of a record's row as read, as ``str`` on every engine."""
+    return t.cast(str, _text(m["scope"])), t.cast(str, _text(m["key"]))
+
+
 def _text(value: str | bytes | None) -> str | None:
     """A scope or key as read: ``str`` on every engine (VARBINARY gives bytes)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -221,6 +226,12 @@ class Record:
     #: Recovery points are written, an empty set included (a kept operation whose
     #: derived keys were handed out): the client's retry resumes this operation.
     holds_recovery_points: bool = False
+    #: Why its sealed fields (encryption at rest: bodies, headers, stored
+    #: request, recovery points) could not be opened; ``None`` for a record
+    #: read whole. Only the operator's reads (the CLI, the lease recovery job)
+    #: return such a record, with those fields empty; a request that meets
+    #: one answers 500 ``record-unreadable`` instead.
+    unreadable: str | None = None
 
     @property
     def view_committed(self) -> bool:
@@ -273,6 +284,17 @@ class Record:
             request_content_type=m.get("request_content_type"),
             request_body=bytes(stored) if (stored := m.get("request_body")) is not None else None,
         )
+
+    @classmethod
+    def unreadable_from(
+        cls, m: t.Mapping[t.Any, t.Any], sealed: t.Iterable[str], why: str
+    ) -> Record:
+        """The record of a row whose ``sealed`` columns did not open (``why``):
+        what is in clear (identity, status, times, codes), those fields empty."""
+        blank = {**m, **{column: None for column in sealed if column in m}}
+        record = cls.from_mapping(blank)
+        held = m["recovery_points"] is not None
+        return dataclasses.replace(record, unreadable=why, holds_recovery_points=held)
 
     def is_expired(self, now: dt.datetime) -> bool:
         """Past its retention, and its operation cannot have happened without

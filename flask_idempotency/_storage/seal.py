@@ -30,10 +30,11 @@ import dataclasses
 import hashlib
 import hmac
 import os
-import re
 import typing as t
 
 from .._failures import SealBroken
+from .._secrets import KEY_ID as KEY_ID
+from .._secrets import parse_key as parse_key
 
 #: The first bytes of a sealed binary value.
 MAGIC = b"\x00\xffFIS1"
@@ -42,8 +43,6 @@ TEXT_PREFIX = "fis1:"
 _SALT = 16
 _NONCE = 12
 _TAG = 16
-#: A key id: what the config names a key by, and what a sealed value records.
-KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
 _AAD_VERSION = b"flask-idempotency/seal/1"
 _SUBKEY = b"flask-idempotency/seal/1/subkey"
 
@@ -90,24 +89,6 @@ def key_id_of(value: str | bytes | bytearray | memoryview | None) -> str | None:
     raw = bytes(t.cast(bytes, value))
     n = raw[len(MAGIC)] if len(raw) > len(MAGIC) else 0
     return raw[len(MAGIC) + 1 : len(MAGIC) + 1 + n].decode("ascii", "replace")
-
-
-def parse_key(text: str | bytes, name: str) -> bytes:
-    """A 256-bit key from its base64 (standard or URL-safe) text, or refused."""
-    if isinstance(text, bytes):
-        text = text.decode("ascii", "replace")
-    cleaned = text.strip()
-    padded = cleaned + "=" * (-len(cleaned) % 4)
-    try:
-        raw = base64.urlsafe_b64decode(padded.replace("+", "-").replace("/", "_"))
-    except (binascii.Error, ValueError):
-        raw = b""
-    if len(raw) != 32:
-        raise ValueError(
-            f"{name}: a key must be 32 random bytes in base64 (44 characters), e.g. from "
-            "`flask idempotency generate-key`; this one is not"
-        )
-    return raw
 
 
 def new_key_text() -> str:
@@ -208,18 +189,22 @@ class Keyring:
 def seal_record(
     ring: Keyring | None, table: str, scope: str, key: str, values: t.Mapping[str, t.Any]
 ) -> dict[str, t.Any]:
-    """``values`` (columns of a record) with every sealed column that is set
-    sealed for (scope, key); a copy, unchanged without a keyring."""
+    """``values`` (columns of a record, in clear) with every sealed column that
+    is set sealed for (scope, key); a copy, unchanged without a keyring.
+
+    Every value is sealed, also one that looks sealed already: a request body
+    is the client's, and may start with :data:`MAGIC` (left in clear, it
+    would be read as a sealed value that does not open)."""
     out = dict(values)
     if ring is None:
         return out
     for column in RECORD_TEXT:
         value = out.get(column)
-        if isinstance(value, str) and not is_sealed(value):
+        if isinstance(value, str):
             out[column] = ring.seal_text(value, associated_data(table, column, scope, key))
     for column in RECORD_BINARY:
         value = out.get(column)
-        if isinstance(value, (bytes, bytearray, memoryview)) and not is_sealed(value):
+        if isinstance(value, (bytes, bytearray, memoryview)):
             out[column] = ring.seal_bytes(bytes(value), associated_data(table, column, scope, key))
     return out
 

@@ -44,6 +44,7 @@ from .admin import OperatorQueries
 from .dialects import Executor, dialect_for, dialect_of
 from .held import HeldRecord
 from .schema import IN_PROGRESS, Record
+from .seal import Keyring
 from .sql import (
     RECLAIM_KEEPS,
     STORED_REQUEST,
@@ -64,8 +65,17 @@ class Store(HeldRecord, OperatorQueries):
     Parameters named ``w_*`` are the WHERE clause; the others are column values.
     """
 
-    def __init__(self, table: sa.Table, *, claim_idle: dt.timedelta | None = None) -> None:
+    def __init__(
+        self,
+        table: sa.Table,
+        *,
+        claim_idle: dt.timedelta | None = None,
+        keyring: Keyring | None = None,
+    ) -> None:
         super().__init__(table)
+        #: ``IDEMPOTENCY_ENCRYPTION_KEYS``: every write of a record's sealed
+        #: columns seals them, every read opens them (:mod:`.seal`).
+        self.keyring = keyring
         #: ``IDEMPOTENCY_CLAIM_IDLE_TIMEOUT``: on PostgreSQL, how long the server lets a
         #: transaction that holds a claim sit idle before it ends it.
         self.claim_idle = claim_idle
@@ -180,7 +190,7 @@ class Store(HeldRecord, OperatorQueries):
                 conn.rollback()
         except sa_exc.DBAPIError:
             return False
-        return row is not None and Record.from_row(row).lease_live(now)
+        return row is not None and self._record_or_unreadable(row._mapping).lease_live(now)
 
     def try_insert(self, executor: Executor, values: dict[str, t.Any]) -> bool:
         """Insert a new record; ``False`` when one with the same scope and key exists.
@@ -189,6 +199,7 @@ class Store(HeldRecord, OperatorQueries):
         engine takes in one statement (MySQL answers such a statement by dropping
         the connection).
         """
+        values = self._sealed(values["scope"], values["key"], values)
         self.check_size(executor, values)
         return self._insert(executor, values)[0]
 
@@ -228,12 +239,21 @@ class Store(HeldRecord, OperatorQueries):
             self.refuse_oversized(executor, len(body))
 
     def load(
-        self, executor: Executor, scope: str, key: str, *, stored_request: bool = True
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        *,
+        stored_request: bool = True,
+        unreadable_ok: bool = False,
     ) -> Record | None:
         """The record for (scope, key), or ``None``: the latest committed version.
 
         ``stored_request=False`` leaves out the request kept for the recovery
         job (its fields read ``None``): what a request needs, at less cost.
+        A record whose sealed columns do not open raises :class:`SealBroken`;
+        with ``unreadable_ok`` (the operator's reads) it is returned with
+        :attr:`Record.unreadable` set instead.
         """
         locking = dialect_of(executor).locking_reads
         if stored_request:
@@ -241,7 +261,10 @@ class Store(HeldRecord, OperatorQueries):
         else:
             stmt = self._load_head_locking if locking else self._load_head
         row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
-        return Record.from_row(row) if row is not None else None
+        if row is None:
+            return None
+        read = self._record_or_unreadable if unreadable_ok else self._record
+        return read(row._mapping)
 
     def claim(
         self, session: Session, values: dict[str, t.Any], wait: dt.timedelta | None
@@ -261,6 +284,7 @@ class Store(HeldRecord, OperatorQueries):
         them in order, in the transaction; :mod:`.drivers.psycopg` says why not
         psycopg 3's pipeline mode). Elsewhere it is the same statements one by one.
         """
+        values = self._sealed(values["scope"], values["key"], values)
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
         refuse_autocommit(connection)
@@ -295,7 +319,7 @@ class Store(HeldRecord, OperatorQueries):
             return False, None  # deleted since it blocked our insert
         if found["fencing_token"] == values["fencing_token"]:
             return True, None  # ours
-        return False, Record.from_mapping(found)
+        return False, self._record(found)
 
     def load_committed(
         self, executor: sa.Engine | sa.Connection, scope: str, key: str
@@ -328,6 +352,7 @@ class Store(HeldRecord, OperatorQueries):
         stored request, creation and retention times. One conditional ``UPDATE``
         on the fencing token read: exactly one contender can win.
         """
+        values = self._sealed(record.scope, record.key, values)
         self.check_size(executor, values)
         params = {
             **values,

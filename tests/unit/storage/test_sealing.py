@@ -1,0 +1,248 @@
+"""Encryption at rest in the store, on each storage implementation: every
+statement that writes a record's sealed columns seals them for that record, and
+every read opens them; the settings take the keys in each documented spelling."""
+
+from __future__ import annotations
+
+import base64
+import typing as t
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from flask_idempotency import config
+from flask_idempotency._config import Settings
+from flask_idempotency._failures import SealBroken
+from flask_idempotency._storage import (
+    IN_PROGRESS,
+    answer_values,
+    new_fencing_token,
+    seal,
+    text_param,
+)
+from tests.support.sealing import KEY_A, KEY_B
+from tests.support.storage import HOUR, SCOPE, Impl, claimed, new_key, now_ms, record_values
+
+MARK = f"MARK-{uuid.uuid4().hex}"
+RING = seal.Keyring(keys=(("a", bytes(range(32))),))
+
+
+def _clear(rows: dict[str, dict[str, t.Any]], key: str) -> list[str]:
+    """The columns of ``key``'s row that show :data:`MARK` in clear."""
+    shown = []
+    for column, value in rows[key].items():
+        text = bytes(value).decode("latin-1") if isinstance(value, bytes) else str(value)
+        if MARK in text:
+            shown.append(column)
+    return shown
+
+
+def test_every_write_seals_and_every_read_opens(impl: Impl) -> None:
+    impl.store.keyring = RING
+    now, key = now_ms(), new_key()
+    body = f'{{"note": "{MARK}"}}'.encode()
+    values = record_values(
+        key, now, request_method="POST", request_path=f"/orders?note={MARK}", request_body=body
+    )
+    claimed(impl, values)
+    rows = impl.rows()
+    assert _clear(rows, key) == []
+    assert seal.key_id_of(rows[key]["request_body"]) == "a"
+    assert seal.is_sealed(rows[key]["request_path"])
+    token = values["fencing_token"]
+    headers = [("X-Note", MARK)]
+    with impl.engine.begin() as conn:
+        points = {"charge": {"note": MARK}}
+        assert impl.store.save_recovery_points(conn, SCOPE, key, token, points, now + HOUR)
+    with Session(impl.engine) as session:
+        # The answer a view's commit stores (the claim's own transaction's).
+        answer = answer_values(500, headers, body, False)
+        renewed, _ = impl.store.renew_lease_before_commit(
+            session, SCOPE, key, token, now + HOUR, answer
+        )
+        assert renewed
+        session.commit()
+    assert _clear(impl.rows(), key) == []
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, key)
+    assert record is not None
+    assert (record.request_body, record.request_path) == (body, f"/orders?note={MARK}")
+    assert (record.response_headers, record.response_body) == (headers, body)
+    assert record.recovery_points == {"charge": {"note": MARK}}
+    with impl.engine.begin() as conn:
+        assert impl.store.complete(
+            conn,
+            SCOPE,
+            key,
+            token,
+            response_code=201,
+            response_headers=headers,
+            response_body=body,
+            body_omitted=False,
+            now=now,
+        )
+    assert _clear(impl.rows(), key) == []
+    # A duplicate's claim (one batch on psycopg) reads the record opened.
+    with Session(impl.engine) as session:
+        won, held = impl.store.claim(session, record_values(key, now), None)
+        session.rollback()
+    assert not won
+    assert held is not None
+    assert (held.response_code, held.response_body, held.response_headers) == (201, body, headers)
+
+
+def test_a_replacement_and_a_kept_operation_are_sealed_too(impl: Impl) -> None:
+    impl.store.keyring = RING
+    now, key = now_ms(), new_key()
+    claimed(impl, record_values(key, now - 48 * HOUR, lease=-HOUR))
+    with Session(impl.engine) as session:
+        won, record = impl.store.claim(session, record_values(key, now), None)
+        assert not won
+        assert record is not None
+        token = new_fencing_token(record.fencing_token)
+        columns = record_values(key, now, request_method="POST", request_body=MARK.encode())
+        del columns["scope"], columns["key"]
+        assert impl.store.take_over(session, record, columns, now, expired=True, token=token)
+        session.commit()
+    assert _clear(impl.rows(), key) == []
+    with impl.engine.begin() as conn:
+        points = {"email": MARK}
+        assert impl.store.keep_for_retry(conn, SCOPE, key, token, recovery_points=points)
+    rows = impl.rows()
+    assert _clear(rows, key) == []
+    assert rows[key]["request_body"] is None
+    with impl.engine.connect() as conn:
+        kept = impl.store.load(conn, SCOPE, key)
+    assert kept is not None
+    assert kept.recovery_points == {"email": MARK}
+
+
+def test_a_value_copied_to_another_record_does_not_open_there(impl: Impl) -> None:
+    impl.store.keyring = RING
+    now, victim, thief = now_ms(), new_key(), new_key()
+    # Abandoned, with a stored request: what the recovery job looks for.
+    stored = {"request_method": "POST", "request_path": "/orders"}
+    claimed(
+        impl, record_values(victim, now, lease=-HOUR, recovery_points=f'{{"a":"{MARK}"}}', **stored)
+    )
+    claimed(impl, record_values(thief, now, lease=-HOUR, recovery_points='{"a":"mine"}', **stored))
+    table = impl.store.table
+    with impl.engine.begin() as conn:
+        stolen = conn.execute(
+            sa.select(table.c.recovery_points).where(table.c.key == text_param("w", victim))
+        ).scalar_one()
+        conn.execute(
+            sa.update(table)
+            .where(table.c.key == text_param("w", thief))
+            .values(recovery_points=stolen)
+        )
+    with impl.engine.connect() as conn:
+        with pytest.raises(SealBroken) as broken:
+            impl.store.load(conn, SCOPE, thief)
+        assert broken.value.key_id == "a"
+        assert thief in broken.value.where
+        assert MARK not in str(broken.value)
+        # The operator's reads say so and go on with the others.
+        found = {r.key: r for r in impl.store.find_abandoned(conn, now, 10)}
+        listed = {r.key: r for r in impl.store.find(conn, scope_prefix=SCOPE)}
+    for records in (found, listed):
+        assert records[victim].unreadable is None
+        assert records[victim].recovery_points == {"a": MARK}
+        unreadable = records[thief]
+        assert unreadable.unreadable is not None
+        assert "key id 'a'" in unreadable.unreadable
+        assert unreadable.recovery_points == {}
+        assert unreadable.holds_recovery_points
+        assert unreadable.status == IN_PROGRESS
+        assert not unreadable.recoverable  # its stored request is not read either
+
+
+def test_a_clear_record_opens_as_written_under_a_keyring(impl: Impl) -> None:
+    now, key = now_ms(), new_key()
+    claimed(impl, record_values(key, now, request_body=MARK.encode()))  # no keyring: clear
+    assert _clear(impl.rows(), key) == ["request_body"]
+    impl.store.keyring = RING
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, key)
+    assert record is not None
+    assert record.request_body == MARK.encode()
+
+
+def test_a_body_that_starts_like_a_sealed_value_is_sealed_all_the_same(impl: Impl) -> None:
+    impl.store.keyring = RING
+    now, key = now_ms(), new_key()
+    tricky = seal.MAGIC + b"\x01a" + MARK.encode()
+    claimed(impl, record_values(key, now, request_body=tricky))
+    assert _clear(impl.rows(), key) == []
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, key)
+    assert record is not None
+    assert record.request_body == tricky
+
+
+# --- the setting ---
+
+RAW_A, RAW_B = bytes(range(32)), bytes(range(100, 132))
+TEXT_A, TEXT_B = KEY_A.split(":", 1)[1], KEY_B.split(":", 1)[1]
+
+
+def _settings(keys: t.Any) -> Settings:
+    values = {name: setting for name, setting in config.DEFAULTS.items()}
+    return Settings.from_mapping({**values, "ENCRYPTION_KEYS": keys})
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        [KEY_A, KEY_B],
+        [("a", TEXT_A), ("b", TEXT_B)],
+        {"a": TEXT_A, "b": TEXT_B},
+        f"{KEY_A}, {KEY_B}",
+        [("a", RAW_A), ("b", RAW_B)],
+        # Standard base64, without its padding, as some tools print it.
+        [f"a:{base64.b64encode(RAW_A).decode().rstrip('=')}", KEY_B],
+    ],
+    ids=["strings", "pairs", "dict", "one-string", "bytes", "standard-base64"],
+)
+def test_every_spelling_gives_the_keys_in_order(written: t.Any) -> None:
+    assert _settings(written).encryption_keys == (("a", RAW_A), ("b", RAW_B))
+    assert _settings(None).encryption_keys is None
+
+
+@pytest.mark.parametrize(
+    ("written", "error"),
+    [
+        ([], "names no key"),
+        ("", "names no key"),
+        (["bad id!:" + TEXT_A], "key id 'bad id!'"),
+        ([TEXT_A], "no id"),
+        (["a:c2hvcnQ="], "32 random bytes"),
+        ([KEY_A, "a:" + TEXT_B], "key id 'a' is configured twice"),
+        ([("a", 42)], "key 'a' must be base64 text"),
+        (42, "must be None, a list"),
+    ],
+)
+def test_a_bad_key_list_is_refused_naming_the_setting(written: t.Any, error: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as refused:
+        _settings(written)
+    assert "IDEMPOTENCY_ENCRYPTION_KEYS" in str(refused.value)
+    assert error in str(refused.value)
+    assert TEXT_B not in str(refused.value)  # a key is never shown
+
+
+def test_init_app_refuses_a_bad_key(tmp_path: t.Any) -> None:
+    from tests.support import testapp
+
+    with pytest.raises(ValueError, match="IDEMPOTENCY_ENCRYPTION_KEYS, key 'a'"):
+        testapp.create_app(
+            f"sqlite:///{tmp_path / 'bad.sqlite3'}", IDEMPOTENCY_ENCRYPTION_KEYS=["a:too-short"]
+        )
+    # Out of the store's hot path: the keyring is built once, at init_app.
+    app = testapp.create_app(
+        f"sqlite:///{tmp_path / 'good.sqlite3'}", IDEMPOTENCY_ENCRYPTION_KEYS=[KEY_A]
+    )
+    store = app.extensions["idempotency"].store
+    assert store.keyring is not None
+    assert store.keyring.current == "a"
