@@ -1,4 +1,5 @@
-"""Keys for the encryption-at-rest tests, and the config that sets them."""
+"""Two keys with ids for the rotation tests (A the old one, B the new one), in
+the spellings IDEMPOTENCY_ENCRYPTION_KEYS takes, and apps made with them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import typing as t
 
 from flask import Flask
 
-from flask_idempotency._context import app_state
-from flask_idempotency._storage import seal
+from tests.support.sealing import sealed_config
 
-#: Two keys, with their ids: A is the old one, B the new one of a rotation.
+#: (id, key): the same bytes as tests/support/sealing.py's, under upper-case ids.
 KEY_A = ("A", bytes(range(32)))
 KEY_B = ("B", bytes(range(100, 132)))
 
@@ -20,28 +20,21 @@ def key_line(key: tuple[str, bytes]) -> str:
     return f"{key[0]}:{base64.urlsafe_b64encode(key[1]).decode()}"
 
 
-def keys_config(*keys: tuple[str, bytes]) -> dict[str, t.Any]:
-    """The config that sets ``keys`` (the first seals); none: encryption off."""
-    return {"IDEMPOTENCY_ENCRYPTION_KEYS": [key_line(k) for k in keys]} if keys else {}
-
-
-def use_keys(app: Flask, *keys: tuple[str, bytes]) -> Flask:
-    """``app`` with ``keys`` (interim, until the setting lands)."""
-    with app.app_context():
-        ring = seal.Keyring(keys=tuple(keys)) if keys else None
-        app_state(app).store.keyring = ring  # type: ignore[attr-defined]
-    return app
-
-
 def keys_text(*keys: tuple[str, bytes]) -> str:
     """``keys`` as one string, as an environment variable holds the setting."""
     return ",".join(key_line(k) for k in keys)
 
 
+def keys_config(*keys: tuple[str, bytes]) -> dict[str, t.Any]:
+    """The config that sets ``keys`` (the first seals); none: encryption off."""
+    return sealed_config(*(key_line(k) for k in keys)) if keys else {}
+
+
 def keys_app(factory: t.Callable[..., Flask], url: str, keys: str) -> Flask:
-    """``factory(url)`` with the keys of ``keys`` (:func:`keys_text`)."""
-    ring = []
-    for line in filter(None, keys.split(",")):
-        kid, _, key = line.partition(":")
-        ring.append((kid, seal.parse_key(key, "keys")))
-    return use_keys(factory(url), *ring)
+    """``factory(url)`` with ``keys`` (:func:`keys_text`; empty: encryption off),
+    set as an environment variable would set it."""
+    if not keys:
+        return factory(url)
+    config = sealed_config(keys)
+    config["IDEMPOTENCY_ENCRYPTION_KEYS"] = keys  # the one-string spelling
+    return factory(url, **config)

@@ -8,20 +8,22 @@ from __future__ import annotations
 import json
 import re
 import typing as t
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idempotency._cli import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from flask_idempotency._cli import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency._storage import seal, text_param
 from flask_idempotency._storage.reseal import Walk
 from flask_idempotency._storage.schema import _text
 from flask_idempotency.publishers import ListPublisher
 from tests.support import outbox_app
-from tests.support.keyrings import KEY_A, KEY_B, use_keys
+from tests.support.keyrings import KEY_A, KEY_B, keys_config
 from tests.support.outbox import post, reset
+from tests.unit.test_cli_ops import assert_one_line_error, unreachable_url
 
 RECORDS = "idempotency_keys"
 RECORD_COLUMNS = (*seal.RECORD_TEXT, *seal.RECORD_BINARY)
@@ -33,7 +35,7 @@ def make_app(database_url: str) -> t.Iterator[t.Callable[..., Flask]]:
     made: list[Flask] = []
 
     def make(*keys: tuple[str, bytes]) -> Flask:
-        app = use_keys(outbox_app.create_app(database_url), *keys)
+        app = outbox_app.create_app(database_url, **keys_config(*keys))
         made.append(app)
         return app
 
@@ -71,33 +73,17 @@ def key_ids(rows: list[dict[str, t.Any]], columns: t.Iterable[str]) -> set[str |
     return {seal.key_id_of(r[c]) for r in rows for c in columns if r[c] is not None}
 
 
-def seal_record_with(app: Flask, ring: seal.Keyring, row: dict[str, t.Any]) -> None:
-    """Seal one record's values with ``ring``, as a request under it would."""
-    scope, key = _text(row["scope"]), _text(row["key"])
-    assert scope is not None
-    assert key is not None
-    clear = seal.open_record(None, RECORDS, scope, key, {c: row[c] for c in RECORD_COLUMNS})
-    values = seal.seal_record(ring, RECORDS, scope, key, clear)
-    table = app.extensions["idempotency"].store.table
-    with engine(app).begin() as conn:
-        conn.execute(
-            sa.update(table)
-            .where(table.c.scope == text_param("s", scope), table.c.key == text_param("k", key))
-            .values(values)
-        )
-
-
 def seed(database_url: str, make_app: t.Callable[..., Flask]) -> Flask:
-    """Four records (two sealed with A, two in clear, as written before
-    encryption) and four events sealed with A; the app under [B, A]."""
+    """Four orders, each a record and an event: two written in clear (before
+    encryption was on), then two sealed with A; the app under [B, A]."""
+    before = make_app()
     under_a = make_app(KEY_A)
     for n in range(4):
-        assert post(under_a, key=f"k{n}", amount=4200 + n).status_code == 201
-    ring_a = seal.Keyring(keys=(KEY_A,))
-    for row in records(under_a)[:2]:
-        if row["response_body"] is not None and not seal.is_sealed(row["response_body"]):
-            seal_record_with(under_a, ring_a, row)
-    assert key_ids(events(under_a), seal.OUTBOX_TEXT) == {"A"}
+        app = before if n < 2 else under_a
+        assert post(app, key=f"k{n}", amount=4200 + n).status_code == 201
+    rows = records(under_a)
+    assert [seal.key_id_of(r["response_body"]) for r in rows] == [None, None, "A", "A"]
+    assert [seal.key_id_of(e["payload"]) for e in events(under_a)] == [None, None, "A", "A"]
     return make_app(KEY_B, KEY_A)
 
 
@@ -111,7 +97,7 @@ def opens_with_b_alone(app: Flask, database_url: str) -> None:
         opened = seal.open_record(ring_b, RECORDS, scope, key, row)
         assert b'"order"' in bytes(opened["response_body"])
     assert key_ids(events(app), seal.OUTBOX_TEXT) == {"B"}
-    only_b = use_keys(outbox_app.create_app(database_url), KEY_B)
+    only_b = outbox_app.create_app(database_url, **keys_config(KEY_B))
     publisher = ListPublisher()
     run = relay_batch(only_b, publisher)
     assert (run.published, run.failed) == (len(events(app)), 0)
@@ -170,7 +156,7 @@ def test_reseal_resumes_from_a_position(
     assert result.exit_code == EXIT_OK, (result.output, result.stderr)
     assert "records:" not in result.stdout
     by_id = {int(e["id"]): e for e in events(app)}
-    assert [seal.key_id_of(by_id[i]["payload"]) for i in (1, 2, 3, 4)] == ["A", "A", "B", "B"]
+    assert [seal.key_id_of(by_id[i]["payload"]) for i in (1, 2, 3, 4)] == [None, None, "B", "B"]
     bad = invoke(app, "reseal", "--table", "outbox", "--from", 'records:["s","k"]')
     assert bad.exit_code == EXIT_USAGE
     assert invoke(app, "reseal", "--from", "nowhere").exit_code == EXIT_USAGE
@@ -180,10 +166,10 @@ def test_a_value_that_does_not_open_is_counted_and_left_as_it_is(
     database_url: str, make_app: t.Callable[..., Flask], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = seed(database_url, make_app)
-    with engine(app).begin() as conn:  # event 2 gets event 1's sealed payload
-        [payload] = conn.execute(sa.text("SELECT payload FROM idempotency_outbox WHERE id = 1"))
+    with engine(app).begin() as conn:  # event 4 gets event 3's sealed payload
+        [payload] = conn.execute(sa.text("SELECT payload FROM idempotency_outbox WHERE id = 3"))
         conn.execute(
-            sa.text("UPDATE idempotency_outbox SET payload = :p WHERE id = 2"), {"p": payload[0]}
+            sa.text("UPDATE idempotency_outbox SET payload = :p WHERE id = 4"), {"p": payload[0]}
         )
     result = invoke(app, "reseal")
     assert result.exit_code == EXIT_FAILED, result.output
@@ -193,7 +179,7 @@ def test_a_value_that_does_not_open_is_counted_and_left_as_it_is(
     assert "idempotency_outbox.payload of event" in line
     assert "'A'" in line
     by_id = {int(e["id"]): e for e in events(app)}
-    assert by_id[2]["payload"] == payload[0]  # never rewritten
+    assert by_id[4]["payload"] == payload[0]  # never rewritten
 
 
 def test_no_keys_is_misconfigured(make_app: t.Callable[..., Flask]) -> None:
@@ -267,3 +253,13 @@ def test_a_row_held_by_a_transaction_is_skipped_and_left_for_the_next_run(
     result = invoke(app, "reseal", "--table", "records")
     assert result.exit_code == EXIT_OK
     assert "records: 1 re-sealed" in result.stdout
+
+
+def test_reseal_with_the_database_down_exits_69_in_one_line(
+    database_url: str, tmp_path: Path
+) -> None:
+    app = outbox_app.create_app(unreachable_url(database_url, tmp_path), **keys_config(KEY_B))
+    line = assert_one_line_error(
+        invoke(app, "reseal"), EXIT_DATABASE, "the database", "is unavailable"
+    )
+    assert "SELECT" not in line

@@ -18,8 +18,8 @@ from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
+from tests.support.keyrings import KEY_A, KEY_B, keys_config
 from tests.support.outbox import post, reset, rows
-from tests.support.keyrings import KEY_A, KEY_B, use_keys
 
 
 @pytest.fixture
@@ -29,9 +29,8 @@ def make_app(database_url: str, clock: Clock) -> t.Iterator[t.Callable[..., Flas
     made: list[Flask] = []
 
     def make(*keys: tuple[str, bytes]) -> Flask:
-        app = use_keys(
-            outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3),
-            *keys,
+        app = outbox_app.create_app(
+            database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3, **keys_config(*keys)
         )
         made.append(app)
         return app
