@@ -146,7 +146,8 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
         logger.error(
             "outbox event %s parked after %d attempts: %s",
             ev.id,
-            settings.outbox_max_attempts,
+            # One attempt for an event that does not open where it is (parked at once).
+            min(ev.attempts + 1, settings.outbox_max_attempts),
             error,
         )
         signals.event_parked.send(app, event=ev, error=error)

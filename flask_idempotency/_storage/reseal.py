@@ -121,6 +121,9 @@ def _batch(
         if dialect.take_isolation is not None:  # no gap locks an insert would wait on
             conn = conn.execution_options(isolation_level=dialect.take_isolation)
         with conn.begin():
+            # SQLite: its write lock first, so no writer commits between this
+            # batch's read and its updates (a WAL reader could not upgrade then).
+            dialect.lock_writers(conn, walk.table, walk.sealed[0])
             query = sa.select(*walk.columns()).where(where).order_by(*walk.key).limit(limit)
             # The unheld rows, locked until this batch commits (SQLite: one writer).
             rows = list(conn.execute(dialect.skip_locked_take(query)))
