@@ -69,7 +69,7 @@ class OutboxEvent:
 
 def keyring(state: AppState) -> Keyring | None:
     """The app's ``IDEMPOTENCY_ENCRYPTION_KEYS`` as a keyring; ``None`` when off."""
-    return t.cast("Keyring | None", getattr(state.store, "keyring", None))
+    return state.store.keyring
 
 
 def canonical_payload(payload: t.Any) -> str:
