@@ -149,3 +149,9 @@ def reseal(batch: int, which: str, start: tuple[str, list[t.Any]] | None) -> Non
         )
     if left:
         raise _cli.CommandError(f"{left} row(s) left as they were: see above, and run reseal again")
+
+
+def register(command: t.Callable[[str], t.Callable[[t.Callable[..., None]], t.Any]]) -> None:
+    """Add the commands to the group through ``command`` (cli.py's ``_command``)."""
+    command("generate-key")(generate_key)
+    command("reseal")(reseal)

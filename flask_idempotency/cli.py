@@ -171,7 +171,8 @@ def _load(scope: str, key: str) -> tuple[t.Any, dt.datetime]:
 @click.argument("scope", callback=scope_argument)
 @click.argument("key", callback=key_argument)
 def show(scope: str, key: str) -> None:
-    """Print one record as JSON (the body as text when it is UTF-8)."""
+    """Print one record as JSON (the body as text when it is UTF-8); one whose sealed
+    data does not open (encryption at rest) with what is in clear and why (`unreadable`)."""
     record, _ = _load(scope, key)
     body: str | None = None
     if record.response_body is not None:
@@ -444,6 +445,4 @@ def outbox_purge(older_than: float | None) -> None:
     _cli.report(f"deleted {deleted} published event(s)")
 
 
-# Encryption at rest: the key commands (_cli_keys).
-_command("generate-key")(_cli_keys.generate_key)
-_command("reseal")(_cli_keys.reseal)
+_cli_keys.register(_command)  # generate-key, reseal

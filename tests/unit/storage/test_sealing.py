@@ -246,3 +246,33 @@ def test_init_app_refuses_a_bad_key(tmp_path: t.Any) -> None:
     store = app.extensions["idempotency"].store
     assert store.keyring is not None
     assert store.keyring.current == "a"
+
+
+def test_a_value_moved_to_another_column_or_altered_does_not_open(impl: Impl) -> None:
+    impl.store.keyring = RING
+    now, moved, altered = now_ms(), new_key(), new_key()
+    for key in (moved, altered):
+        claimed(impl, record_values(key, now, recovery_points='{"a":1}', request_path="/x"))
+    table = impl.store.table
+    with impl.engine.begin() as conn:
+        sealed = conn.execute(
+            sa.select(table.c.recovery_points).where(table.c.key == text_param("w", altered))
+        ).scalar_one()
+        # One character of the ciphertext changed (mid-value: never padding bits).
+        at = len(sealed) // 2 + 10
+        flipped = sealed[:at] + ("A" if sealed[at] != "A" else "B") + sealed[at + 1 :]
+        conn.execute(
+            sa.update(table)
+            .where(table.c.key == text_param("w", altered))
+            .values(recovery_points=flipped)
+        )
+        # The record's own stored path, put where its recovery points are.
+        conn.execute(
+            sa.update(table)
+            .where(table.c.key == text_param("w", moved))
+            .values(recovery_points=table.c.request_path)
+        )
+    with impl.engine.connect() as conn:
+        for key in (moved, altered):
+            with pytest.raises(SealBroken, match="recovery_points"):
+                impl.store.load(conn, SCOPE, key)
