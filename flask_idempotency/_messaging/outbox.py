@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import hmac
 import json
 import threading
 import typing as t
@@ -13,10 +14,11 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
 
-from .._context import app_state, current_derived_key, current_request_state
+from .._context import AppState, app_state, current_derived_key, current_request_state
 from .._storage import outbox as outbox_sql
 from .._storage.notify import CHANNEL as CHANNEL
 from .._storage.schema import _text, as_utc, outbox_table
+from .._storage.seal import Keyring
 from .._telemetry import propagation
 from ..errors import EventIdConflictError
 
@@ -54,18 +56,29 @@ class OutboxEvent:
         )
 
     @classmethod
-    def from_row(cls, row: t.Any) -> OutboxEvent:
+    def from_row(cls, row: t.Any, ring: Keyring | None = None) -> OutboxEvent:
+        """The event of an outbox row, its payload and headers opened with
+        ``ring`` (encryption at rest). Raises
+        :class:`~flask_idempotency._failures.SealBroken` when they do not open."""
         m = row._mapping
+        event_id = t.cast(str, _text(m["event_id"]))
+        payload = outbox_sql.open_event_text(ring, event_id, "payload", m["payload"])
+        headers = outbox_sql.open_event_text(ring, event_id, "headers", m["headers"])
         return cls(
             id=int(m["id"]),
-            event_id=t.cast(str, _text(m["event_id"])),
+            event_id=event_id,
             topic=m["topic"],
-            payload=json.loads(m["payload"]),
-            headers=json.loads(m["headers"]) if m["headers"] else {},
+            payload=json.loads(t.cast(str, payload)),
+            headers=json.loads(headers) if headers else {},
             created_at=t.cast(dt.datetime, as_utc(m["created_at"])),
             attempts=int(m["attempts"]),
             trace_context=propagation.carrier_from_text(m.get("trace_context")),
         )
+
+
+def keyring(state: AppState) -> Keyring | None:
+    """The app's ``IDEMPOTENCY_ENCRYPTION_KEYS`` as a keyring; ``None`` when off."""
+    return state.store.keyring
 
 
 def canonical_payload(payload: t.Any) -> str:
@@ -171,8 +184,11 @@ def add_event(
         values["owner_scope"] = sa.bindparam("owner_scope", scope, type_=sa.String())
         values["owner_key"] = sa.bindparam("owner_key", key, type_=sa.String())
     sql = outbox_sql.for_session(session)
+    ring = keyring(state)
+    # Sealed for this event id: a payload copied under another id does not open.
+    values = outbox_sql.seal_event(ring, event_id, values)
     if not sql.insert_event(session, table, values):
-        _check_same_event(session, table, sql, event_id, topic, text)
+        _check_same_event(session, table, sql, event_id, topic, text, ring)
     if not session.info.get(_INFO_FLAG):
         # Once per transaction (PostgreSQL: delivered at the commit, dropped with
         # a rollback): a LISTENing relay wakes at once (listener.Listener).
@@ -188,15 +204,20 @@ def _check_same_event(
     event_id: str,
     topic: str,
     text: str,
+    ring: Keyring | None,
 ) -> None:
-    """Raise unless the row with ``event_id`` holds ``topic`` and ``text``."""
+    """Raise unless the row with ``event_id`` holds ``topic`` and ``text``
+    (its payload opened first: a sealed one differs at every seal).
+
+    Raises :class:`~flask_idempotency._failures.SealBroken` when the stored
+    payload does not open: it cannot be told the same."""
     existing = sql.existing_event(session, table, event_id)
     if existing is None:  # pragma: no cover - the insert conflicted on this id
         raise RuntimeError(f"outbox insert of {event_id!r} neither wrote nor met a row")
-    if existing.topic == topic and _same_payload(existing.payload, text):
+    stored = t.cast(str, outbox_sql.open_event_text(ring, event_id, "payload", existing.payload))
+    if existing.topic == topic and _same_payload(stored, text):
         return
-    stored = existing.payload.decode() if isinstance(existing.payload, bytes) else existing.payload
-    # Sizes, never the payloads: this message reaches logs, a payload may be secret.
+    # Sizes, never the payloads (encrypted or not): this message reaches logs.
     raise EventIdConflictError(
         f"outbox event id {event_id!r} already names another event: topic "
         f"{existing.topic!r}, payload of {len(stored)} characters; this one is topic {topic!r}, "
@@ -229,7 +250,15 @@ def emit(
             seen = state.event_counts
             n = seen.get(content, 0)
             seen[content] = n + 1
-            digest = hashlib.sha256(json.dumps([topic, text, n]).encode("utf-8")).hexdigest()
+            # Keyed when the fingerprint is: an unkeyed digest in the clear event_id
+            # would let a reader of the table confirm a guess of a sealed payload.
+            message = json.dumps([topic, text, n]).encode("utf-8")
+            secret = app_state().settings.fingerprint_key
+            digest = (
+                hashlib.sha256(message).hexdigest()
+                if secret is None
+                else hmac.new(secret, message, hashlib.sha256).hexdigest()
+            )
             step = "event#" + digest
         event_id = current_derived_key(step, handed_out=False)
     else:

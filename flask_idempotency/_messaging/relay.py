@@ -20,12 +20,15 @@ from flask import Flask
 from .. import _telemetry as telemetry
 from .. import signals
 from .._context import app_state
+from .._failures import SealBroken
 from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
+from .._storage.schema import _text, as_utc
+from .._storage.seal import Keyring
 from .._telemetry import propagation
 from ..errors import BrokerUnavailable, StalledMessage
 from ..publishers import MESSAGE_CODES
-from .outbox import OutboxEvent
+from .outbox import OutboxEvent, keyring
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -134,16 +137,17 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
             state.clock,
             database_clock=not state.custom_clock,
         )
-        run = _Batch(leases, settings.outbox_lease, settings.outbox_max_attempts).run(
-            publisher, batch
-        )
+        run = _Batch(
+            leases, settings.outbox_lease, settings.outbox_max_attempts, keyring(state)
+        ).run(publisher, batch)
     for ev in run.published:
         signals.event_published.send(app, event=ev)
     for ev, error in run.parked:
         logger.error(
             "outbox event %s parked after %d attempts: %s",
             ev.id,
-            settings.outbox_max_attempts,
+            # One attempt for an event that does not open where it is (parked at once).
+            min(ev.attempts + 1, settings.outbox_max_attempts),
             error,
         )
         signals.event_parked.send(app, event=ev, error=error)
@@ -259,14 +263,50 @@ def _publish(publisher: Publisher, ev: OutboxEvent, system: str) -> None:
 
 
 class _Batch:
-    """One batch: take and lease, publish and mark each, give back the rest."""
+    """One batch: take and lease, publish and mark each, give back the rest.
 
-    def __init__(self, leases: outbox_sql.Leases, lease: dt.timedelta, max_attempts: int) -> None:
+    An event whose payload or headers do not open (encryption at rest:
+    :class:`SealBroken`) is never published (no ciphertext, no guess): when
+    its key id is not configured here it fails as a publish does (backed off,
+    parked after the most attempts; another relay configured with the key may
+    publish it meanwhile, as in a rolling deploy of a new key); when it does
+    not open with a configured key (altered, or copied under another event id)
+    no configuration can fix it and it is parked at once. Either way
+    ``last_error`` names the key id, and the rest of the batch goes on.
+    """
+
+    def __init__(
+        self,
+        leases: outbox_sql.Leases,
+        lease: dt.timedelta,
+        max_attempts: int,
+        ring: Keyring | None = None,
+    ) -> None:
         self.leases, self.lease, self.max_attempts = leases, lease, max_attempts
+        self.ring = ring
+        #: The taken events that did not open, by row id.
+        self.unopened: dict[int, SealBroken] = {}
+
+    def _make(self, row: t.Any) -> OutboxEvent:
+        try:
+            return OutboxEvent.from_row(row, self.ring)
+        except SealBroken as exc:
+            self.unopened[int(row.id)] = exc
+            # Carries no payload or headers: only what a failure names.
+            clear = row._mapping
+            return OutboxEvent(
+                id=int(row.id),
+                event_id=t.cast(str, _text(clear["event_id"])),
+                topic=clear["topic"],
+                payload=None,
+                headers={},
+                created_at=t.cast(dt.datetime, as_utc(clear["created_at"])),
+                attempts=int(clear["attempts"]),
+            )
 
     def run(self, publisher: Publisher, batch: int) -> _Outcome:
         outcome = _Outcome()
-        leased_until, events = self.leases.take(batch, self.lease, OutboxEvent.from_row)
+        leased_until, events = self.leases.take(batch, self.lease, self._make)
         outcome.taken = len(events)
         telemetry.batch_taken(len(events))
         system = messaging_system(publisher)
@@ -282,6 +322,11 @@ class _Batch:
                 if _elapsed_clock() >= stop_at:
                     outcome.released = len(events) - tried
                     break
+                broken = self.unopened.get(ev.id)
+                if broken is not None:
+                    tried += 1
+                    self._unopened(ev, broken, leased_until, outcome)
+                    continue
                 try:
                     _publish(publisher, ev, system)
                 except BrokerUnavailable as exc:
@@ -332,10 +377,24 @@ class _Batch:
             outcome.published.extend(unmarked)
             unmarked.clear()
 
-    def _fail(self, ev: OutboxEvent, leased_until: dt.datetime, error: str) -> bool:
-        """Back the event off, or park it; whether it was parked here."""
+    def _unopened(
+        self, ev: OutboxEvent, broken: SealBroken, leased_until: dt.datetime, outcome: _Outcome
+    ) -> None:
+        """An event that does not open: failed without a publish (see the class)."""
+        error = _error_text(broken)
+        logger.error("outbox event %s (%s) not published: %s", ev.id, ev.topic, broken)
+        at_once = self.ring is not None and self.ring.has(broken.key_id)
+        if self._fail(ev, leased_until, error, park=at_once):
+            outcome.parked.append((ev, error))
+        outcome.failed += 1
+
+    def _fail(
+        self, ev: OutboxEvent, leased_until: dt.datetime, error: str, *, park: bool = False
+    ) -> bool:
+        """Back the event off, or park it (after the most attempts, or when
+        ``park``); whether it was parked here."""
         attempts = ev.attempts + 1
-        parks = attempts >= self.max_attempts
+        parks = park or attempts >= self.max_attempts
         written = self.leases.fail(
             ev.id,
             leased_until,

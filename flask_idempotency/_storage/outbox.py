@@ -27,6 +27,8 @@ import sqlalchemy as sa
 from .dialects import Dialect, dialect_for
 from .notify import NOTIFY
 from .schema import ERASED_PAYLOAD, OWNER_KEY, OWNER_SCOPE
+from .seal import open_event_text as open_event_text
+from .seal import seal_event as seal_event
 from .sql import database_now
 
 _R = t.TypeVar("_R")

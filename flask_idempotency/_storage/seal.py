@@ -35,6 +35,7 @@ import typing as t
 from .._failures import SealBroken
 from .._secrets import KEY_ID as KEY_ID
 from .._secrets import parse_key as parse_key
+from .schema import OUTBOX_TABLE_NAME
 
 #: The first bytes of a sealed binary value.
 MAGIC = b"\x00\xffFIS1"
@@ -246,3 +247,34 @@ def open_record(
         else:
             out[column] = ring.open_bytes(value, aad, where)
     return out
+
+
+def seal_event(ring: Keyring | None, event_id: str, values: dict[str, t.Any]) -> dict[str, t.Any]:
+    """``values`` (an outbox row's) with ``payload`` and ``headers``, where set
+    and in clear, sealed for ``event_id``; unchanged without a keyring."""
+    if ring is None:
+        return values
+    out = dict(values)
+    for column in OUTBOX_TEXT:
+        value = out.get(column)
+        if isinstance(value, str) and not is_sealed(value):
+            aad = associated_data(OUTBOX_TABLE_NAME, column, event_id)
+            out[column] = ring.seal_text(value, aad)
+    return out
+
+
+def open_event_text(
+    ring: Keyring | None, event_id: str, column: str, value: str | bytes | None
+) -> str | None:
+    """An outbox row's ``payload`` or ``headers`` as stored, opened (a clear
+    value as it is). Raises :class:`~flask_idempotency._failures.SealBroken`
+    for a sealed value that does not open for ``event_id`` (its key id not
+    configured, encryption off, altered, or copied from another event)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value).decode("utf-8")
+    if value is None or not is_sealed(value):
+        return value
+    where = f"{OUTBOX_TABLE_NAME}.{column} of event {event_id!r}"
+    if ring is None:
+        raise SealBroken(where, key_id_of(value) or "?", "encryption is not configured")
+    return ring.open_text(value, associated_data(OUTBOX_TABLE_NAME, column, event_id), where)

@@ -1,7 +1,7 @@
-"""The issue's check: after traffic whose request and response bodies, headers and
-step results all carry a marker, a dump of the database (``pg_dump``, or the
-SQLite file itself) shows the marker nowhere; the same traffic with encryption
-off shows it (so the check can fail)."""
+"""The issue's check: after traffic whose request and response bodies, headers,
+step results and an outbox event's payload and headers all carry a marker, a
+dump of the database (``pg_dump``, or the SQLite file itself) shows the marker
+nowhere; the same traffic with encryption off shows it (so the check can fail)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from tests.conftest import Clock, reset_tables
+from flask_idempotency._storage.schema import outbox_table
+from tests.conftest import Clock, recreate_tables, reset_tables
 from tests.support import testapp
 from tests.support.flow import post
 from tests.support.sealing import sealed_config
@@ -69,6 +70,7 @@ def _routes(app: Flask, runs: list[str]) -> None:
     def dump_echo() -> tuple[dict[str, t.Any], int, dict[str, str]]:
         note = testapp.idem.payload["note"]
         testapp.write_ledger("dump-echo")  # business rows carry no marker
+        testapp.idem.emit("dump.noted", {"note": note}, {"x-note": note})
         return {"note": note}, 201, {"X-Note": note}
 
     @app.post("/dump-steps")
@@ -87,6 +89,7 @@ def _traffic(url: str, clock: Clock, marker: str, **config: t.Any) -> None:
     runs: list[str] = []
     _routes(app, runs)
     reset_tables(url)
+    recreate_tables(testapp.db.metadata, url, (outbox_table,))
     client = app.test_client()
     body = {"note": marker}
     headers = {"X-Note": marker}  # a request header: never stored
@@ -117,7 +120,8 @@ def test_a_dump_after_traffic_shows_no_marker(
         dump = b"".join(p.read_bytes() for p in files)
     else:
         dump = _pg_dump(fresh_database)
-    assert b"idempotency_keys" in dump  # the table is in it
+    assert b"idempotency_keys" in dump  # the tables are in it
+    assert b"idempotency_outbox" in dump
     # A bytea column is dumped in hex: look for the marker that way too.
     shown = [
         needle for needle in (marker.encode(), marker.encode().hex().encode()) if needle in dump
