@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import hmac
 import json
 import os
 import signal
@@ -308,6 +309,39 @@ def test_requests_sharing_an_app_context_each_count_their_emits_from_zero(
             derive_scoped_key(scopes[key], key, step, operation=operation) for step in steps
         ]
     assert len(rows(app)) == 4
+
+
+def test_with_a_fingerprint_key_an_unnamed_events_id_is_keyed(
+    database_url: str, clock: Clock
+) -> None:
+    """With ``IDEMPOTENCY_FINGERPRINT_KEY`` the content digest in an unnamed
+    event's id is an HMAC under it: a reader of the table (scope, key and
+    event id in clear) cannot confirm a guess of a payload by recomputing it."""
+    secret = "outbox-fingerprint-key-0123456789abcdef"
+    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_FINGERPRINT_KEY=secret)
+    reset(database_url)
+    try:
+        with app.app_context():
+            [event_id] = post(app, key="a").get_json()["events"]
+            [scope] = [text(s) for s in rows_of(record_table(outbox_app.db.metadata), "scope")]
+    finally:
+        with app.app_context():
+            outbox_app.db.engine.dispose()
+    content = json.dumps({"amount": 5, "order": 1}, separators=(",", ":"))
+    message = json.dumps(["order.created", content, 0]).encode()
+    operation = clock().isoformat()
+
+    def event_id_of(digest: str) -> str:
+        return derive_scoped_key(scope, "a", "event#" + digest, operation=operation)
+
+    keyed = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    assert event_id == event_id_of(keyed)
+    assert event_id != event_id_of(hashlib.sha256(message).hexdigest())
+
+
+def rows_of(table: sa.Table, column: str) -> list[t.Any]:
+    with outbox_app.db.engine.connect() as conn:
+        return list(conn.execute(sa.select(table.c[column])).scalars())
 
 
 def text(value: str | bytes) -> str:
