@@ -90,7 +90,7 @@ def test_a_repeated_emit_is_compared_with_the_opened_payload(
         assert add_event(session, "t", {"b": 2, "a": 1}, event_id="e1") == "e1"
         with pytest.raises(EventIdConflictError) as caught:
             add_event(session, "t", {"a": 3777}, event_id="e1")
-        assert "(sealed)" in str(caught.value)
+        assert "payload of 13 characters" in str(caught.value)  # its size, never its text
         assert "3777" not in str(caught.value)
         session.commit()
     assert len(rows(app)) == 1
