@@ -15,10 +15,10 @@ the request):
   field's name also removes its ``data_key``), re-encoded as compact UTF-8
   JSON (always re-encoded, never the bytes as sent: a duplicate key's hidden
   value must not stay);
-* a form body is kept without the fields (and files) of the redacted names,
-  re-encoded as the form it was; a form has no nesting, so a dotted path
-  names the field spelled with its dots (``card.number``) or with brackets
-  (``card[number]``);
+* a form body is kept without the fields (and files) the redacted paths name,
+  re-encoded as the form it was; a form has no nesting, so a field's name is
+  read as the path it spells with dots or brackets (``card.number``,
+  ``card[number]``, ``items[0][note]``), and a path drops the fields under it;
 * any other body with a redacted route is refused (415, or 400 for a form that
   does not parse): the extension could not tell whether it holds the fields;
 * the recovery job's re-run gets that body, without the fields, and the
@@ -28,6 +28,7 @@ the request):
 from __future__ import annotations
 
 import json
+import re
 import typing as t
 
 from flask import Flask, request
@@ -77,15 +78,25 @@ def kept_request(schema: Schema | None, redact: t.Sequence[str]) -> tuple[bytes,
     )
 
 
-def form_names(paths: t.Iterable[Path]) -> set[str]:
-    """The form field names ``paths`` stand for: a form has no nesting, so a
-    dotted path names the field spelled with its dots (``card.number``) and
-    the one spelled with brackets (``card[number]``)."""
-    names = set()
-    for head, *rest in paths:
-        names.add(".".join((head, *rest)))
-        names.add(head + "".join(f"[{part}]" for part in rest))
-    return names
+def form_names(paths: t.Sequence[Path]) -> set[str]:
+    """The fields and files of the parsed form that ``paths`` name.
+
+    A form has no nesting, so a field's name is read as the path it spells,
+    split at dots and brackets (``card.number``, ``card[number]``), list
+    indexes (``items[0][note]``, ``cvc[]``) skipped: a field is dropped when a
+    path is its whole name or leads to it, as a JSON path drops what is under
+    it."""
+    names = set(request.form.keys()) | set(request.files.keys())
+    return {name for name in names if _named_by(name, paths)}
+
+
+def _named_by(name: str, paths: t.Sequence[Path]) -> bool:
+    spelled = tuple(part for part in re.split(r"[.\[\]]", name) if part)
+    unindexed = tuple(part for part in spelled if not part.isdigit())
+    return any(
+        name == ".".join(path) or spelled[: len(path)] == path or unindexed[: len(path)] == path
+        for path in paths
+    )
 
 
 def masked(value: t.Any, paths: t.Sequence[Path]) -> t.Any:

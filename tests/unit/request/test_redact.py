@@ -182,13 +182,14 @@ def test_form_fields_and_files_are_redacted(
     assert redacting.seen[-1] == ("/form-pay", expected)
 
 
-@pytest.mark.parametrize("name", ["card.number", "card[number]"])
+@pytest.mark.parametrize("name", ["card.number", "card[number]", "card[0][number]", "cvc[]"])
 @pytest.mark.parametrize("multipart", [False, True], ids=["urlencoded", "multipart"])
 def test_a_dotted_path_redacts_the_form_field_spelled_with_dots_or_brackets(
     redacting: RedactApp, name: str, multipart: bool
 ) -> None:
     """A form has no nesting: ``redact=["card.number"]`` names the field
-    ``card.number`` (or ``card[number]``), never kept silently."""
+    ``card.number`` (or ``card[number]``, or through a list index), never kept
+    silently; a path drops the fields under it (``cvc`` drops ``cvc[]``)."""
     data: dict[str, t.Any] = {"amount": "5", name: MARKER, "cvc": MARKER}
     if multipart:
         data["note"] = (io.BytesIO(b"kept"), "note.txt")
