@@ -55,26 +55,63 @@ def resolve_fingerprint_key(value: t.Any, encryption_keys: t.Any) -> bytes | Non
 #: A key id: what the config names a key by, and what a sealed value records.
 KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
 
+#: An id that fails the check but is safe to show: short, and with a character
+#: no base64 key has (a space, '!'), as a typo, not a key, would.
+_PLAIN_ID = re.compile(r"(?=.*[^A-Za-z0-9+/=_-]).{1,32}")
+
 KeyPairs = tuple[tuple[str, bytes], ...]
 
 
+#: A 256-bit key in base64, exactly: 43 characters (the last carries 4 bits,
+#: its 2 low ones zero) and an optional "=", of one alphabet (standard or URL-safe).
+_KEY_TEXT = re.compile(r"(?:[A-Za-z0-9+/]{42}|[A-Za-z0-9_-]{42})[AEIMQUYcgkosw048]=?")
+
+
 def parse_key(text: str | bytes, name: str) -> bytes:
-    """A 256-bit key from its base64 (standard or URL-safe, padding optional)
-    text, or :class:`ValueError` naming ``name`` (the key's text is not shown)."""
+    """A 256-bit key from its exact base64 (standard or URL-safe, padding
+    optional) text, or :class:`ValueError` naming ``name`` (the key's text is
+    not shown). Anything else is refused, also 43 characters of the alphabet
+    that are no such encoding (a passphrase that happens to fit)."""
     if isinstance(text, bytes):
         text = text.decode("ascii", "replace")
     cleaned = text.strip()
-    padded = cleaned + "=" * (-len(cleaned) % 4)
-    try:
-        raw = base64.urlsafe_b64decode(padded.replace("+", "-").replace("/", "_"))
-    except (binascii.Error, ValueError):
-        raw = b""
+    raw = b""
+    if _KEY_TEXT.fullmatch(cleaned):
+        padded = cleaned.rstrip("=") + "="
+        try:
+            raw = base64.b64decode(padded.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError):  # pragma: no cover - the pattern checked it
+            raw = b""
     if len(raw) != 32:
         raise ValueError(
             f"{name}: a key must be 32 random bytes in base64 (44 characters), e.g. from "
             "`flask idempotency generate-key`; this one is not"
         )
     return raw
+
+
+ALLOW_CLEAR = "IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR"
+
+
+def check_encryption_config(config: t.Mapping[str, t.Any]) -> bool:
+    """Checks of the app's config that go with encryption keys, at ``init_app``;
+    returns ``IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR`` (``False`` unless set ``True``).
+
+    Refused: encryption keys while the default scope (``IDEMPOTENCY_SCOPE``
+    unset) has no ``SECRET_KEY`` to key the proof of a Basic password it keeps
+    in clear: a dump would give every password to an offline wordlist."""
+    allow = config.get(ALLOW_CLEAR, False)
+    if not isinstance(allow, bool):
+        raise TypeError(f"{ALLOW_CLEAR} must be True or False, not a {type(allow).__name__}")
+    if config.get("IDEMPOTENCY_SCOPE") is None and not config.get("SECRET_KEY"):
+        raise ValueError(
+            "IDEMPOTENCY_ENCRYPTION_KEYS is set but the app has no SECRET_KEY: the default "
+            "scope keeps a proof of each HTTP Basic password (an HMAC keyed with SECRET_KEY) "
+            "in clear, and without the secret a dump gives those passwords to an offline "
+            "wordlist; set SECRET_KEY (a random secret, kept as long as retries may come) or "
+            "IDEMPOTENCY_SCOPE"
+        )
+    return allow
 
 
 def _pair(item: t.Any, name: str) -> tuple[str, t.Any]:
@@ -120,8 +157,12 @@ def resolve_encryption_keys(
     for item in items:
         kid, key = _pair(item, name)
         if not isinstance(kid, str) or not KEY_ID.fullmatch(kid):
+            # The id that fails is not shown when it could be key material (an
+            # id and key written the wrong way round): only a short, plain one.
+            shown = f" {kid!r}" if isinstance(kid, str) and _PLAIN_ID.fullmatch(kid) else ""
             raise ValueError(
-                f"{name}: key id {kid!r} must be 1 to 32 letters, digits, '.', '_' or '-'"
+                f"{name}: key id{shown} (key {len(pairs) + 1} of the list) must be 1 to 32 "
+                "letters, digits, '.', '_' or '-'"
             )
         if any(kid == seen for seen, _ in pairs):
             raise ValueError(f"{name}: key id {kid!r} is configured twice")

@@ -272,6 +272,16 @@ SETTINGS: tuple[Setting, ...] = (
         " `None`: stored in clear. A bad id or key, an id twice, or an empty list stops"
         " `init_app`. See [Encryption at rest](encryption.md).",
     ),
+    Setting(
+        "ENCRYPTION_ALLOW_CLEAR",
+        False,
+        "With `IDEMPOTENCY_ENCRYPTION_KEYS`: read a value in clear in a sealed column as it is"
+        " (records stored before encryption was turned on). `False`: such a value is unreadable"
+        " (500 `record-unreadable`), so a writer of the database cannot put an answer of its"
+        " choosing in clear. Set it for the window after turning encryption on, until those"
+        " records expire or `flask idempotency reseal` seals them. See"
+        " [Encryption at rest](encryption.md#turning-it-on).",
+    ),
 )
 
 #: Each setting's default, by its name without the prefix (``"TTL"``, ...).

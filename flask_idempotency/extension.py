@@ -138,7 +138,7 @@ class Idempotency(ViewAPI):
         )
         table = record_table(db.metadata)
         inbox_table(db.metadata)
-        keyring = keyring_of(settings.encryption_keys)  # once: never looked up per request
+        keyring = keyring_of(settings.encryption_keys, app.config)  # once, not per request
         state = AppState(
             db=db,
             store=Store(table, claim_idle=settings.claim_idle_timeout, keyring=keyring),

@@ -261,16 +261,10 @@ def recover_abandoned(
         for record in abandoned:
             if not keep_going():
                 break
-            if record.unreadable is not None:
-                # Neither re-run (its request is sealed) nor released (its
-                # points may say the operation must resume): it waits for its
-                # key to be configured again, or for its expiry.
-                logger.error("lease recovery left a record alone: %s", record.unreadable)
-                report.unreadable += 1
-                continue
             if record.view_committed:
                 # The operation happened: never re-run nor released, but
-                # completed with the answer the view's commit stored.
+                # completed with the answer the view's commit stored (clear
+                # columns only: settled even when its sealed ones do not open).
                 with engine.begin() as conn:
                     settled = state.store.settle_committed(
                         conn,
@@ -284,6 +278,13 @@ def recover_abandoned(
                     report.completed += 1
                 else:
                     report.skipped += 1
+                continue
+            if record.unreadable is not None:
+                # Neither re-run (its request is sealed) nor released (its
+                # points may say the operation must resume): it waits for its
+                # key to be configured again, or for its expiry.
+                logger.error("lease recovery left a record alone: %s", record.unreadable)
+                report.unreadable += 1
                 continue
             outcome = _rerun(app, record) if record.recoverable else False
             if outcome is True:

@@ -148,6 +148,9 @@ def claim_key(
             if record is None:
                 continue  # deleted since our insert; insert again
             if not expired:
+                # An expired record is replaced unopened (a key dropped since it
+                # was sealed stops no new operation); any other must open.
+                record = store.readable(session, record)
                 if record.status == ERASED and not allow_new and not replay:
                     raise RecordGone(f"{scope!r} {key!r} (erased)")  # a recovery run
                 answer = answer_existing(flow, record, fingerprint, now)

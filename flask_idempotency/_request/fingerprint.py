@@ -267,9 +267,13 @@ def compute(
     mimetype: str | None = None,
     *,
     key: bytes | None = None,
+    bound: bytes = b"",
 ) -> str:
     """SHA-256 (hex) of method, path, query arguments, media type and payload
-    bytes; with ``key`` (``IDEMPOTENCY_FINGERPRINT_KEY``), HMAC-SHA256 of the same.
+    bytes; with ``key`` (``IDEMPOTENCY_FINGERPRINT_KEY``), HMAC-SHA256 of
+    ``bound`` (the record's framed scope and key, :func:`bound_to`) and the same:
+    a keyed fingerprint differs across records, so a reader of the table who is
+    also a client cannot confirm a guess by sending it in a scope of their own.
 
     Query arguments are sorted by name only: each name keeps its values in the
     order given. ``mimetype`` is the body's media type (``None`` without a body).
@@ -282,10 +286,18 @@ def compute(
         digest = hashlib.sha256(head.encode("ascii"))
     else:
         digest = keyed_hmac(key).copy()
+        digest.update(bound)
         digest.update(head.encode("ascii"))
     digest.update(b"\x00")
     digest.update(payload)
     return digest.hexdigest()
+
+
+def bound_to(scope: str, idempotency_key: str) -> bytes:
+    """What binds a keyed fingerprint to its record: the scope and the key, each
+    length-prefixed (no two records share these bytes)."""
+    parts = (scope.encode("utf-8"), idempotency_key.encode("utf-8"))
+    return b"".join(len(part).to_bytes(4, "big") + part for part in parts)
 
 
 def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
@@ -314,17 +326,23 @@ class NormalizedRequest:
     payload: t.Any = dataclasses.field(default=None, repr=False, compare=False)
     #: The fingerprint's key (``IDEMPOTENCY_FINGERPRINT_KEY``); ``None``: SHA-256.
     key: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: The record it is for (:func:`bound_to`), counted first by a keyed fingerprint.
+    bound: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
     def fingerprint(self, path: str) -> str:
         """The hash of this request as sent to ``path``."""
-        return compute(self.method, path, self.query, self.body, self.mimetype, key=self.key)
+        return compute(
+            self.method, path, self.query, self.body, self.mimetype, key=self.key, bound=self.bound
+        )
 
     def renormalized(
         self, exclude: t.Iterable[str], form_ignored: t.Collection[str] = ()
     ) -> NormalizedRequest:
         """This request normalized with other excluded (and ignored form) fields,
         under the same schema (and key): the payload is not loaded again."""
-        return _normalize(self.schema, self.raw, self.payload, exclude, form_ignored, self.key)
+        return _normalize(
+            self.schema, self.raw, self.payload, exclude, form_ignored, self.key, self.bound
+        )
 
 
 def normalize_request(
@@ -332,18 +350,20 @@ def normalize_request(
     exclude: t.Iterable[str],
     form_ignored: t.Collection[str] = (),
     key: bytes | None = None,
+    bound: bytes = b"",
 ) -> tuple[t.Any, NormalizedRequest]:
     """Load the current request's payload and normalize it: ``(payload, normalized)``.
 
     ``form_ignored`` names the fields of a form body that never count (the
     form's key, the CSRF token: both change with each rendering of one form).
-    ``key``: the fingerprint's (``IDEMPOTENCY_FINGERPRINT_KEY``), if any."""
+    ``key``: the fingerprint's (``IDEMPOTENCY_FINGERPRINT_KEY``), if any;
+    ``bound``: the record's scope and key (:func:`bound_to`) a keyed one counts."""
     if schema is not None:
         raw = read_json_body()
         payload = _load(schema, raw)
     else:
         raw = payload = load_payload(None)
-    return payload, _normalize(schema, raw, payload, exclude, form_ignored, key)
+    return payload, _normalize(schema, raw, payload, exclude, form_ignored, key, bound)
 
 
 def _normalize(
@@ -353,6 +373,7 @@ def _normalize(
     exclude: t.Iterable[str],
     form_ignored: t.Collection[str],
     key: bytes | None = None,
+    bound: bytes = b"",
 ) -> NormalizedRequest:
     paths = exclude_paths(exclude)
     if schema is not None:
@@ -384,6 +405,7 @@ def _normalize(
         raw=raw,
         payload=payload,
         key=key,
+        bound=bound,
     )
 
 

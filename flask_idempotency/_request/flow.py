@@ -35,7 +35,7 @@ from ..scope import resolve_scope
 from . import answer
 from .claim import answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
-from .fingerprint import NormalizedRequest, load_payload, normalize_request
+from .fingerprint import NormalizedRequest, bound_to, load_payload, normalize_request
 from .finish import (
     complete,
     failure_answer,
@@ -141,7 +141,11 @@ class Flow:
         if form_token is not None and recovery is None:
             check_binding(form_token, scope)
         payload, self.normalized = normalize_request(
-            route.schema, route.exclude, form_ignored_fields(settings), settings.fingerprint_key
+            route.schema,
+            route.exclude,
+            form_ignored_fields(settings),
+            settings.fingerprint_key,
+            bound_to(scope, key),
         )
         fingerprint = self.normalized.fingerprint(request.path)
         if recovery is not None and route.redact and recovery.request_hash is not None:

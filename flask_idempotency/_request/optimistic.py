@@ -158,6 +158,7 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                 continue  # deleted since it blocked our insert: insert again
             session.rollback()
             logger.debug("%r in scope %r was completed by another request", key, scope)
+            record = store.readable(session, record)  # an expired one was replaced unopened
             answer = flow.answer_existing(record, fingerprint, now)
             if isinstance(answer, Response):
                 return answer

@@ -11,6 +11,7 @@ its one statement's batch.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import typing as t
 
 import sqlalchemy as sa
@@ -34,7 +35,12 @@ class OperatorQueries(Statements):
         """In-progress, unexpired records whose lease has ended, oldest lease first,
         that the recovery job can act on: those it can re-run (a stored request),
         and those with no recovery points (released). A record that keeps
-        finished steps for the client's retry to resume from is left alone."""
+        finished steps for the client's retry to resume from is left alone.
+
+        A record whose sealed columns do not open (:attr:`.Record.unreadable`)
+        and that the job can only leave alone is returned besides, not counted
+        in ``limit``: any number of them never keeps the others from the job
+        (one whose view committed counts: it is settled without being opened)."""
         c = self.table.c
         stmt = (
             sa.select(self.table)
@@ -46,10 +52,23 @@ class OperatorQueries(Statements):
                 unexpired(c, now),
                 sa.or_(c.recovery_points.is_(None), c.request_method.is_not(None)),
             )
-            .order_by(c.locked_until)
+            .order_by(c.locked_until, c.scope, c.key)
             .limit(limit)
         )
-        return [self._record_or_unreadable(row._mapping) for row in conn.execute(stmt)]
+        found: list[Record] = []
+        taken = 0
+        for offset in itertools.count(0, limit):
+            page = [
+                self._record_or_unreadable(r._mapping) for r in conn.execute(stmt.offset(offset))
+            ]
+            for record in page:
+                found.append(record)
+                taken += record.unreadable is None or record.view_committed
+                if taken == limit:
+                    return found
+            if len(page) < limit:
+                break
+        return found
 
     def delete_releasable(
         self,

@@ -29,11 +29,13 @@ import binascii
 import dataclasses
 import functools
 import hmac
+import logging
 import os
 import typing as t
 
 from .._failures import SealBroken
 from .._secrets import KEY_ID as KEY_ID
+from .._secrets import check_encryption_config
 from .._secrets import parse_key as parse_key
 from .schema import OUTBOX_TABLE_NAME
 
@@ -45,6 +47,8 @@ _SALT = 16
 _NONCE = 12
 _TAG = 16
 _AAD_VERSION = b"flask-idempotency/seal/1"
+logger = logging.getLogger("flask_idempotency")
+_V = t.TypeVar("_V", str, bytes)
 _SUBKEY = b"flask-idempotency/seal/1/subkey"
 
 #: The record's columns that are sealed: text (JSON) and binary.
@@ -86,8 +90,21 @@ def is_sealed(value: str | bytes | bytearray | memoryview | None) -> bool:
     if isinstance(value, str):
         return value.startswith(TEXT_PREFIX)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value[: len(MAGIC)]) == MAGIC
+        return _binary_id(bytes(value)) is not None
     return False
+
+
+def _binary_id(raw: bytes) -> str | None:
+    # The whole structure, not the prefix alone: a clear body (a client's upload,
+    # a binary answer) may start with MAGIC, and must still read as itself.
+    if raw[: len(MAGIC)] != MAGIC or len(raw) <= len(MAGIC):
+        return None
+    n = raw[len(MAGIC)]
+    start = len(MAGIC) + 1
+    if not 1 <= n <= 32 or len(raw) < start + n + _SALT + _NONCE + _TAG:
+        return None
+    kid = raw[start : start + n].decode("ascii", "replace")
+    return kid if KEY_ID.fullmatch(kid) else None
 
 
 def key_id_of(value: str | bytes | bytearray | memoryview | None) -> str | None:
@@ -96,9 +113,7 @@ def key_id_of(value: str | bytes | bytearray | memoryview | None) -> str | None:
         return None
     if isinstance(value, str):
         return value[len(TEXT_PREFIX) :].split(":", 1)[0]
-    raw = bytes(t.cast(bytes, value))
-    n = raw[len(MAGIC)] if len(raw) > len(MAGIC) else 0
-    return raw[len(MAGIC) + 1 : len(MAGIC) + 1 + n].decode("ascii", "replace")
+    return _binary_id(bytes(t.cast(bytes, value)))
 
 
 def new_key_text() -> str:
@@ -106,19 +121,31 @@ def new_key_text() -> str:
     return base64.urlsafe_b64encode(os.urandom(32)).decode("ascii")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Keyring:
-    """The configured keys: ``keys[0]`` seals, every one of them opens."""
+    """The configured keys: ``keys[0]`` seals, every one of them opens.
+
+    ``allow_clear`` (``IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR``): a value in clear in
+    a sealed column reads as itself (records from before encryption was turned
+    on); without it such a value is unreadable, as one that does not open: a
+    writer of the database cannot put an answer of its choosing in clear."""
 
     keys: tuple[tuple[str, bytes], ...]
+    allow_clear: bool = False
+
+    def __repr__(self) -> str:
+        # Never the keys: a repr ends up in debuggers and error trackers.
+        ids = [kid for kid, _ in self.keys]
+        return f"Keyring(ids={ids!r}, allow_clear={self.allow_clear!r})"
 
     def __post_init__(self) -> None:
         if not self.keys:
             raise ValueError("a keyring needs at least one key")
         seen: set[str] = set()
         for kid, key in self.keys:
-            if not KEY_ID.fullmatch(kid):
-                raise ValueError(f"key id {kid!r}: 1 to 32 letters, digits, '.', '_' or '-'")
+            if not isinstance(kid, str) or not KEY_ID.fullmatch(kid):
+                # Not shown: what fails here may be a key written in the id's place.
+                raise ValueError("a key id must be 1 to 32 letters, digits, '.', '_' or '-'")
             if kid in seen:
                 raise ValueError(f"key id {kid!r} is configured twice")
             if len(key) != 32:
@@ -127,6 +154,7 @@ class Keyring:
         aead = _aead()
         object.__setattr__(self, "_by_id", {kid: key for kid, key in self.keys})
         object.__setattr__(self, "_aead", aead)
+        object.__setattr__(self, "_reused", set())
 
     @property
     def current(self) -> str:
@@ -156,9 +184,36 @@ class Keyring:
         try:
             return bytes(self._cipher(key, salt).decrypt(nonce, body, aad))
         except Exception as exc:  # cryptography's InvalidTag: altered or not this place's
+            for other, other_key in self.keys:
+                # An id given to another key (ids named by role: "current"): a
+                # value the old key opens is authentic all the same (its AAD
+                # still binds it to this place).
+                if other == kid:
+                    continue
+                try:
+                    opened = bytes(self._cipher(other_key, salt).decrypt(nonce, body, aad))
+                except Exception:  # not this key either
+                    continue
+                self._warn_reused(kid, other)
+                return opened
             raise SealBroken(
-                where, kid, "it does not open: altered, or sealed for another record"
+                where,
+                kid,
+                "it does not open under any configured key: altered, sealed for "
+                "another record, or its id now names another key (an id names one key forever)",
             ) from exc
+
+    def _warn_reused(self, kid: str, other: str) -> None:
+        if kid in self._reused:  # type: ignore[attr-defined]
+            return
+        self._reused.add(kid)  # type: ignore[attr-defined]
+        logger.warning(
+            "a value sealed under key id %r opened only with the key configured as %r: the id "
+            "%r now names another key; an id must name one key forever (give a new key a new id)",
+            kid,
+            other,
+            kid,
+        )
 
     def seal_bytes(self, data: bytes, aad: bytes) -> bytes:
         """``data`` sealed for the place ``aad`` names, as a binary column holds it."""
@@ -170,12 +225,21 @@ class Keyring:
         """A binary value opened; a clear value as it is. :class:`SealBroken` when
         it names a key not configured, or does not open for ``aad``."""
         value = bytes(value)
-        if not is_sealed(value):
-            return value
-        n = value[len(MAGIC)] if len(value) > len(MAGIC) else 0
+        kid = _binary_id(value)
+        if kid is None:
+            return self._clear(value, where)
         start = len(MAGIC) + 1
-        kid = value[start : start + n].decode("ascii", "replace")
-        return self._open_raw(kid, value[start + n :], aad, where)
+        return self._open_raw(kid, value[start + len(kid) :], aad, where)
+
+    def _clear(self, value: _V, where: str) -> _V:
+        if not self.allow_clear:
+            raise SealBroken(
+                where,
+                "-",
+                "it is in clear where a sealed value belongs (IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR "
+                "is off)",
+            )
+        return value
 
     def seal_text(self, text: str, aad: bytes) -> str:
         """``text`` sealed for the place ``aad`` names, as a text column holds it."""
@@ -185,7 +249,7 @@ class Keyring:
     def open_text(self, value: str, aad: bytes, where: str) -> str:
         """A text value opened; a clear value as it is (see :meth:`open_bytes`)."""
         if not is_sealed(value):
-            return value
+            return self._clear(value, where)
         kid, _, encoded = value[len(TEXT_PREFIX) :].partition(":")
         try:
             blob = base64.urlsafe_b64decode(encoded.encode("ascii"))
@@ -197,10 +261,16 @@ class Keyring:
             raise SealBroken(where, kid, "it is not UTF-8 text") from exc
 
 
-def keyring_of(keys: tuple[tuple[str, bytes], ...] | None) -> Keyring | None:
+def keyring_of(
+    keys: tuple[tuple[str, bytes], ...] | None, config: t.Mapping[str, t.Any] | None = None
+) -> Keyring | None:
     """The keyring of ``IDEMPOTENCY_ENCRYPTION_KEYS`` as the settings resolved
-    them (built once, at ``init_app``); ``None`` when encryption at rest is off."""
-    return Keyring(keys) if keys else None
+    them (built once, at ``init_app``); ``None`` when encryption at rest is off.
+    ``config``: the app's, for ``IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR`` and the
+    checks of :func:`._secrets.check_encryption_config`."""
+    if not keys:
+        return None
+    return Keyring(keys, allow_clear=check_encryption_config(config or {}))
 
 
 def seal_record(
@@ -231,15 +301,16 @@ def open_record(
 ) -> dict[str, t.Any]:
     """``values`` as read (columns of a record) with its sealed columns opened.
 
-    Raises :class:`SealBroken` for a sealed value that does not open, or when
-    values are sealed and no keyring is configured."""
+    Raises :class:`SealBroken` for a sealed value that does not open, when
+    values are sealed and no keyring is configured, or for a clear value under a
+    keyring that does not allow clear values (``Keyring.allow_clear``)."""
     out = dict(values)
     for column in (*RECORD_TEXT, *RECORD_BINARY):
         value = out.get(column)
-        if value is None or not is_sealed(value):
+        if value is None or (ring is None and not is_sealed(value)):
             continue
         where = f"{table}.{column} of ({scope!r}, {key!r})"
-        if ring is None:
+        if ring is None:  # never a ciphertext replayed as a body
             raise SealBroken(where, key_id_of(value) or "?", "encryption is not configured")
         aad = associated_data(table, column, scope, key)
         if isinstance(value, str):

@@ -38,6 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
+from .._failures import SealBroken
 from ..errors import ClaimWaitExceeded
 from . import dberrors, drivers
 from .admin import OperatorQueries
@@ -226,7 +227,9 @@ class Store(HeldRecord, OperatorQueries):
         if dialect.returns_rows(connection.dialect, conflict_tolerant):
             return self._changed_one(connection, conflict_tolerant, values), None
         connection.execute(conflict_tolerant, values)
-        record = self.load(connection, values["scope"], values["key"], stored_request=False)
+        record = self.load(
+            connection, values["scope"], values["key"], stored_request=False, unreadable_ok=True
+        )
         if record is not None and record.fencing_token == values["fencing_token"]:
             return True, None
         return False, record
@@ -283,6 +286,11 @@ class Store(HeldRecord, OperatorQueries):
         batch of statements, parameters bound on the client (PostgreSQL runs
         them in order, in the transaction; :mod:`.drivers.psycopg` says why not
         psycopg 3's pipeline mode). Elsewhere it is the same statements one by one.
+
+        A ``record`` whose sealed columns do not open comes with
+        :attr:`.Record.unreadable` set, never raising: the caller judges it by
+        its clear columns (an expired one is replaced without being opened),
+        and calls :meth:`readable` before it uses one.
         """
         values = self._sealed(values["scope"], values["key"], values)
         self.check_size(session, values)
@@ -297,7 +305,11 @@ class Store(HeldRecord, OperatorQueries):
                 if record is not None:
                     return False, record
                 return False, self.load(
-                    session, values["scope"], values["key"], stored_request=False
+                    session,
+                    values["scope"],
+                    values["key"],
+                    stored_request=False,
+                    unreadable_ok=True,
                 )
         idle = self.claim_idle
         statements = self._compiled.claim(
@@ -319,7 +331,15 @@ class Store(HeldRecord, OperatorQueries):
             return False, None  # deleted since it blocked our insert
         if found["fencing_token"] == values["fencing_token"]:
             return True, None  # ours
-        return False, self._record(found)
+        return False, self._record_or_unreadable(found)
+
+    def readable(self, executor: Executor, record: Record) -> Record:
+        """``record`` (from :meth:`claim`) if its sealed columns opened; else
+        :class:`SealBroken`, read again for what did not open."""
+        if record.unreadable is None:
+            return record
+        self.load(executor, record.scope, record.key, stored_request=False)  # raises
+        raise SealBroken(record.scope, "?", record.unreadable)  # pragma: no cover - changed
 
     def load_committed(
         self, executor: sa.Engine | sa.Connection, scope: str, key: str

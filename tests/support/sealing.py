@@ -20,8 +20,12 @@ FINGERPRINT_SECRET = base64.urlsafe_b64encode(b"f" * 32).decode()
 
 def sealed_config(*keys: str) -> dict[str, t.Any]:
     """The config that turns encryption at rest on with ``keys`` (first seals;
-    default :data:`KEY_A`), and the keyed fingerprint's secret it goes with."""
-    found: dict[str, t.Any] = {"IDEMPOTENCY_ENCRYPTION_KEYS": list(keys or (KEY_A,))}
+    default :data:`KEY_A`), and the keyed fingerprint's secret it goes with (and
+    the ``SECRET_KEY`` init_app asks for beside keys, for the default scope)."""
+    found: dict[str, t.Any] = {
+        "IDEMPOTENCY_ENCRYPTION_KEYS": list(keys or (KEY_A,)),
+        "SECRET_KEY": "tests-secret-key",
+    }
     if "FINGERPRINT_KEY" in config.DEFAULTS:
         found["IDEMPOTENCY_FINGERPRINT_KEY"] = FINGERPRINT_SECRET
     return found

@@ -68,11 +68,21 @@ def test_the_stored_hash_is_keyed_and_a_dictionary_finds_nothing(
     stored = redacting.row("k1")["request_hash"]
 
     sent = canonical_json({"amount": 100})
+    # Keyed, the hash covers its record (scope and key) first: the same request
+    # under another key or scope hashes differently (no oracle for a reader
+    # who is also a client).
+    scope = redacting.row("k1")["scope"]
+    scope = scope.decode() if isinstance(scope, bytes) else scope  # MySQL: VARBINARY
+    bound = fingerprint.bound_to(scope, "k1")
     keyed = fingerprint.compute(
-        "POST", path, (), sent, "application/json", key=FINGERPRINT_KEY.encode()
+        "POST", path, (), sent, "application/json", key=FINGERPRINT_KEY.encode(), bound=bound
     )
     other = fingerprint.compute("POST", path, (), sent, "application/json", key=b"o" * 32)
+    elsewhere = fingerprint.compute(
+        "POST", path, (), sent, "application/json", key=FINGERPRINT_KEY.encode(), bound=b""
+    )
     assert stored == keyed
+    assert stored != elsewhere
     assert stored != plain_sha256(path, {"amount": 100})
     assert stored != other
     # The attack the key stops: every amount from 0 to 10000, hashed as the
@@ -84,7 +94,7 @@ def test_the_stored_hash_is_keyed_and_a_dictionary_finds_nothing(
         for n in range(1000)
         if hmac.new(
             FINGERPRINT_KEY.encode(),
-            plain_sha256_input(path, {"amount": n}),
+            bound + plain_sha256_input(path, {"amount": n}),
             hashlib.sha256,
         ).hexdigest()
         == stored

@@ -153,7 +153,8 @@ def test_a_record_from_before_encryption_replays_and_old_keys_still_open(
     # Written in clear, under the fingerprint's key (set first, see docs/encryption.md).
     clear = _app(make_app, calls, **fingerprint_config())
     first = post(clear.test_client(), "/sealed-echo", {"note": "before"}, key="old")
-    sealed = _app(make_app, calls, **sealed_config(KEY_A))
+    # Turned on with IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR for the records from before.
+    sealed = _app(make_app, calls, IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR=True, **sealed_config(KEY_A))
     client = sealed.test_client()
     again = post(client, "/sealed-echo", {"note": "before"}, key="old")
     assert again.get_data() == first.get_data()
@@ -262,3 +263,83 @@ def test_the_job_and_the_cli_report_an_unreadable_record_and_go_on(
     assert released.exit_code == 0, released.output
     assert "recovery-points (sealed, unreadable)" in released.output
     assert [row["key"] for row in record_rows(later)] == ["k2"]
+
+
+def test_a_clear_answer_written_over_a_sealed_one_never_replays(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    """A database writer without the key puts its own answer, in clear, on the
+    victim's row: without IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR it is unreadable."""
+    calls: list[str] = []
+    app = _app(make_app, calls, **sealed_config())
+    client = app.test_client()
+    assert post(client, "/sealed-echo", {"note": "victim"}, key="victim").status_code == 201
+    mine = post(client, "/sealed-echo", {"note": "mallory"}, key="thief")
+    table = testapp.db.metadata.tables["idempotency_keys"]
+    with app.app_context(), testapp.db.engine.begin() as conn:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.key == text_param("w_key", "victim"))
+            .values(
+                response_body=mine.get_data(),
+                response_headers=json.dumps([["X-Note", "mallory"]]),
+            )
+        )
+    retry = post(client, "/sealed-echo", {"note": "victim"}, key="victim")
+    assert assert_problem(retry, 500)["type"].endswith("/record-unreadable")
+    assert "mallory" not in retry.get_data(as_text=True)
+    assert calls == ["victim", "mallory"]
+
+
+def test_an_expired_record_under_a_dropped_key_is_replaced_unopened(
+    make_app: t.Callable[..., Flask], clock: Clock
+) -> None:
+    calls: list[str] = []
+    sealing = _app(make_app, calls, **sealed_config(KEY_A))
+    assert post(sealing.test_client(), "/sealed-echo", {"note": "old"}).status_code == 201
+    later = _app(make_app, calls, **sealed_config(KEY_B))  # key a dropped
+    clock.advance(days=2)  # past the record's retention; cleanup has not run
+    again = post(later.test_client(), "/sealed-echo", {"note": "new"})
+    assert again.status_code == 201
+    assert again.headers.get("Idempotent-Replayed") != "true"
+    assert calls == ["old", "new"]
+    [row] = record_rows(later)
+    assert row["response_body"] is not None
+    assert clear_in_rows(later, "new") == []
+
+
+def test_an_unreadable_view_committed_record_is_settled_by_the_job(
+    make_app: t.Callable[..., Flask], clock: Clock
+) -> None:
+    sealing = _app(make_app, [], **sealed_config(KEY_A))
+    assert post(sealing.test_client(), "/sealed-echo", {"note": "x"}).status_code == 201
+    # What a worker that died after its view committed leaves: in progress,
+    # its lease over, the answer its commit stored (sealed with key a).
+    table = testapp.db.metadata.tables["idempotency_keys"]
+    with sealing.app_context(), testapp.db.engine.begin() as conn:
+        conn.execute(
+            sa.update(table).values(status=IN_PROGRESS, response_code=500, locked_until=clock())
+        )
+    later = make_app(**sealed_config(KEY_B))  # key a is gone
+    clock.advance(seconds=120)
+    report = recover_abandoned(later)
+    assert (report.completed, report.unreadable) == (1, 0)
+    [row] = record_rows(later)
+    assert row["status"] == "completed"
+    assert row["response_code"] == 500
+
+
+def test_the_keyed_fingerprint_differs_across_records_of_one_request(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    """A reader of the table who is also a client cannot confirm a guess by
+    sending it under a key (or in a scope) of their own."""
+    app = _app(make_app, [], **sealed_config())
+    client = app.test_client()
+    for key in ("mine", "theirs"):
+        assert post(client, "/sealed-echo", {"note": "same"}, key=key).status_code == 201
+    hashes = {row["key"]: row["request_hash"] for row in record_rows(app)}
+    assert hashes["mine"] != hashes["theirs"]
+    assert post(client, "/sealed-echo", {"note": "same"}, key="mine").status_code == 201
+    mismatch = post(client, "/sealed-echo", {"note": "other"}, key="mine")
+    assert mismatch.status_code == 422

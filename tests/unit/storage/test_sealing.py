@@ -5,6 +5,7 @@ every read opens them; the settings take the keys in each documented spelling.""
 from __future__ import annotations
 
 import base64
+import logging
 import typing as t
 import uuid
 
@@ -159,15 +160,91 @@ def test_a_value_copied_to_another_record_does_not_open_there(impl: Impl) -> Non
         assert not unreadable.recoverable  # its stored request is not read either
 
 
-def test_a_clear_record_opens_as_written_under_a_keyring(impl: Impl) -> None:
+def test_a_clear_record_opens_as_written_only_where_clear_values_are_allowed(
+    impl: Impl,
+) -> None:
     now, key = now_ms(), new_key()
     claimed(impl, record_values(key, now, request_body=MARK.encode()))  # no keyring: clear
     assert _clear(impl.rows(), key) == ["request_body"]
+    # A keyring refuses it: a writer of the table could put any answer in clear.
     impl.store.keyring = RING
+    with impl.engine.connect() as conn, pytest.raises(SealBroken, match="in clear"):
+        impl.store.load(conn, SCOPE, key)
+    # IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR: the window after turning encryption on.
+    impl.store.keyring = seal.Keyring(RING.keys, allow_clear=True)
     with impl.engine.connect() as conn:
         record = impl.store.load(conn, SCOPE, key)
     assert record is not None
     assert record.request_body == MARK.encode()
+
+
+def test_without_keys_a_binary_value_is_clear_unless_it_has_a_sealed_structure(
+    impl: Impl,
+) -> None:
+    now, lookalike, sealed = now_ms(), new_key(), new_key()
+    # A client's upload that starts with MAGIC but is no sealed value (no
+    # plausible id, nor room for salt, nonce and tag after it).
+    body = seal.MAGIC + b"\x05hello-world"
+    claimed(impl, record_values(lookalike, now, request_body=body))
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, lookalike)
+    assert record is not None
+    assert record.request_body == body
+    impl.store.keyring = RING
+    claimed(impl, record_values(sealed, now, request_body=MARK.encode()))
+    impl.store.keyring = None  # a sealed value is never read as a body
+    with impl.engine.connect() as conn, pytest.raises(SealBroken, match="not configured"):
+        impl.store.load(conn, SCOPE, sealed)
+
+
+def test_a_reused_key_id_opens_with_the_key_that_sealed_it_and_warns_once(
+    impl: Impl, caplog: pytest.LogCaptureFixture
+) -> None:
+    now, keys = now_ms(), [new_key(), new_key()]
+    impl.store.keyring = seal.Keyring((("current", RAW_A),))
+    for key in keys:
+        claimed(impl, record_values(key, now, request_body=MARK.encode()))
+    # Ids named by role: the old key moved to "previous", a new one is "current".
+    impl.store.keyring = seal.Keyring((("current", RAW_B), ("previous", RAW_A)))
+    caplog.set_level(logging.WARNING, "flask_idempotency")
+    with impl.engine.connect() as conn:
+        for key in keys:
+            record = impl.store.load(conn, SCOPE, key)
+            assert record is not None
+            assert record.request_body == MARK.encode()
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "'current'" in line
+    assert "'previous'" in line
+    assert "one key forever" in line
+
+
+def test_find_abandoned_pages_past_unreadable_records(impl: Impl) -> None:
+    now = now_ms()
+    unreadable, committed, plain = [new_key(), new_key()], new_key(), new_key()
+    impl.store.keyring = RING
+    for i, key in enumerate(unreadable):  # kept for a re-run: sealed request
+        values = record_values(key, now - (3 - i) * HOUR, request_method="POST", request_body=b"x")
+        claimed(impl, {**values, "locked_until": now - (3 - i) * HOUR})
+    claimed(
+        impl,
+        {
+            **record_values(committed, now, response_code=500, response_body=b"failed"),
+            "locked_until": now - HOUR,
+        },
+    )
+    claimed(impl, {**record_values(plain, now), "locked_until": now - HOUR / 2})
+    impl.store.keyring = seal.Keyring((("b", RAW_B),))  # key "a" is gone
+    with impl.engine.connect() as conn:
+        found = impl.store.find_abandoned(conn, now, limit=2)
+    assert [r.key for r in found] == [*unreadable, committed, plain]
+    assert [r.unreadable is not None for r in found] == [True, True, True, False]
+    # The view that committed is settled from its clear columns alone.
+    [settle] = [r for r in found if r.key == committed]
+    with impl.engine.begin() as conn:
+        assert impl.store.settle_committed(
+            conn, SCOPE, committed, settle.fencing_token, now, retention=HOUR
+        )
+    assert impl.rows()[committed]["status"] == "completed"
 
 
 def test_a_body_that_starts_like_a_sealed_value_is_sealed_all_the_same(impl: Impl) -> None:
@@ -277,3 +354,53 @@ def test_a_value_moved_to_another_column_or_altered_does_not_open(impl: Impl) ->
         for key in (moved, altered):
             with pytest.raises(SealBroken, match="recovery_points"):
                 impl.store.load(conn, SCOPE, key)
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        # 43 characters of the alphabet, but no encoding of 32 bytes (low bits set).
+        ["a:" + TEXT_A[:42] + "B"],
+        ["a:" + TEXT_A + "=="],  # wrong padding
+        ["a:" + TEXT_A.replace("=", "").replace("A", "+", 1).replace("E", "-", 1)],  # mixed
+        ["a:" + "correct-horse-battery-staple-and-some-more!"],  # a passphrase
+    ],
+    ids=["low-bits", "padding", "mixed-alphabets", "passphrase"],
+)
+def test_a_key_is_its_exact_base64_or_refused(written: t.Any) -> None:
+    with pytest.raises(ValueError, match="32 random bytes"):
+        _settings(written)
+
+
+@pytest.mark.parametrize(
+    "swapped",
+    [f"{TEXT_B}:a", {TEXT_B: "a"}, [(TEXT_B, "a")], [(RAW_B, "a")]],
+    ids=["string", "dict", "pair", "bytes"],
+)
+def test_an_id_and_key_written_the_wrong_way_round_never_show_the_key(swapped: t.Any) -> None:
+    with pytest.raises((ValueError, TypeError)) as refused:
+        _settings(swapped)
+    assert "key id" in str(refused.value)
+    for shown in (TEXT_B, TEXT_B.rstrip("="), repr(RAW_B)):
+        assert shown not in str(refused.value)
+    ring = seal.Keyring((("a", RAW_B),))
+    assert repr(RAW_B) not in repr(ring)
+    assert repr(ring) == "Keyring(ids=['a'], allow_clear=False)"
+
+
+def test_init_app_refuses_keys_without_a_secret_key_for_the_default_scope(tmp_path: t.Any) -> None:
+    from tests.support import testapp
+
+    url = f"sqlite:///{tmp_path / 'app.sqlite3'}"
+    with pytest.raises(ValueError, match="no SECRET_KEY") as refused:
+        testapp.create_app(url, **{**sealed_config(), "SECRET_KEY": None})
+    assert TEXT_A not in str(refused.value)
+    with pytest.raises(TypeError, match="IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR"):
+        testapp.create_app(url, IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR="yes", **sealed_config())
+    # With a scope of its own, the app keeps no proof of a password.
+    app = testapp.create_app(
+        url, **{**sealed_config(), "SECRET_KEY": None, "IDEMPOTENCY_SCOPE": lambda: "tenant"}
+    )
+    assert app.extensions["idempotency"].store.keyring.allow_clear is False
+    app = testapp.create_app(url, IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR=True, **sealed_config())
+    assert app.extensions["idempotency"].store.keyring.allow_clear is True
