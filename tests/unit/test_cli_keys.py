@@ -34,8 +34,11 @@ def make_app(database_url: str) -> t.Iterator[t.Callable[..., Flask]]:
     reset(database_url)
     made: list[Flask] = []
 
-    def make(*keys: tuple[str, bytes]) -> Flask:
-        app = outbox_app.create_app(database_url, **keys_config(*keys))
+    def make(*keys: tuple[str, bytes], allow_clear: bool = False) -> Flask:
+        config = keys_config(*keys)
+        if allow_clear:  # the window after turning encryption on (docs/encryption.md)
+            config["IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR"] = True
+        app = outbox_app.create_app(database_url, **config)
         made.append(app)
         return app
 
@@ -75,7 +78,8 @@ def key_ids(rows: list[dict[str, t.Any]], columns: t.Iterable[str]) -> set[str |
 
 def seed(database_url: str, make_app: t.Callable[..., Flask]) -> Flask:
     """Four orders, each a record and an event: two written in clear (before
-    encryption was on), then two sealed with A; the app under [B, A]."""
+    encryption was on), then two sealed with A; the app under [B, A], still
+    reading clear values (ALLOW_CLEAR: reseal seals them)."""
     before = make_app()
     under_a = make_app(KEY_A)
     for n in range(4):
@@ -84,7 +88,7 @@ def seed(database_url: str, make_app: t.Callable[..., Flask]) -> Flask:
     rows = records(under_a)
     assert [seal.key_id_of(r["response_body"]) for r in rows] == [None, None, "A", "A"]
     assert [seal.key_id_of(e["payload"]) for e in events(under_a)] == [None, None, "A", "A"]
-    return make_app(KEY_B, KEY_A)
+    return make_app(KEY_B, KEY_A, allow_clear=True)
 
 
 def opens_with_b_alone(app: Flask, database_url: str) -> None:
@@ -197,7 +201,7 @@ def test_a_row_that_changed_after_it_was_read_is_not_overwritten(
     app = seed(database_url, make_app)
     with app.app_context():
         state = app.extensions["idempotency"]
-        ring = seal.Keyring(keys=(KEY_B, KEY_A))
+        ring = seal.Keyring(keys=(KEY_B, KEY_A), allow_clear=True)
         walk = Walk("records", state.store.table, ring)
         with engine(app).begin() as conn:
             row = conn.execute(sa.select(*walk.columns()).order_by(*walk.key).limit(1)).one()
