@@ -386,7 +386,8 @@ class Idempotency(ViewAPI):
         outbox events: each record a tombstone until it expires, answered 410 ``key-erased``;
         a live lease and a pending event skipped and counted. ``batch=`` rows per transaction;
         ``settle=`` (seconds or a timedelta, default none): wait, then erase what requests
-        running at the start stored. An ErasureReport. See the Erasure page."""
+        running at the start stored. A :class:`~flask_idempotency.jobs.ErasureReport`;
+        see the Erasure page."""
         return erasure.erase(resolve_app(), scope, key, **options)
 
     def readiness_view(self) -> Response:

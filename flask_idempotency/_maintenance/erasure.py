@@ -17,8 +17,15 @@ from flask import Flask
 from .._context import AppState, app_state, resolve_app
 from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
-from .._storage.dialects import dialect_for
-from .._storage.erasure import Batch, already_erased, erase_events, erase_records
+from .._storage.erasure import (
+    Batch,
+    after_erasure,
+    already_erased,
+    erase_events,
+    erase_records,
+    overwriting,
+    rewrite_tables,
+)
 from .jobs import positive
 
 logger = logging.getLogger("flask_idempotency")
@@ -130,8 +137,7 @@ def erase(
             settled, skipped, more = _records(state, scope, key, size, before=started)
             erased, batches = erased + settled, batches + more
         events_erased, events_skipped, event_batches = _events(state, scope, key, size)
-        with state.db.engine.connect() as conn:
-            dialect_for(conn.dialect.name).after_erasure(conn)
+        after_erasure(state.db.engine)
     report = ErasureReport(
         erased, skipped, events_erased, events_skipped, batches + event_batches, already, settled
     )
@@ -156,8 +162,7 @@ def reclaim(app: Flask | None) -> list[str]:
         with engine.connect() as conn:
             if sa.inspect(conn).has_table(outbox.name, schema=outbox.schema):
                 tables.append(outbox)
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            dialect_for(conn.dialect.name).reclaim(conn, tables)
+        rewrite_tables(engine, tables)
     return [table.name for table in tables]
 
 
@@ -179,16 +184,9 @@ def _records(
     after: str | None = None
     table = state.store.table
     while True:
-        with state.db.engine.begin() as conn:
-            dialect = dialect_for(conn.dialect.name)
-            previous = dialect.erase_securely(conn)
-            try:
-                now = state.now(conn)
-                done = erase_records(
-                    conn, table, scope, key, now, size, after, created_before=before
-                )
-            finally:
-                dialect.restore_erasing(conn, previous)
+        with state.db.engine.begin() as conn, overwriting(conn):
+            now = state.now(conn)
+            done = erase_records(conn, table, scope, key, now, size, after, created_before=before)
         batches += 1
         erased, skipped = erased + done.erased, skipped + done.skipped
         if done.last is None:
@@ -217,15 +215,8 @@ def _events(state: AppState, scope: str, key: str | None, size: int) -> tuple[in
     after: int | None = None
     trace = outbox_sql.TRACE_CONTEXT not in absent
     while True:
-        with engine.begin() as conn:
-            dialect = dialect_for(conn.dialect.name)
-            previous = dialect.erase_securely(conn)
-            try:
-                done: Batch = erase_events(
-                    conn, table, scope, key, size, after, trace_context=trace
-                )
-            finally:
-                dialect.restore_erasing(conn, previous)
+        with engine.begin() as conn, overwriting(conn):
+            done: Batch = erase_events(conn, table, scope, key, size, after, trace_context=trace)
         batches += 1
         erased, skipped = erased + done.erased, skipped + done.skipped
         if done.last is None:

@@ -14,6 +14,7 @@ rows' locks only until that transaction (one batch) commits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import typing as t
 
@@ -76,6 +77,33 @@ def already_erased(conn: sa.Connection, table: sa.Table, scope: str, key: str | 
     if key is not None:
         where.append(c.key == text_param("w_key", key))
     return int(conn.execute(sa.select(sa.func.count()).where(*where)).scalar_one())
+
+
+@contextlib.contextmanager
+def overwriting(conn: sa.Connection) -> t.Iterator[None]:
+    """While it is open, the erasure's writes on ``conn`` overwrite the space they
+    free where the engine can (SQLite's ``secure_delete``); the connection's own
+    setting is put back after (it returns to the app's pool)."""
+    dialect = dialect_for(conn.dialect.name)
+    previous = dialect.erase_securely(conn)
+    try:
+        yield
+    finally:
+        dialect.restore_erasing(conn, previous)
+
+
+def after_erasure(engine: sa.Engine) -> None:
+    """Drop the engine's own copies of the old rows where an ordinary connection
+    can (SQLite: checkpoint and truncate its write-ahead log)."""
+    with engine.connect() as conn:
+        dialect_for(conn.dialect.name).after_erasure(conn)
+
+
+def rewrite_tables(engine: sa.Engine, tables: list[sa.Table]) -> None:
+    """Rewrite ``tables`` so no old row version stays in the files (outside a
+    transaction, as ``VACUUM`` must run)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        dialect_for(conn.dialect.name).reclaim(conn, tables)
 
 
 def _keys(name: str, values: list[str]) -> t.Any:

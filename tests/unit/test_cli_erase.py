@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 import typing as t
 from pathlib import Path
 
 from flask import Flask
 
+from flask_idempotency._maintenance.erasure import reclaim
 from flask_idempotency._storage import COMPLETED, IN_PROGRESS, new_fencing_token, operation_values
 from flask_idempotency._storage.schema import ERASED
 from tests.conftest import Clock, insert_records, ledger_count, record_rows
@@ -171,5 +173,12 @@ def test_erase_vacuum_leaves_no_erased_row_version_in_the_files(app: Flask) -> N
     engine.dispose()
     if engine.dialect.name in ("sqlite", "postgresql"):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for _ in range(50):
+                if b'"tenant"' not in _table_files(conn, engine):
+                    break
+                # VACUUM FULL keeps a version a transaction still open may see
+                # (other tests' on this database): run again once they ended.
+                time.sleep(0.1)
+                reclaim(app)
             assert b'"tenant"' not in _table_files(conn, engine)
     assert set(statuses(app).values()) == {ERASED}
