@@ -380,14 +380,15 @@ class Idempotency(ViewAPI):
         return gauges.key_stats(resolve_app())
 
     def erase(
-        self, scope: str, key: str | None = None, *, batch: int | None = None
+        self, scope: str, key: str | None = None, **options: t.Unpack[erasure.Options]
     ) -> erasure.ErasureReport:
-        """Erase what is kept of ``scope``'s operations (only ``key``'s, if given) and
-        their outbox events: each record is a tombstone until it expires, answered 410
-        ``key-erased``; a live lease and a pending event are skipped and counted. ``batch``
-        rows per transaction (``IDEMPOTENCY_PURGE_BATCH``). Idempotent. In an app context;
-        a :class:`~flask_idempotency.jobs.ErasureReport`. See the Erasure page."""
-        return erasure.erase(resolve_app(), scope, key, batch=batch)
+        """Erase what is kept of ``scope``'s operations (only ``key``'s, if given) and their
+        outbox events: each record a tombstone until it expires, answered 410 ``key-erased``;
+        a live lease and a pending event skipped and counted. ``batch=`` rows per transaction;
+        ``settle=`` (seconds or a timedelta, default none): wait, then erase what requests
+        running at the start stored. A :class:`~flask_idempotency.jobs.ErasureReport`;
+        see the Erasure page."""
+        return erasure.erase(resolve_app(), scope, key, **options)
 
     def readiness_view(self) -> Response:
         """A readiness endpoint: ``app.add_url_rule("/readyz", view_func=idem.readiness_view)``.

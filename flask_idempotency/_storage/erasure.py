@@ -14,6 +14,7 @@ rows' locks only until that transaction (one batch) commits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import typing as t
 
@@ -58,6 +59,53 @@ def _count(conn: sa.Connection, stmt: t.Any, column: t.Any) -> int:
     return int(t.cast("sa.CursorResult[t.Any]", result).rowcount)
 
 
+#: The most rows one erasing ``UPDATE`` names (a key and a token each): SQLite
+#: before 3.32 binds at most 999 variables in a statement. A batch larger than
+#: this runs as several statements in its one transaction, on every engine.
+MAX_IN_LIST = 400
+
+
+def _chunks(rows: list[t.Any]) -> t.Iterator[list[t.Any]]:
+    for start in range(0, len(rows), MAX_IN_LIST):
+        yield rows[start : start + MAX_IN_LIST]
+
+
+def already_erased(conn: sa.Connection, table: sa.Table, scope: str, key: str | None) -> int:
+    """How many tombstones ``scope`` (only ``key``, when given) holds now."""
+    c = table.c
+    where = [c.scope == text_param("w_scope", scope), c.status == ERASED]
+    if key is not None:
+        where.append(c.key == text_param("w_key", key))
+    return int(conn.execute(sa.select(sa.func.count()).where(*where)).scalar_one())
+
+
+@contextlib.contextmanager
+def overwriting(conn: sa.Connection) -> t.Iterator[None]:
+    """While it is open, the erasure's writes on ``conn`` overwrite the space they
+    free where the engine can (SQLite's ``secure_delete``); the connection's own
+    setting is put back after (it returns to the app's pool)."""
+    dialect = dialect_for(conn.dialect.name)
+    previous = dialect.erase_securely(conn)
+    try:
+        yield
+    finally:
+        dialect.restore_erasing(conn, previous)
+
+
+def after_erasure(engine: sa.Engine) -> None:
+    """Drop the engine's own copies of the old rows where an ordinary connection
+    can (SQLite: checkpoint and truncate its write-ahead log)."""
+    with engine.connect() as conn:
+        dialect_for(conn.dialect.name).after_erasure(conn)
+
+
+def rewrite_tables(engine: sa.Engine, tables: list[sa.Table]) -> None:
+    """Rewrite ``tables`` so no old row version stays in the files (outside a
+    transaction, as ``VACUUM`` must run)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        dialect_for(conn.dialect.name).reclaim(conn, tables)
+
+
 def _keys(name: str, values: list[str]) -> t.Any:
     # Bound as strings on every engine (MySQL's VARBINARY columns, text_param).
     return sa.bindparam(name, values, expanding=True, type_=sa.String())
@@ -71,6 +119,8 @@ def erase_records(
     now: dt.datetime,
     limit: int,
     after: str | None,
+    *,
+    created_before: dt.datetime | None = None,
 ) -> Batch:
     """Make tombstones of up to ``limit`` records of ``scope`` (only ``key``,
     when given), in key order after ``after``, that are not tombstones yet;
@@ -94,6 +144,8 @@ def erase_records(
         where.append(c.key == text_param("w_key", key))
     if after is not None:
         where.append(c.key > text_param("w_after", after))
+    if created_before is not None:
+        where.append(c.created_at <= created_before)
     read = sa.select(
         c.key,
         c.fencing_token,
@@ -119,8 +171,8 @@ def erase_records(
         committed_view = row.status == IN_PROGRESS and row.response_code is not None
         (settled if committed_view else plain).append(row)
     erased = 0
-    if plain:
-        keys = [_text(row.key) for row in plain]
+    for chunk in _chunks(plain):
+        keys = [_text(row.key) for row in chunk]
         stmt = (
             sa.update(table)
             .where(
@@ -128,7 +180,7 @@ def erase_records(
                 c.key.in_(_keys("w_keys", keys)),
                 # Fenced by the tokens read: a key taken by a new operation since
                 # keeps it (a token is 63 random bits, never reused for a key).
-                c.fencing_token.in_([row.fencing_token for row in plain]),
+                c.fencing_token.in_([row.fencing_token for row in chunk]),
                 c.status != ERASED,
                 sa.not_(live),
                 sa.not_(committed),
@@ -191,6 +243,8 @@ def erase_events(
     values: dict[str, t.Any] = {"payload": ERASED_PAYLOAD, "headers": None, "last_error": None}
     if trace_context:
         values["trace_context"] = None
-    stmt = sa.update(table).where(c.id.in_(ids), not_erased, done).values(**values)
-    erased = _count(conn, stmt, c.id)
+    erased = 0
+    for chunk in _chunks(ids):
+        stmt = sa.update(table).where(c.id.in_(chunk), not_erased, done).values(**values)
+        erased += _count(conn, stmt, c.id)
     return Batch(erased, len(ids) - erased, ids[-1])

@@ -173,6 +173,27 @@ class Dialect:
         here, before it reads anything (by a write of ``table``'s ``column`` to
         itself). Nothing elsewhere."""
 
+    def erase_securely(self, conn: sa.Connection) -> t.Any:
+        """Make the erasure's writes on ``conn`` overwrite the space they free,
+        where the engine can (SQLite's ``secure_delete``); what
+        :meth:`restore_erasing` puts back. Here nothing: a server keeps old row
+        versions until it reclaims them itself (VACUUM, purge), as documented."""
+        return None
+
+    def restore_erasing(self, conn: sa.Connection, previous: t.Any) -> None:
+        """Put back what :meth:`erase_securely` changed on ``conn`` (a pooled connection)."""
+
+    def after_erasure(self, conn: sa.Connection) -> None:
+        """After an erasure, drop the engine's own copies of the old rows where it
+        can from an ordinary connection (SQLite: its write-ahead log). Nothing here."""
+
+    def reclaim(self, conn: sa.Connection, tables: list[sa.Table]) -> None:
+        """Rewrite ``tables`` so that no old row version stays in the database's
+        files (``erase --vacuum``); ``conn`` is in autocommit. The engine's
+        statement: SQLite ``VACUUM`` (the whole file), PostgreSQL ``VACUUM FULL``
+        (an exclusive lock while it runs), MariaDB/MySQL ``OPTIMIZE TABLE``."""
+        raise NotImplementedError(f"no vacuum offered for {conn.dialect.name}")
+
     def skip_locked_take(self, query: sa.Select[t.Any]) -> sa.Select[t.Any]:
         """``query``, choosing a queue's batch that concurrent takers split
         between them: ``FOR UPDATE SKIP LOCKED`` (for an engine without a

@@ -71,6 +71,11 @@ class MySQL(Dialect):
     take_isolation = "READ COMMITTED"
     keeping_insert_returns = False
 
+    def reclaim(self, conn: sa.Connection, tables: list[sa.Table]) -> None:
+        for table in tables:
+            name = conn.dialect.identifier_preparer.format_table(table)
+            conn.exec_driver_sql(f"OPTIMIZE TABLE {name}").all()
+
     def __init__(self, name: str) -> None:
         self.name = name
 

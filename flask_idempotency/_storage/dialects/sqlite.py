@@ -46,6 +46,26 @@ class SQLite(Dialect):
         """A write starts the write transaction even when it matches nothing."""
         conn.execute(sa.update(table).where(sa.false()).values({column: table.c[column]}))
 
+    def erase_securely(self, conn: sa.Connection) -> t.Any:
+        """``PRAGMA secure_delete=ON``: freed cells and pages are zeroed (its
+        upstream default is off); the previous value, for :meth:`restore_erasing`."""
+        previous = conn.exec_driver_sql("PRAGMA secure_delete").scalar()
+        conn.exec_driver_sql("PRAGMA secure_delete=ON")
+        return previous
+
+    def restore_erasing(self, conn: sa.Connection, previous: t.Any) -> None:
+        if previous is not None:
+            conn.exec_driver_sql(f"PRAGMA secure_delete={int(previous)}")
+
+    def after_erasure(self, conn: sa.Connection) -> None:
+        """In WAL mode, the log still holds the pages as they were: checkpoint
+        them into the file and truncate the log (``wal_checkpoint(TRUNCATE)``)."""
+        if str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower() == "wal":
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def reclaim(self, conn: sa.Connection, tables: list[sa.Table]) -> None:
+        conn.exec_driver_sql("VACUUM")
+
     def skip_locked_take(self, query: sa.Select[t.Any]) -> sa.Select[t.Any]:
         """``query`` itself: the write lock (:meth:`lock_writers`) keeps takers apart."""
         return query

@@ -12,10 +12,14 @@ from __future__ import annotations
 import concurrent.futures
 import datetime as dt
 import logging
+import threading
 import time
 import typing as t
+from pathlib import Path
 
+import flask
 import pytest
+import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import COMPLETED, IN_PROGRESS
@@ -380,3 +384,91 @@ def test_an_expired_form_key_meets_the_tombstone_too(database_url: str, clock: C
     finally:
         with shop.app_context():
             shop.extensions["form_test"]["db"].engine.dispose()
+
+
+def test_settle_erases_what_a_request_running_at_the_start_stored(app: Flask) -> None:
+    """A request of the scope already running on a default route when the
+    erasure starts: its claim is not committed, so the first pass cannot see
+    it (on the server engines); the second pass (``settle=``) erases the
+    record it then committed, and the report says so."""
+    entered, go = threading.Event(), threading.Event()
+
+    @app.post("/erase-inflight")
+    @testapp.idem.idempotent
+    def inflight_view() -> tuple[dict[str, t.Any], int]:
+        testapp.write_ledger("inflight")
+        entered.set()
+        go.wait(10)
+        return {"card": "4111-PERSONAL"}, 201
+
+    go.set()
+    assert post(app.test_client(), "/erase-inflight", {"x": 1}, key="first").status_code == 201
+    [scope] = {row["scope"] for row in record_rows(app)}
+    entered.clear()
+    go.clear()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(post, app.test_client(), "/erase-inflight", {"x": 1}, key="p1")
+        assert entered.wait(10)
+        threading.Timer(0.3, go.set).start()
+        report = erase(app, scope, settle=dt.timedelta(seconds=2))
+        assert running.result().status_code == 201
+    assert ledger_count(app, "inflight") == 2
+    for row in record_rows(app):
+        assert row["status"] == ERASED, row["key"]
+        assert row["response_body"] is None, row["key"]
+    assert (report.erased, report.matched, report.complete) == (2, 2, True)
+    # SQLite's one write lock made the first pass wait for the request instead.
+    with app.app_context():
+        sqlite = testapp.db.engine.dialect.name == "sqlite"
+    assert report.settled == (0 if sqlite else 1)
+    with pytest.raises(ValueError, match="settle"):
+        erase(app, scope, settle=-1)
+
+
+def test_the_report_counts_tombstones_and_says_when_nothing_matched(
+    app: Flask, client: t.Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert tenant(client, "a", "k1").status_code == 201
+    assert erase(app, "tenant:a").matched == 1
+    again = erase(app, "tenant:a")
+    assert (again.erased, again.already_erased, again.matched) == (0, 1, 1)
+    with caplog.at_level(logging.WARNING, "flask_idempotency"):
+        typo = erase(app, "tenant:a ")
+    assert (typo.erased, typo.already_erased, typo.matched) == (0, 0, 0)
+    assert "no record of scope 'tenant:a '" in caplog.text
+
+
+def test_sqlite_overwrites_what_it_erases_and_gives_the_connection_back_as_it_was(
+    app: Flask, client: t.Any
+) -> None:
+    """SQLite's upstream default leaves freed cells in the file as they were
+    (``secure_delete`` off): the erasure turns it on for its own batches, puts
+    the pooled connection's value back, and checkpoints a WAL. No erased body
+    stays in the database's files."""
+    with app.app_context():
+        engine = testapp.db.engine
+    if engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's secure_delete")
+
+    @app.post("/erase-echo")
+    @testapp.idem.idempotent(scope=testapp.tenant_scope)
+    def echo() -> tuple[t.Any, int]:
+        return flask.request.get_json(), 201
+
+    sa.event.listen(engine, "connect", lambda raw, _: raw.execute("PRAGMA secure_delete=0"))
+    engine.dispose()
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    secret = "MARKER-" + "s" * 300
+    for n in range(5):
+        sent = post(client, "/erase-echo", {"card": secret}, key=f"k{n}", headers={"X-Tenant": "a"})
+        assert sent.status_code == 201
+        assert tenant(client, "a", f"r{n}").status_code == 201
+    assert sum(row["response_body"] is not None for row in record_rows(app)) == 10
+    erase(app, "tenant:a")
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA secure_delete").scalar() == 0
+    engine.dispose()
+    path = Path(str(engine.url.database))
+    kept = b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+    assert kept.count(b"MARKER-") == 0

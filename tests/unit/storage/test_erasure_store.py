@@ -9,6 +9,7 @@ lost (the completed row is what the batch then erases).
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 import threading
 import time
 
@@ -17,6 +18,7 @@ import pytest
 from flask_idempotency._storage import COMPLETED, IN_PROGRESS
 from flask_idempotency._storage.erasure import erase_records
 from flask_idempotency._storage.schema import ERASED, ERASED_HASH, record_table
+from flask_idempotency._storage.sql import text_param
 from tests.support.storage import SCOPE, Impl, claimed, now_ms, record_values
 
 HOUR = dt.timedelta(hours=1)
@@ -132,3 +134,27 @@ def test_a_completion_committed_while_the_batch_waits_is_not_lost(impl: Impl) ->
     # batch, which had waited, erased the completed row.
     assert batch == (1, 0, "k")
     assert (row["status"], row["completed_at"], row["fencing_token"]) == (ERASED, now, token)
+
+
+def test_a_batch_larger_than_an_in_list_runs_on_a_999_variable_sqlite(impl: Impl) -> None:
+    """A batch binds a key and a token per record: it is split into statements
+    of at most MAX_IN_LIST records, so SQLite before 3.32 (999 variables, here
+    set by ``setlimit``) takes the default batch of 1000."""
+    now = now_ms()
+    table = impl.store.table
+    with impl.engine.begin() as conn:
+        # Scope and key bound as strings (MySQL's VARBINARY columns), as the store does.
+        insert = table.insert().values(scope=text_param("scope"), key=text_param("key"))
+        conn.execute(insert, [completed(f"k{n:04}", now) for n in range(1000)])
+    with impl.engine.begin() as conn:
+        raw = conn.connection.driver_connection
+        if impl.engine.dialect.name == "sqlite":
+            assert raw is not None
+            previous = raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        try:
+            batch = erase_records(conn, table, SCOPE, None, now, 1000, None)
+        finally:
+            if impl.engine.dialect.name == "sqlite":
+                raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, previous)
+    assert (batch.erased, batch.skipped) == (1000, 0)
+    assert {row["status"] for row in impl.rows().values()} == {ERASED}
