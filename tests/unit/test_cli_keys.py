@@ -176,6 +176,22 @@ def test_reseal_resumes_from_a_position(
     assert result.exit_code == EXIT_OK, (result.output, result.stderr)
     assert "records: 0 row(s) not sealed with key 'B'" in result.stdout
     opens_with_b_alone(app, database_url)
+    # One binary value sealed with A (its prefix names A), the rest with B: counted.
+    scope, key = keys[0]
+    under_a = seal.seal_record(
+        seal.Keyring(keys=(KEY_A,)), RECORDS, scope, key, {"response_body": b"{}"}
+    )
+    with app.app_context():
+        table = app.extensions["idempotency"].store.table
+    with engine(app).begin() as conn:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.scope == text_param("s", scope), table.c.key == text_param("k", key))
+            .values(under_a)
+        )
+    result = invoke(app, "reseal", "--table", "records", "--from", "records:" + json.dumps(keys[3]))
+    assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
+    assert "records: 1 row(s) not sealed with key 'B'" in result.stdout
 
 
 def test_a_resumed_run_counts_what_a_cut_off_run_left_before_its_position(
