@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import typing as t
 
 import click
@@ -19,12 +20,14 @@ import click
 from . import _cli
 from ._messaging.outbox import keyring
 from ._storage import seal
-from ._storage.reseal import Tally, Walk, reseal_table
+from ._storage.reseal import Tally, Walk, left_behind, reseal_table
 from ._storage.schema import outbox_table
 
 #: The most rows ``reseal`` reads per transaction.
 MAX_RESEAL_BATCH = 10_000
 TABLES = ("records", "outbox")
+_OUTBOX_ID = re.compile(r"[0-9]{1,19}")
+_MAX_ID = 2**63 - 1  # BIGINT
 
 
 def _check_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
@@ -67,18 +70,29 @@ def parse_position(
     if value is None:
         return None
     table, _, rest = value.partition(":")
+    if table == "outbox" and _OUTBOX_ID.fullmatch(rest) and int(rest) <= _MAX_ID:
+        return table, [int(rest)]
     try:
-        if table == "outbox":
-            return table, [int(rest)]
-        parsed = json.loads(rest)
-        if table == "records" and isinstance(parsed, list) and len(parsed) == 2:  # noqa: SIM102
-            if all(isinstance(p, str) for p in parsed):
-                return table, parsed
+        parsed = json.loads(rest) if table == "records" else None
     except ValueError:
-        pass
+        parsed = None
+    if isinstance(parsed, list) and len(parsed) == 2 and all(map(_storable, parsed)):
+        return table, parsed
     raise click.BadParameter(
-        f'{value!r} is not a position as reseal prints it: outbox:ID or records:["SCOPE","KEY"]'
+        "not a position as reseal prints it: outbox:ID (0 to 2^63-1) or "
+        'records:["SCOPE","KEY"] (text without NUL or lone surrogates)'
     )
+
+
+def _storable(part: t.Any) -> bool:
+    """A scope or key a record can have: text, encodable, without NUL."""
+    if not isinstance(part, str) or "\x00" in part:
+        return False
+    try:
+        part.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @click.option(
@@ -111,8 +125,10 @@ def reseal(batch: int, which: str, start: tuple[str, list[t.Any]] | None) -> Non
     Progress and the position reached go to stderr after each batch: a run cut
     off resumes with --from POSITION. A row that changed under the run is left
     to the next run; a value that does not open (its key not configured,
-    altered) is reported and left as it is. Exits 1 when a row was left (run
-    again), 78 when encryption is not configured."""
+    altered) is reported and left as it is. Every run ends by counting, over
+    each whole table, the rows still not sealed with the current key: exits 0
+    only when there are none (then the old keys can go), 1 when some are left
+    (run again), 78 when encryption is not configured."""
     state = _cli.current_state()
     ring = keyring(state)
     if ring is None:
@@ -122,12 +138,12 @@ def reseal(batch: int, which: str, start: tuple[str, list[t.Any]] | None) -> Non
         raise click.BadParameter(
             f"a position in {start[0]} with --table {which}", param_hint="--from"
         )
+    checked = list(tables)
     if start is not None:
         tables = tables[tables.index(start[0]) :]
     own = {"records": state.store.table, "outbox": outbox_table(state.db.metadata)}
-    _cli.require_tables(*(own[name] for name in tables))
+    _cli.require_tables(*(own[name] for name in checked))
 
-    left = 0
     for name in tables:
 
         def progress(tally: Tally, position: list[t.Any], name: str = name) -> None:
@@ -142,13 +158,21 @@ def reseal(batch: int, which: str, start: tuple[str, list[t.Any]] | None) -> Non
         begin = start[1] if start is not None and start[0] == name else None
         walk = Walk(name, own[name], ring)
         tally = reseal_table(state.db.engine, walk, begin, batch, progress)
-        left += tally.changed + tally.unreadable
         _cli.report(
             f"{name}: {tally.resealed} re-sealed with key {ring.current!r} of {tally.read} read; "
             f"{tally.changed} changed under the run (run again), {tally.unreadable} unreadable"
         )
+    # The whole of each table, whatever this run walked: a resumed run (--from)
+    # never saw the rows an earlier, cut-off run left behind before its position.
+    left = 0
+    for name in checked:
+        count = left_behind(state.db.engine, Walk(name, own[name], ring))
+        left += count
+        _cli.report(f"{name}: {count} row(s) not sealed with key {ring.current!r}")
     if left:
-        raise _cli.CommandError(f"{left} row(s) left as they were: see above, and run reseal again")
+        raise _cli.CommandError(
+            f"{left} row(s) still not sealed with the current key: see above, and run reseal again"
+        )
 
 
 def register(command: t.Callable[[str], t.Callable[[t.Callable[..., None]], t.Any]]) -> None:

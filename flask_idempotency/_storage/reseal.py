@@ -1,15 +1,18 @@
 """Re-sealing with the current key (``flask idempotency reseal``, :mod:`.._cli_keys`):
 the statements, and the walk over a table in primary-key order.
 
-A batch is one short transaction of its own that takes only the rows no other
-transaction holds (``FOR UPDATE SKIP LOCKED`` where the engine has it; SQLite
-has one writer): a request's claim holds its record's row for the view's whole
-transaction, and re-sealing never waits on it. Each row's update is a
-compare-and-swap on every sealed value it read (null-safe equality:
+A batch is one short transaction of its own over a window: the next positions,
+read without locks, of which it takes only the rows no other transaction holds
+(``FOR UPDATE SKIP LOCKED`` where the engine has it; SQLite has one writer); the
+window less the rows taken was held (a request's claim holds its record's row
+for the view's whole transaction, and re-sealing never waits on it). Each row's
+update is a compare-and-swap on every sealed value it read (null-safe equality:
 ``IS NOT DISTINCT FROM``, ``<=>``, ``IS``), so a completion, a step saved, a
 relay's update or an erasure that got there first is never overwritten; such a
 row, and one that was held, is remembered and tried once more at the end of the
 run. A value that does not open is counted, logged and never rewritten.
+:func:`left_behind` then counts, over the whole table, what is still not sealed
+with the current key (whatever this run or a cut-off one left).
 """
 
 from __future__ import annotations
@@ -128,10 +131,18 @@ def _batch(
             # SQLite: its write lock first, so no writer commits between this
             # batch's read and its updates (a WAL reader could not upgrade then).
             dialect.lock_writers(conn, walk.table, walk.sealed[0])
-            query = sa.select(*walk.columns()).where(where).order_by(*walk.key).limit(limit)
-            # The unheld rows, locked until this batch commits (SQLite: one writer).
+            # The window: the next ``limit`` positions, read without locks;
+            # then the unheld rows within it, locked until this batch commits
+            # (SQLite: one writer). The window less the rows taken was held.
+            keys = sa.select(*walk.key).where(where).order_by(*walk.key).limit(limit)
+            window = [walk.position(r) for r in conn.execute(keys)]
+            if not window:
+                return None, changed
+            within = sa.not_(walk.after(window[-1]))
+            query = sa.select(*walk.columns()).where(where, within).order_by(*walk.key)
             rows = list(conn.execute(dialect.skip_locked_take(query)))
-            held = _held(conn, walk, where, rows, limit)
+            taken = {json.dumps(walk.position(r)) for r in rows}
+            held = [p for p in window if json.dumps(p) not in taken]
             tally.changed += len(held)
             changed.extend(held)
             for row in rows:
@@ -149,22 +160,7 @@ def _batch(
                 else:
                     tally.changed += 1
                     changed.append(walk.position(row))
-    if rows:
-        return walk.position(rows[-1]), changed
-    return (held[-1] if held else None), changed
-
-
-def _held(
-    conn: sa.Connection, walk: Walk, where: sa.ColumnElement[bool], rows: list[t.Any], limit: int
-) -> list[list[t.Any]]:
-    """The positions, up to the last row taken (all of the batch's when none
-    was), that another transaction held (skipped by SKIP LOCKED): read without
-    locks, to be tried again at the end of the run."""
-    bound = sa.not_(walk.after(walk.position(rows[-1]))) if rows else sa.true()
-    query = sa.select(*walk.key).where(where, bound).order_by(*walk.key).limit(limit)
-    taken = {json.dumps(walk.position(r)) for r in rows}
-    every = [walk.position(r) for r in conn.execute(query)]
-    return [p for p in every if json.dumps(p) not in taken]
+    return window[-1], changed
 
 
 def reseal_table(
@@ -194,3 +190,29 @@ def reseal_table(
     tally.changed += retried.changed
     tally.unreadable += retried.unreadable
     return tally
+
+
+def left_behind(engine: sa.Engine, walk: Walk) -> int:
+    """How many rows of the whole table still hold a value that is not NULL
+    and not sealed with the current key (an erased event's placeholder
+    aside): whatever this run or an earlier one, cut off, left behind. One
+    read, comparing each value's first bytes (the key id it names) in SQL."""
+    kid = walk.ring.current
+    binary = seal.RECORD_BINARY if walk.name == "records" else ()
+    stale = []
+    for name in walk.sealed:
+        column = walk.table.c[name]
+        raw_id = kid.encode("ascii")
+        prefix: str | bytes
+        if name in binary:
+            prefix = seal.MAGIC + bytes([len(raw_id)]) + raw_id
+        else:
+            prefix = f"{seal.TEXT_PREFIX}{kid}:"
+        head = sa.func.substr(column, 1, len(prefix), type_=column.type)
+        stale.append(sa.and_(column.is_not(None), head != sa.bindparam(None, prefix, column.type)))
+    where = sa.or_(*stale)
+    if walk.name == "outbox":
+        where = sa.and_(where, walk.table.c.payload.is_distinct_from(ERASED_PAYLOAD))
+    query = sa.select(sa.func.count()).select_from(walk.table).where(where)
+    with engine.connect() as conn:
+        return int(conn.execute(query).scalar_one())

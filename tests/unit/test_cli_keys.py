@@ -18,7 +18,7 @@ from flask_idempotency._cli import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILED, EXIT
 from flask_idempotency._messaging.relay import relay_batch
 from flask_idempotency._storage import seal, text_param
 from flask_idempotency._storage.reseal import Walk
-from flask_idempotency._storage.schema import _text
+from flask_idempotency._storage.schema import _text, outbox_table
 from flask_idempotency.publishers import ListPublisher
 from tests.support import outbox_app
 from tests.support.keyrings import KEY_A, KEY_B, keys_config
@@ -34,9 +34,9 @@ def make_app(database_url: str) -> t.Iterator[t.Callable[..., Flask]]:
     reset(database_url)
     made: list[Flask] = []
 
-    def make(*keys: tuple[str, bytes], allow_clear: bool = False) -> Flask:
+    def make(*keys: tuple[str, bytes]) -> Flask:
         config = keys_config(*keys)
-        if allow_clear:  # the window after turning encryption on (docs/encryption.md)
+        if keys:  # the seeds written before encryption was on still open
             config["IDEMPOTENCY_ENCRYPTION_ALLOW_CLEAR"] = True
         app = outbox_app.create_app(database_url, **config)
         made.append(app)
@@ -88,7 +88,7 @@ def seed(database_url: str, make_app: t.Callable[..., Flask]) -> Flask:
     rows = records(under_a)
     assert [seal.key_id_of(r["response_body"]) for r in rows] == [None, None, "A", "A"]
     assert [seal.key_id_of(e["payload"]) for e in events(under_a)] == [None, None, "A", "A"]
-    return make_app(KEY_B, KEY_A, allow_clear=True)
+    return make_app(KEY_B, KEY_A)
 
 
 def opens_with_b_alone(app: Flask, database_url: str) -> None:
@@ -106,6 +106,10 @@ def opens_with_b_alone(app: Flask, database_url: str) -> None:
     run = relay_batch(only_b, publisher)
     assert (run.published, run.failed) == (len(events(app)), 0)
     assert sorted(e.payload["amount"] for e in publisher.events) == [4200, 4201, 4202, 4203]
+
+
+def ring_ba() -> seal.Keyring:
+    return seal.Keyring(keys=(KEY_B, KEY_A), allow_clear=True)
 
 
 def test_generate_key_prints_a_key_line_the_setting_takes(make_app: t.Callable[..., Flask]) -> None:
@@ -150,20 +154,116 @@ def test_reseal_resumes_from_a_position(
     app = seed(database_url, make_app)
     keys = [[_text(r["scope"]), _text(r["key"])] for r in records(app)]
     result = invoke(app, "reseal", "--table", "records", "--from", "records:" + json.dumps(keys[1]))
-    assert result.exit_code == EXIT_OK, (result.output, result.stderr)
+    # The rows before the position are still under A or in clear: the check
+    # over the whole table counts them, and the run is not a signal to drop A.
+    assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
     assert "records: 2 re-sealed" in result.stdout
+    assert "records: 2 row(s) not sealed with key 'B'" in result.stdout
     assert "outbox" not in result.stdout
     rows = records(app)
     assert key_ids(rows[2:], RECORD_COLUMNS) == {"B"}
     assert "B" not in key_ids(rows[:2], RECORD_COLUMNS)
     result = invoke(app, "reseal", "--from", "outbox:2")  # --table all: the outbox only
-    assert result.exit_code == EXIT_OK, (result.output, result.stderr)
-    assert "records:" not in result.stdout
+    assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
+    assert "records: 0 re-sealed" not in result.stdout  # not walked, but checked
+    assert "records: 2 row(s) not sealed with key 'B'" in result.stdout
+    assert "outbox: 2 row(s) not sealed with key 'B'" in result.stdout
     by_id = {int(e["id"]): e for e in events(app)}
     assert [seal.key_id_of(by_id[i]["payload"]) for i in (1, 2, 3, 4)] == [None, None, "B", "B"]
     bad = invoke(app, "reseal", "--table", "outbox", "--from", 'records:["s","k"]')
     assert bad.exit_code == EXIT_USAGE
     assert invoke(app, "reseal", "--from", "nowhere").exit_code == EXIT_USAGE
+    result = invoke(app, "reseal")  # a run from the start leaves none: exit 0
+    assert result.exit_code == EXIT_OK, (result.output, result.stderr)
+    assert "records: 0 row(s) not sealed with key 'B'" in result.stdout
+    opens_with_b_alone(app, database_url)
+    # One binary value sealed with A (its prefix names A), the rest with B: counted.
+    scope, key = keys[0]
+    under_a = seal.seal_record(
+        seal.Keyring(keys=(KEY_A,)), RECORDS, scope, key, {"response_body": b"{}"}
+    )
+    with app.app_context():
+        table = app.extensions["idempotency"].store.table
+    with engine(app).begin() as conn:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.scope == text_param("s", scope), table.c.key == text_param("k", key))
+            .values(under_a)
+        )
+    result = invoke(app, "reseal", "--table", "records", "--from", "records:" + json.dumps(keys[3]))
+    assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
+    assert "records: 1 row(s) not sealed with key 'B'" in result.stdout
+
+
+def test_a_resumed_run_counts_what_a_cut_off_run_left_before_its_position(
+    database_url: str, make_app: t.Callable[..., Flask]
+) -> None:
+    """A run cut off forgets, with its process, the rows it skipped: the run
+    resumed after its position ends with a check over the whole table."""
+    app = seed(database_url, make_app)
+    with app.app_context():
+        walk = Walk("outbox", outbox_table(outbox_app.db.metadata), ring_ba())
+    with engine(app).begin() as conn:  # the cut-off run re-sealed event 2, not event 1
+        row = conn.execute(sa.select(*walk.columns()).where(walk.at([2]))).one()
+        assert walk.swap(conn, row, walk.resealed(row))
+    result = invoke(app, "reseal", "--table", "outbox", "--from", "outbox:2")
+    assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
+    assert "outbox: 2 re-sealed" in result.stdout
+    assert "outbox: 1 row(s) not sealed with key 'B'" in result.stdout
+    assert "1 row(s) still not sealed" in result.output
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        'records:["\\ud800","k"]',  # a lone surrogate: no database can hold it
+        'records:["a\\u0000","k"]',  # NUL
+        "outbox:99999999999999999999999",  # beyond BIGINT
+        "outbox:-1",
+        "outbox: 1",
+        "outbox:1e3",
+        'records:["a"]',
+        'records:["a",1]',
+    ],
+)
+def test_a_position_no_row_can_have_is_a_usage_error(
+    make_app: t.Callable[..., Flask], position: str
+) -> None:
+    app = make_app(KEY_B)
+    line = assert_one_line_error(
+        invoke(app, "reseal", "--from", position), EXIT_USAGE, "--from", "not a position"
+    )
+    assert "Traceback" not in line
+
+
+def test_rows_held_anywhere_in_a_batch_are_counted_and_left(
+    database_url: str, make_app: t.Callable[..., Flask]
+) -> None:
+    """Held rows past the first of a batch (SKIP LOCKED takes the rows after
+    them instead) are counted too: the batch is a window of positions read
+    without locks, and what it could not take in it was held."""
+    if database_url.startswith("sqlite"):
+        pytest.skip("SQLite has one writer: a held write lock holds every table")
+    app = seed(database_url, make_app)
+    with app.app_context():
+        table = outbox_table(outbox_app.db.metadata)
+    holder = engine(app).connect()
+    try:
+        with holder.begin():
+            for held in (2, 3):  # as a claim or the relay holds a row: by its key
+                holder.execute(sa.select(table.c.id).where(table.c.id == held).with_for_update())
+            result = invoke(app, "reseal", "--table", "outbox", "--batch", "2")
+            assert result.exit_code == EXIT_FAILED, (result.output, result.stderr)
+            assert "outbox: 2 re-sealed" in result.stdout
+            assert "2 changed under the run" in result.stdout
+            assert "outbox: 2 row(s) not sealed with key 'B'" in result.stdout
+    finally:
+        holder.close()
+    by_id = {int(e["id"]): seal.key_id_of(e["payload"]) for e in events(app)}
+    assert by_id == {1: "B", 2: None, 3: "A", 4: "B"}
+    result = invoke(app, "reseal", "--table", "outbox")
+    assert result.exit_code == EXIT_OK, (result.output, result.stderr)
+    assert "outbox: 2 re-sealed" in result.stdout
 
 
 def test_a_value_that_does_not_open_is_counted_and_left_as_it_is(
@@ -201,7 +301,7 @@ def test_a_row_that_changed_after_it_was_read_is_not_overwritten(
     app = seed(database_url, make_app)
     with app.app_context():
         state = app.extensions["idempotency"]
-        ring = seal.Keyring(keys=(KEY_B, KEY_A), allow_clear=True)
+        ring = ring_ba()
         walk = Walk("records", state.store.table, ring)
         with engine(app).begin() as conn:
             row = conn.execute(sa.select(*walk.columns()).order_by(*walk.key).limit(1)).one()
