@@ -33,6 +33,7 @@ from tests.support import outbox_app, pgbouncer
 from tests.support.keyrings import KEY_A, KEY_B, keys_app, keys_text
 from tests.support.live import ROOT, LiveServer, Reply, start_ready
 from tests.support.outbox import reset
+from tests.support.pgdump import pg_dump
 
 #: The amounts carry this prefix: a payload in clear would show it in a dump.
 MARKER = 9876500
@@ -140,15 +141,9 @@ def dump(url: str, tmp_path: Path) -> bytes:
                 return b"\n".join(rows)
     finally:
         engine.dispose()
-    libpq = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
-    out = subprocess.run(
-        ["pg_dump", "--data-only", "-t", f"{schema}.{RECORDS}", "-t", f"{schema}.{OUTBOX}", libpq],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-    assert b"COPY" in out.stdout, out.stdout[:500]
-    return out.stdout
+    out = pg_dump(url, "--data-only", "-t", f"{schema}.{RECORDS}", "-t", f"{schema}.{OUTBOX}")
+    assert b"COPY" in out, out[:500]
+    return out
 
 
 def quote(conn: sa.Connection) -> str:

@@ -5,10 +5,6 @@ nowhere; the same traffic with encryption off shows it (so the check can fail)."
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import shutil
-import subprocess
 import typing as t
 import uuid
 from pathlib import Path
@@ -21,47 +17,8 @@ from flask_idempotency._storage.schema import outbox_table
 from tests.conftest import Clock, recreate_tables, reset_tables
 from tests.support import testapp
 from tests.support.flow import post
+from tests.support.pgdump import pg_dump
 from tests.support.sealing import sealed_config
-
-
-def _pg_dumps() -> list[str]:
-    """Every pg_dump found, newest first: the embedded server's own (pgserver),
-    Debian's per version, the one on the PATH."""
-    found = []
-    # Found without importing it (its import warns where XDG_RUNTIME_DIR is unset).
-    spec = importlib.util.find_spec("pgserver")
-    if spec is not None and spec.submodule_search_locations:
-        package = Path(next(iter(spec.submodule_search_locations)))
-        bundled = package / "pginstall" / "bin" / "pg_dump"
-        if bundled.exists():
-            found.append(str(bundled))
-    versions = glob.glob("/usr/lib/postgresql/*/bin/pg_dump")
-    found += sorted(versions, key=lambda p: int(Path(p).parts[-3]), reverse=True)
-    on_path = shutil.which("pg_dump")
-    if on_path:
-        found.append(on_path)
-    return found
-
-
-def _pg_dump(url: str) -> bytes:
-    """The whole database at ``url`` as ``pg_dump`` writes it (the first pg_dump
-    that can dump that server)."""
-    dumps = _pg_dumps()
-    if not dumps:
-        pytest.skip("no pg_dump here (/usr/lib/postgresql/*/bin, pgserver, PATH)")
-    target = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    errors = []
-    for command in dumps:
-        done = subprocess.run(
-            [command, "--no-owner", f"--dbname={target}"],
-            capture_output=True,
-            timeout=120,
-            check=False,
-        )
-        if done.returncode == 0:
-            return done.stdout
-        errors.append(f"{command}: {done.stderr.decode(errors='replace').strip()}")
-    raise AssertionError("no pg_dump could dump the database:\n" + "\n".join(errors))
 
 
 def _routes(app: Flask, runs: list[str]) -> None:
@@ -119,7 +76,7 @@ def test_a_dump_after_traffic_shows_no_marker(
         files = [path, *path.parent.glob(path.name + "-*")]  # a journal or WAL, if any
         dump = b"".join(p.read_bytes() for p in files)
     else:
-        dump = _pg_dump(fresh_database)
+        dump = pg_dump(fresh_database)
     assert b"idempotency_keys" in dump  # the tables are in it
     assert b"idempotency_outbox" in dump
     # A bytea column is dumped in hex: look for the marker that way too.
