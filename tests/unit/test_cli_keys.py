@@ -17,6 +17,7 @@ from flask import Flask
 
 from flask_idempotency._cli import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from flask_idempotency._messaging.relay import relay_batch
+from flask_idempotency._storage import reseal as reseal_module
 from flask_idempotency._storage import seal, text_param
 from flask_idempotency._storage.reseal import Walk
 from flask_idempotency._storage.schema import _text, outbox_table
@@ -276,19 +277,16 @@ def test_a_value_that_does_not_open_is_counted_and_left_as_it_is(
         conn.execute(
             sa.text("UPDATE idempotency_outbox SET payload = :p WHERE id = 4"), {"p": payload[0]}
         )
-    # The package's log, read by a handler of the test's own on its logger: what
-    # other tests in this process did to logging's state cannot hide it.
+    # Reseal's log, read through a logger of the test's own put in its place:
+    # what other tests in this process did to logging's state cannot hide it.
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    package_logger = logging.getLogger("flask_idempotency")
-    monkeypatch.setattr(package_logger, "disabled", False)
-    monkeypatch.setattr(package_logger, "level", logging.WARNING)
-    package_logger.addHandler(handler)
-    try:
-        result = invoke(app, "reseal")
-    finally:
-        package_logger.removeHandler(handler)
+    own = logging.Logger("reseal-under-test")
+    own.addHandler(handler)
+    monkeypatch.setattr(reseal_module, "logger", own)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    result = invoke(app, "reseal")
     assert result.exit_code == EXIT_FAILED, result.output
     assert "outbox: 3 re-sealed" in result.stdout
     assert "1 unreadable" in result.stdout
