@@ -22,7 +22,16 @@ import sqlalchemy as sa
 
 from .dialects import dialect_for
 from .holds import Hold
-from .schema import ERASED, ERASED_HASH, ERASED_PAYLOAD, IN_PROGRESS, OWNER_KEY, OWNER_SCOPE, as_utc
+from .schema import (
+    ERASED,
+    ERASED_HASH,
+    ERASED_PAYLOAD,
+    IN_PROGRESS,
+    OWNER_KEY,
+    OWNER_SCOPE,
+    _text,
+    as_utc,
+)
 from .sql import text_param
 
 #: The columns a tombstone clears (the response, the steps, the kept request).
@@ -172,7 +181,7 @@ def erase_records(
         (settled if committed_view else plain).append(row)
     erased = 0
     for chunk in _chunks(plain):
-        keys = [_text(row.key) for row in chunk]
+        keys = [_key(row) for row in chunk]
         stmt = (
             sa.update(table)
             .where(
@@ -196,7 +205,7 @@ def erase_records(
             sa.update(table)
             .where(
                 this_scope,
-                c.key == text_param("w_key1", _text(row.key)),
+                c.key == text_param("w_key1", _key(row)),
                 c.fencing_token == row.fencing_token,
                 committed,
                 sa.not_(live),
@@ -204,11 +213,12 @@ def erase_records(
             .values(**tombstone, expires_at=max(expires, now + (expires - created)))
         )
         erased += _count(conn, stmt, c.key)
-    return Batch(erased, len(rows) - erased, _text(rows[-1].key))
+    return Batch(erased, len(rows) - erased, _key(rows[-1]))
 
 
-def _text(value: t.Any) -> str:
-    return bytes(value).decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
+def _key(row: t.Any) -> str:
+    """A row's key as text (VARBINARY on MySQL gives bytes)."""
+    return t.cast(str, _text(row.key))
 
 
 def erase_events(
