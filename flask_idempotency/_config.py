@@ -11,8 +11,12 @@ import math
 import typing as t
 from datetime import timedelta
 
-import sqlalchemy as sa
-
+from ._config_connection import (
+    TRANSACTION_POOLERS,
+    resolve_form_field,
+    resolve_listen_url,
+    resolve_pooler,
+)
 from ._contract import ALWAYS_REPLAYED, NEVER_REPLAYED, is_storable
 from ._secrets import KeyPairs, resolve_encryption_keys, resolve_fingerprint_key
 from .config import DEFAULTS, PREFIX
@@ -230,6 +234,8 @@ class Settings:
     skip: t.Callable[[], bool] | None = None
     #: Called with a ``scope.ReplayAttempt`` before a replay; false refuses it.
     replay_guard: t.Callable[[t.Any], t.Any] | None = None
+    #: Called with a ``scope.ReconcileAttempt``; rebuilds a failed-after-commit answer.
+    reconcile: t.Callable[[t.Any], t.Any] | None = None
     stored_statuses: frozenset[int] | None = None
     purge_batch: int = 1000
     scheduler: bool = False
@@ -301,6 +307,7 @@ class Settings:
             methods=resolve_methods(values["METHODS"], "IDEMPOTENCY_METHODS"),
             skip=optional_callable(values["SKIP"], "IDEMPOTENCY_SKIP"),
             replay_guard=optional_callable(values["REPLAY_GUARD"], "IDEMPOTENCY_REPLAY_GUARD"),
+            reconcile=optional_callable(values.get("RECONCILE"), "IDEMPOTENCY_RECONCILE"),
             stored_statuses=resolve_stored_statuses(
                 values["STORED_STATUSES"], "IDEMPOTENCY_STORED_STATUSES"
             ),
@@ -394,56 +401,3 @@ class Settings:
         out of ``IDEMPOTENCY_STORED_STATUSES`` is never a success whose work was
         rolled back. A 4xx or 5xx not stored rolls back."""
         return self.storable(status) or 200 <= status < 400
-
-
-#: The poolers ``IDEMPOTENCY_DATABASE_POOLER`` names.
-POOLERS = ("session", "transaction", "transaction+prepared")
-#: Those that give a client a server connection for one transaction at a time.
-TRANSACTION_POOLERS = frozenset({"transaction", "transaction+prepared"})
-
-
-def resolve_form_field(value: t.Any) -> str | None:
-    """``IDEMPOTENCY_FORM_FIELD``: a field name, or ``None``/``""`` for none."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str) or not value.strip() or value != value.strip():
-        raise ValueError(
-            f"IDEMPOTENCY_FORM_FIELD must be a form field's name (or None), got {value!r}"
-        )
-    return value
-
-
-def resolve_pooler(value: t.Any, name: str) -> str | None:
-    """``None`` (or ``""``/``"none"``, as read from an environment variable) or
-    one of :data:`POOLERS` (any case, spaces around ignored).
-    Statement pooling is refused: a claim commits with the view's writes, in a
-    transaction of several statements, which it forbids."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        mode = value.strip().lower()
-        if mode in ("", "none"):
-            return None
-        if mode in POOLERS:
-            return mode
-        if mode == "statement":
-            raise ValueError(
-                f"{name}: statement pooling allows no transaction of several statements, and a"
-                " claim commits in one with the view's writes; use transaction pooling"
-            )
-    choices = ", ".join(repr(mode) for mode in POOLERS)
-    raise ValueError(f"{name} must be None or one of {choices}, got {value!r}")
-
-
-def resolve_listen_url(value: t.Any, name: str) -> str | None:
-    """``None`` or a PostgreSQL URL (a string or a SQLAlchemy ``URL``), kept as text."""
-    if value is None:
-        return None
-    try:
-        url = sa.make_url(value)
-    except Exception:  # ArgumentError, or a type make_url cannot read
-        # Not echoed: the text may hold a password.
-        raise ValueError(f"{name} must be a database URL (text or sqlalchemy.URL)") from None
-    if url.get_backend_name() != "postgresql":
-        raise ValueError(f"{name}: LISTEN is PostgreSQL's; got a {url.get_backend_name()} URL")
-    return url.render_as_string(hide_password=False)

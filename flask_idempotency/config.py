@@ -70,6 +70,15 @@ SETTINGS: tuple[Setting, ...] = (
         " (`abort(403)`) answers instead; nothing changes either way. Not run in manual mode.",
     ),
     Setting(
+        "RECONCILE",
+        None,
+        "A callable that rebuilds the answer of an operation whose view committed and whose"
+        " request never finished, from the committed state (`reconcile=` on a route wins):"
+        " given a `flask_idempotency.scope.ReconcileAttempt`, it returns what a view returns,"
+        " or `None` when it cannot tell. The answer replaces the stored 500"
+        " `failed-after-commit`. See the reconcile guide.",
+    ),
+    Setting(
         "KEY_FORMAT",
         None,
         'What a key must look like, else 400 `invalid-key`: `None` any printable ASCII; `"uuid"`'

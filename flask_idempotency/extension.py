@@ -34,7 +34,7 @@ from ._storage import Store, inbox_table, job_lock_table, outbox_table, record_t
 from ._storage.seal import keyring_of
 from ._view import ViewAPI
 from .cli import idempotency_cli
-from .scope import ReplayAttempt
+from .scope import ReconcileAttempt, ReplayAttempt
 
 if t.TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -194,6 +194,7 @@ class Idempotency(ViewAPI, OperatorAPI):
         manual: bool = False,
         wait: dt.timedelta | float | Unset | None = UNSET,
         optimistic: bool = False,
+        reconcile: t.Callable[[ReconcileAttempt], t.Any] | None = None,
     ) -> t.Callable[[F], F]: ...
 
     def idempotent(
@@ -219,6 +220,7 @@ class Idempotency(ViewAPI, OperatorAPI):
         manual: bool = False,
         wait: dt.timedelta | float | Unset | None = UNSET,
         optimistic: bool = False,
+        reconcile: t.Callable[[ReconcileAttempt], t.Any] | None = None,
     ) -> F | t.Callable[[F], F]:
         """Protect a view: at most one execution per (scope, key), retries replayed.
 
@@ -284,6 +286,12 @@ class Idempotency(ViewAPI, OperatorAPI):
             or ``idem.derived_key``; ``lease``, ``recover`` and ``manual`` are
             refused with it. See "Optimistic routes" in the guide to work that spans
             transactions.
+        :param reconcile: callable that rebuilds, from the committed state, the
+            answer of an operation whose view committed and whose request never
+            answered (500 ``failed-after-commit``; on a leased route, a holder
+            gone), given a :class:`~flask_idempotency.scope.ReconcileAttempt`:
+            what a view returns, or ``None`` when it cannot tell (default
+            ``IDEMPOTENCY_RECONCILE``; see the reconcile guide).
         """
         route = route_options(
             schema=schema,
@@ -304,6 +312,7 @@ class Idempotency(ViewAPI, OperatorAPI):
             manual=manual,
             wait=wait,
             optimistic=optimistic,
+            reconcile=reconcile,
         )
 
         def decorator(view: F) -> F:

@@ -24,6 +24,7 @@ from .keys import printable, sha256_hex
 __all__ = [
     "FORM_OWNER_SESSION_KEY",
     "MAX_SCOPE_LENGTH",
+    "ReconcileAttempt",
     "ReplayAttempt",
     "default_scope",
 ]
@@ -68,6 +69,36 @@ class ReplayAttempt:
     completed_at: dt.datetime | None
     #: The stored answer's HTTP status.
     status: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileAttempt:
+    """What a reconcile hook (``reconcile=``, ``IDEMPOTENCY_RECONCILE``) is given
+    to rebuild the answer of an operation whose outcome the extension could not
+    keep: never a body or headers, only what names the operation.
+
+    ``why`` is ``"failed-after-commit"`` (the view committed work of its own and
+    its request never answered: the record holds, or is about to hold, the 500
+    ``failed-after-commit``) or ``"lease-ended"`` (a leased route's record whose
+    holder went away: the view may or may not have committed).
+    """
+
+    #: The endpoint of the route the operation ran on (the retry's, or the one
+    #: found from the stored request; ``None`` where neither is known).
+    endpoint: str | None
+    scope: str
+    key: str
+    #: When the operation started (the app's clock, UTC).
+    created_at: dt.datetime
+    why: t.Literal["failed-after-commit", "lease-ended"]
+    #: The answer's HTTP status as stored (500 for ``failed-after-commit``),
+    #: ``None`` when none is stored (``lease-ended``).
+    status: int | None
+    #: The results of the operation's finished steps (``idem.step``), by name.
+    recovery_points: t.Mapping[str, t.Any] = dataclasses.field(default_factory=dict)
+    #: ``True`` in a client's retry (``flask.request`` is that retry); ``False``
+    #: when the lease recovery job or ``flask idempotency reconcile`` asks.
+    from_client: bool = True
 
 
 def _identity(kind: str, value: str) -> str:

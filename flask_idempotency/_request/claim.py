@@ -42,9 +42,10 @@ from ..errors import (
 from .claim_guard import Reassert
 from .fingerprint import NormalizedRequest, exclude_paths
 from .formkeys import form_ignored_fields
+from .reconcile import FAILED_AFTER_COMMIT, LEASE_ENDED, at_retry
 from .redact import kept_request
 from .replay_guard import check_replay
-from .responses import erased_error, replay_answer
+from .responses import erased_error, replay_answer, stored_failure
 from .route import RouteOptions
 
 if t.TYPE_CHECKING:
@@ -245,6 +246,9 @@ def answer_existing(
     """Replay (or, in manual mode, the record for the view), 422 or 409 for an
     unexpired record; ``None`` means "reclaim it". A record whose view
     committed is never reclaimed: it is settled (:func:`settle_view_committed`).
+    The app's reconcile hook (:mod:`.reconcile`) is asked first for the answer
+    of a record holding the extension's ``failed-after-commit`` and, on a
+    leased route, of one whose holder went away; what it rebuilds is replayed.
     A tombstone is answered 410 ``key-erased`` whatever the payload (its
     fingerprint is gone): never replayed, never run."""
     if record.status == ERASED:
@@ -268,13 +272,19 @@ def answer_existing(
     if record.status == COMPLETED:
         if not flow.route.manual:  # in manual mode the view decides
             check_replay(flow, record)
+        reconciled = None
+        if stored_failure(record):  # the app's hook may rebuild its answer
+            rebuilt = at_retry(flow, record, FAILED_AFTER_COMMIT, now)
+            if rebuilt is not None:
+                reconciled = rebuilt.record is not None
+                record = rebuilt.record or record
         logger.debug("replaying %r in scope %r", record.key, record.scope)
         flow.telemetry.found_completed(record.completed_at)
         signals.response_replayed.send(app, scope=record.scope, key=record.key, record=record)
         if flow.route.manual:
             return record
         with flow.telemetry.replay():
-            return replay_answer(record)
+            return replay_answer(record, reconciled=reconciled)
     if record.lease_live(now):
         assert record.locked_until is not None
         signal_conflict(record.scope, record.key, record)
@@ -284,6 +294,12 @@ def answer_existing(
         )
     if record.view_committed:
         return settle_view_committed(flow, record, now)
+    if flow.route.commit_claim:
+        # A leased route's holder went away, its view perhaps committed: the
+        # app's hook may tell the answer from what is committed, else resume.
+        rebuilt = at_retry(flow, record, LEASE_ENDED, now)
+        if rebuilt is not None and rebuilt.record is not None:
+            return answer_existing(flow, rebuilt.record, fingerprint, now)
     return None
 
 
@@ -368,8 +384,12 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
     finished (its worker died, or the database took the completion and the
     failure's recording with it), and its lease is over: complete it with the
     answer its view's commit stored (500 ``failed-after-commit``) and replay
-    that, since the operation happened and may not run again. ``None``: the
-    record changed meanwhile (claim again)."""
+    that, since the operation happened and may not run again, unless the app's
+    reconcile hook rebuilds the real answer first. ``None``: the record
+    changed meanwhile (claim again)."""
+    rebuilt = at_retry(flow, record, FAILED_AFTER_COMMIT, now)
+    if rebuilt is not None and rebuilt.record is not None:
+        return answer_existing(flow, rebuilt.record, rebuilt.record.request_hash, now)
     session, token = flow.session, record.fencing_token
     if not flow.store.settle_committed(
         session, record.scope, record.key, token, now, retention=record.retention
@@ -398,4 +418,4 @@ def settle_view_committed(flow: Flow, record: Record, now: dt.datetime) -> Respo
     if flow.route.manual:
         return settled
     with flow.telemetry.replay():
-        return replay_answer(settled)
+        return replay_answer(settled, reconciled=None if rebuilt is None else False)

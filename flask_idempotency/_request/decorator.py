@@ -68,6 +68,7 @@ def route_options(
     manual: bool,
     wait: dt.timedelta | float | Unset | None,
     optimistic: bool,
+    reconcile: t.Callable[[t.Any], t.Any] | None = None,
 ) -> RouteOptions:
     """The options of one decorated route, as ``@idem.idempotent`` documents
     them (its defaults too); a wrong one raises here, when the view is decorated, not at its
@@ -107,6 +108,8 @@ def route_options(
         overrides["skip"] = _config.optional_callable(skip, "skip")
     if replay_guard is not None:
         overrides["replay_guard"] = _config.optional_callable(replay_guard, "replay_guard")
+    if reconcile is not None:
+        overrides["reconcile"] = _config.optional_callable(reconcile, "reconcile")
     if not isinstance(wait, Unset):
         overrides["wait"] = None if wait is None else _config.engine_timeout(wait, "wait")
     if replay_headers is not None:

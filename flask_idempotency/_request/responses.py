@@ -104,12 +104,25 @@ def replay(record: Record) -> Response:
     return response
 
 
-def replay_answer(record: Record) -> Response:
+def replay_answer(record: Record, *, reconciled: bool | None = None) -> Response:
     """:func:`replay`, for the answer to a retry: a ``failed-after-commit`` the
-    extension stored is rendered as the app answers its problems (``answer``)."""
+    extension stored is rendered as the app answers its problems (``answer``).
+    ``reconciled=False``: the app's reconcile hook was asked and rebuilt no
+    answer, which the problem says (member ``"reconciled": false``)."""
     response = replay(record)
     problem = _stored_problem(record)
+    if problem is not None and reconciled is False:
+        problem = FailedAfterCommitError(
+            f"{problem.detail} The service could not rebuild its answer from what was committed."
+        )
+        problem.extra["reconciled"] = False
     return response if problem is None else answer.stored(response, problem)
+
+
+def stored_failure(record: Record) -> bool:
+    """Whether ``record``'s answer is the ``failed-after-commit`` the extension
+    stored (not an answer of the view's that looks alike)."""
+    return _stored_problem(record) is not None
 
 
 def _stored_problem(record: Record) -> FailedAfterCommitError | None:

@@ -82,6 +82,21 @@ class HeldRecord(Statements):
             .values(**completed)
         )
 
+        # An answer the app's reconcile hook rebuilt from committed state, in
+        # place of the recorded failure (a completed record) or of the outcome
+        # of an operation whose holder went away (in progress, its lease over).
+        self._reconcile = (
+            sa.update(table)
+            .where(
+                c.scope == text_param("w_scope"),
+                c.key == text_param("w_key"),
+                c.fencing_token == sa.bindparam("w_token"),
+                c.status == sa.bindparam("w_status", type_=c.status.type),
+                sa.or_(c.status == COMPLETED, lease_over(c, sa.bindparam("w_now"))),
+            )
+            .values(**completed)
+        )
+
     def complete(
         self,
         executor: Executor,
@@ -138,6 +153,40 @@ class HeldRecord(Statements):
         params = {"w_scope": scope, "w_key": key, "w_token": token, "w_now": now}
         params.update(completed_at=now, e_expires=now + retention)
         return self._changed_one(executor, self._settle_committed, params)
+
+    def reconcile(
+        self,
+        executor: Executor,
+        scope: str,
+        key: str,
+        token: int,
+        *,
+        status: str,
+        new_token: int,
+        answer: t.Mapping[str, t.Any],
+        now: dt.datetime,
+        retention: dt.timedelta,
+    ) -> bool:
+        """Store ``answer`` (columns from :func:`answer_values`, in clear) on a
+        record as read, completed, in place of what it held: a record completed
+        with the extension's failure (``status`` completed), or one in progress
+        whose lease is over (``status`` in progress). Fenced by the ``token``
+        read and that ``status``; the record takes ``new_token``, so of two
+        callers that read the same record, one wins. ``False``: the record
+        changed meanwhile. The answer is kept for ``retention`` from now, or
+        until the record's expiry if that is later."""
+        params = {
+            "w_scope": scope,
+            "w_key": key,
+            "w_token": token,
+            "w_status": status,
+            "w_now": now,
+            **self._sealed(scope, key, answer),
+            "fencing_token": new_token,
+            "completed_at": now,
+            "e_expires": now + retention,
+        }
+        return self._changed_one(executor, self._reconcile, params)
 
     def release(
         self,

@@ -73,6 +73,9 @@ MISCONFIGURED = "misconfigured"
 REPLAY_REFUSED = "replay_refused"
 #: 410 ``key-erased``: the key's record is a tombstone (its data erased).
 ERASED = "erased"
+#: A retry found an operation whose answer was lost (``failed-after-commit``, or a
+#: leased holder gone) and the app's reconcile hook rebuilt it: stored and replayed.
+RECONCILED = "reconciled"
 
 OUTCOMES = (
     EXECUTED,
@@ -91,11 +94,12 @@ OUTCOMES = (
     MISCONFIGURED,
     REPLAY_REFUSED,
     ERASED,
+    RECONCILED,
 )
 #: ``idempotency.key_refusal``, with ``key_refused`` only.
 KEY_REFUSALS = ("missing", "malformed", "too_long")
 
-_REPLAYS = frozenset({REPLAYED, WAITED_REPLAYED})
+_REPLAYS = frozenset({REPLAYED, WAITED_REPLAYED, RECONCILED})
 #: Outcomes logged at WARNING: this side failed. The rest (the client's
 #: mistakes and duplicates included) at INFO.
 _WARNINGS = frozenset({UNAVAILABLE, BUSY, LEASE_LOST, FAILED, FAILED_AFTER_COMMIT, MISCONFIGURED})
@@ -276,11 +280,18 @@ class RequestTelemetry:
 
     def found_completed(self, completed_at: dt.datetime | None) -> None:
         """The key's record is completed: a replay, or a duplicate's wait's end
-        when the record was completed after this request began."""
+        when the record was completed after this request began (unless its
+        answer was just rebuilt: :meth:`reconciled`)."""
+        if self.marked == RECONCILED:
+            return
         began = self.claim_began
         waited = completed_at is not None and began is not None and completed_at > began
         self.waited = self.waited or waited
         self.marked = WAITED_REPLAYED if self.waited else REPLAYED
+
+    def reconciled(self) -> None:
+        """The reconcile hook rebuilt the answer this retry gets."""
+        self.marked = RECONCILED
 
     def wait_exceeded(self) -> None:
         """The database gave up on the claim's wait for another request."""

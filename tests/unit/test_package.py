@@ -133,6 +133,7 @@ PUBLIC: dict[str, set[str]] = {
     "flask_idempotency.scope": {
         "FORM_OWNER_SESSION_KEY",
         "MAX_SCOPE_LENGTH",
+        "ReconcileAttempt",
         "ReplayAttempt",
         "default_scope",
     },
