@@ -42,7 +42,7 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
-from . import _cli, _cli_erase, _cli_keys, _cli_show
+from . import _cli, _cli_erase, _cli_keys, _cli_reconcile, _cli_show
 from ._cli import (
     EXIT_CODES_HELP,
     MAX_OLDER_THAN_HOURS,
@@ -429,4 +429,5 @@ def outbox_purge(older_than: float | None) -> None:
 
 
 _command("erase")(_cli_erase.erase)
+_command("reconcile")(_cli_reconcile.reconcile)
 _cli_keys.register(_command)  # generate-key, reseal

@@ -24,6 +24,7 @@ from .._storage import (
 )
 from .._storage import outbox as outbox_sql
 from .._storage.locks import JobLocks
+from .reconcile import reconcile_record
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -237,6 +238,7 @@ def recover_abandoned(
     its stored request is re-run through the app with the same key and scope,
     resuming from its recovery points, and the response is stored for the
     client's retry. A record whose view committed work of its own is completed
+    with the answer the app's reconcile hook rebuilds (``reconcile=``), else
     with the answer that commit stored (500 ``failed-after-commit``): the
     operation happened and never runs again. Any other abandoned record, or
     one whose re-run fails, is released (deleted), so the client's next retry
@@ -263,8 +265,12 @@ def recover_abandoned(
                 break
             if record.view_committed:
                 # The operation happened: never re-run nor released, but
-                # completed with the answer the view's commit stored (clear
-                # columns only: settled even when its sealed ones do not open).
+                # completed with the answer the app's reconcile hook rebuilds,
+                # else with the one the view's commit stored (clear columns
+                # only: settled even when its sealed ones do not open).
+                if reconcile_record(app, record).rebuilt:
+                    report.completed += 1
+                    continue
                 with engine.begin() as conn:
                     settled = state.store.settle_committed(
                         conn,

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from .dialects import Deleted, dialect_for
 from .execute import Statements
 from .holds import Hold, releasable
-from .schema import IN_PROGRESS, Record, as_utc
+from .schema import COMPLETED, IN_PROGRESS, Record, as_utc
 from .sql import changed_one, expired, lease_over, returning, text_param, unexpired
 
 
@@ -69,6 +69,30 @@ class OperatorQueries(Statements):
             if len(page) < limit:
                 break
         return found
+
+    def failed_after_commit(
+        self,
+        conn: sa.Connection,
+        *,
+        scope: str | None = None,
+        key: str | None = None,
+        limit: int = 1000,
+    ) -> list[Record]:
+        """Records holding a 500 answer, completed or in progress, oldest first
+        (of ``scope``, and ``key``, where given): those whose view committed
+        and whose request never answered are among them, which the caller tells
+        apart by their answer (``reconcile``). Unreadable ones are returned
+        with :attr:`.Record.unreadable` set."""
+        c = self.table.c
+        stmt = sa.select(self.table).where(
+            c.status.in_((COMPLETED, IN_PROGRESS)), c.response_code == 500
+        )
+        if scope is not None:
+            stmt = stmt.where(c.scope == text_param("w_scope", scope))
+        if key is not None:
+            stmt = stmt.where(c.key == text_param("w_key", key))
+        stmt = stmt.order_by(c.created_at, c.scope, c.key).limit(limit)
+        return [self._record_or_unreadable(r._mapping) for r in conn.execute(stmt)]
 
     def delete_releasable(
         self,

@@ -1,0 +1,123 @@
+"""Reconcile outside a client's request: the lease recovery job and
+``flask idempotency reconcile`` ask the app's hook (:mod:`.._request.reconcile`)
+for the answer of a record whose view committed and whose request never
+answered, in an app context and a request context rebuilt from the record's
+stored request where it kept one (``recover=True``), else a bare one.
+
+Which hook: the route the stored request reaches, else the one of the
+endpoint the operator names, else ``IDEMPOTENCY_RECONCILE``. Refused as the
+job refuses: a record under a live lease (running), a tombstone, an
+unreadable record (its key not configured), an answer of the view's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import typing as t
+
+from flask import Flask
+from sqlalchemy.orm import Session
+from werkzeug.exceptions import HTTPException
+
+from .._context import AppState, app_state
+from .._request.reconcile import rebuild, why_of
+from .._request.route import RouteOptions
+from .._storage import Record
+
+if t.TYPE_CHECKING:
+    from .._config import Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+    """What asking the hook for one record came to."""
+
+    record: Record
+    rebuilt: bool
+    #: Why not, when not rebuilt.
+    reason: str = ""
+
+
+def candidates(
+    app: Flask, *, scope: str | None = None, key: str | None = None, limit: int = 1000
+) -> list[Record]:
+    """Records a hook may rebuild: completed with the extension's
+    ``failed-after-commit``, or in progress holding it, their lease over
+    (unreadable ones too, which :func:`reconcile_record` refuses)."""
+    state = app_state(app)
+    with state.db.engine.connect() as conn:
+        now = state.now(conn)
+        found = state.store.failed_after_commit(conn, scope=scope, key=key, limit=limit)
+    return [
+        record
+        for record in found
+        if record.unreadable is not None or (why_of(record) and not record.lease_live(now))
+    ]
+
+
+def _route_settings(
+    app: Flask, state: AppState, record: Record, endpoint: str | None
+) -> tuple[Settings, str | None]:
+    """The settings (whose ``reconcile`` is the hook) of the record's route:
+    found from its stored request, else ``endpoint``'s, else the app's."""
+    if record.request_path is not None and record.request_method is not None:
+        adapter = app.url_map.bind("localhost")
+        path = record.request_path.partition("?")[0]
+        with contextlib.suppress(HTTPException):
+            endpoint, _ = adapter.match(path, method=record.request_method)
+    if endpoint is None:
+        return state.settings, None
+    view = app.view_functions.get(endpoint)
+    route = getattr(view, "_idempotency_route", None)
+    if not isinstance(route, RouteOptions):
+        return state.settings, endpoint
+    settings = state.route_settings.get(route) or route.settings_for(state.settings)
+    return settings, endpoint
+
+
+def reconcile_record(app: Flask, record: Record, *, endpoint: str | None = None) -> Reconciled:
+    """Ask the hook for ``record``'s answer and store it (fenced), or say why not."""
+    if record.unreadable is not None:
+        return Reconciled(record, False, f"unreadable: {record.unreadable}")
+    why = why_of(record)
+    if why is None:
+        return Reconciled(record, False, "not a failure after commit")
+    state = app_state(app)
+    settings, endpoint = _route_settings(app, state, record, endpoint)
+    hook = settings.reconcile
+    if hook is None:
+        return Reconciled(record, False, "no reconcile hook (reconcile=, IDEMPOTENCY_RECONCILE)")
+    if record.request_path is not None and record.request_method is not None:
+        headers = {"Content-Type": record.request_content_type or "application/octet-stream"}
+        context = app.test_request_context(
+            record.request_path,
+            method=record.request_method,
+            data=record.request_body or b"",
+            headers=headers,
+        )
+    else:
+        context = app.test_request_context()
+    with app.app_context(), context:
+        session = t.cast(Session, state.db.session())
+        try:
+            now = state.now(session.connection())
+            if record.lease_live(now):
+                session.rollback()
+                return Reconciled(record, False, "in progress under a live lease")
+            rebuilt = rebuild(
+                session,
+                state.store,
+                record,
+                why,
+                hook=hook,
+                settings=settings,
+                now=now,
+                endpoint=endpoint,
+                from_client=False,
+            )
+        finally:
+            state.db.session.remove()
+    if rebuilt.record is None:
+        return Reconciled(record, False, rebuilt.reason)
+    return Reconciled(rebuilt.record, True)
