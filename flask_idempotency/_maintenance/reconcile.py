@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import typing as t
+import urllib.parse
 
 from flask import Flask
 from sqlalchemy.orm import Session
@@ -63,7 +64,7 @@ def _route_settings(
     found from its stored request, else ``endpoint``'s, else the app's."""
     if record.request_path is not None and record.request_method is not None:
         adapter = app.url_map.bind("localhost")
-        path = record.request_path.partition("?")[0]
+        path = urllib.parse.unquote(record.request_path.partition("?")[0])
         with contextlib.suppress(HTTPException):
             endpoint, _ = adapter.match(path, method=record.request_method)
     if endpoint is None:

@@ -69,6 +69,12 @@ def place_gift() -> t.Any:
     return _place()
 
 
+@bp.post("/recoverable-orders")
+@idem.idempotent(lease=LEASE, ttl=3600, recover=True)
+def place_recoverable() -> t.Any:
+    return _place()
+
+
 class Hook:
     """The shop's hook: finds the order by (scope, key); or misbehaves as told."""
 
@@ -80,6 +86,8 @@ class Hook:
         self.calls.append(attempt)
         if self.mode == "none":
             return None
+        if self.mode == "interrupt":
+            raise KeyboardInterrupt
         if self.mode == "raise":
             raise LookupError("the orders service is down")
         if self.mode == "500":

@@ -115,3 +115,22 @@ def test_the_recovery_job_asks_the_hook_before_settling(
     assert (record["status"], record["response_code"]) == ("completed", 201)
     assert_rebuilt(post(shop.test_client(), "/orders", {}), order_id)
     assert len(hook.calls) == 1
+
+
+def test_the_recovery_job_s_re_run_of_a_leased_route_asks_the_hook(
+    shop: Flask, hook: Hook, clock: Clock
+) -> None:
+    undo = refuse_completions(shop)
+    try:
+        post(shop.test_client(), "/recoverable-orders", {})
+    finally:
+        undo()
+    [order_id] = orders(shop)
+    clock.advance(seconds=LEASE + 1)
+    recover_abandoned(shop)
+    [attempt] = hook.calls
+    assert (attempt.why, attempt.from_client) == ("lease-ended", False)
+    record = raw_record(shop)
+    assert (record["status"], record["response_code"]) == ("completed", 201)
+    assert orders(shop) == [order_id]  # the view did not run again
+    assert_rebuilt(post(shop.test_client(), "/recoverable-orders", {}), order_id)

@@ -252,3 +252,15 @@ def test_the_retention_counts_from_the_rebuild(shop: Flask, clock: Clock) -> Non
     if expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.timezone.utc)
     assert expires >= clock.now + dt.timedelta(hours=24) - dt.timedelta(seconds=1)
+
+
+def test_an_interrupted_hook_changes_nothing(shop: Flask, hook: Hook) -> None:
+    fail_after_commit(shop, "/orders", "exception")
+    before = raw_record(shop)
+    hook.mode = "interrupt"
+    with pytest.raises(KeyboardInterrupt):
+        post(shop.test_client(), "/orders", {})
+    assert raw_record(shop) == before
+    hook.mode = "find"
+    assert_rebuilt(post(shop.test_client(), "/orders", {}), orders(shop)[0])
+    assert len(orders(shop)) == 1
