@@ -38,7 +38,17 @@ def ship(order: str, log: str, crash_after: str | None = None) -> dict[str, t.An
     return {"charge": charged, "email": emailed, "event": event}
 
 
-def main(url: str, order: str, log: str, crash_after: str | None = None) -> None:
+@idem.function(scope="jobs.book", key="order", exclude=("crash_after",))
+def book(order: str, crash_after: str | None = None) -> str:
+    """Not leased: commits a ledger row of its own, then goes on."""
+    db.session.add(Ledger(route="book", key=order, amount=1))
+    db.session.commit()
+    if crash_after == "commit":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "booked"
+
+
+def main(url: str, job: str, order: str, log: str, crash_after: str | None = None) -> None:
     app = testapp.create_app(url)
     with app.app_context():
-        print(ship(order, log, crash_after))
+        print(ship(order, log, crash_after) if job == "ship" else book(order, crash_after))

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import typing as t
 from pathlib import Path
 
@@ -25,7 +26,12 @@ from marshmallow import Schema, fields, post_load
 
 from flask_idempotency import COMPLETED, IN_PROGRESS
 from flask_idempotency._storage.schema import OUTBOX_TABLE_NAME
-from flask_idempotency.errors import OperationInProgressError
+from flask_idempotency.errors import (
+    ConflictError,
+    FailedAfterCommitError,
+    OperationInProgressError,
+    TransactionConflictError,
+)
 from flask_idempotency.jobs import recover_abandoned
 from tests.conftest import Clock, insert_records, ledger_count, record_rows
 from tests.support import function_jobs, testapp
@@ -56,7 +62,7 @@ def test_a_leased_call_killed_between_steps_resumes_after_its_lease(
     log = tmp_path / "downstream.log"
     run = subprocess.run(
         # Imported, not run as __main__: the function's module counts in its fingerprint.
-        [sys.executable, "-c", RUN, database_url, "o-1", str(log), "charge"],
+        [sys.executable, "-c", RUN, database_url, "ship", "o-1", str(log), "charge"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -97,6 +103,64 @@ def test_a_leased_call_killed_between_steps_resumes_after_its_lease(
     assert again.value == resumed.value
     assert lines(log) == ["charge", "email"]
     assert len(events(app)) == 1
+
+
+def test_a_call_killed_after_a_commit_of_its_own_is_settled_as_failed(
+    app: Flask, clock: Clock, database_url: str, tmp_path: Path
+) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", RUN, database_url, "book", "b-1", "-", "commit"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == -9, run.stderr.decode()
+    assert ledger_count(app) == 1
+    row = rows(app)[("jobs.book", "b-1")]
+    assert (row["status"], row["response_code"]) == (IN_PROGRESS, 500)
+    with app.app_context():
+        with pytest.raises(OperationInProgressError):
+            function_jobs.book("b-1")
+        clock.advance(seconds=3600)  # past the lease its commit took
+        for _ in range(2):
+            with pytest.raises(FailedAfterCommitError):
+                function_jobs.book("b-1")
+    assert ledger_count(app) == 1
+    assert rows(app)[("jobs.book", "b-1")]["status"] == COMPLETED
+
+
+def test_a_caller_past_its_wait_is_told_the_operation_is_in_progress(app: Flask) -> None:
+    gate, holding = threading.Event(), threading.Event()
+
+    @idem.function(scope="jobs.held", key="key", wait=0.3)
+    def held(key: str, hold: bool) -> str:
+        db.session.add(Ledger(route="held", key=key, amount=1))
+        db.session.flush()
+        if hold:
+            holding.set()
+            gate.wait(20)
+        return "done"
+
+    def first() -> None:
+        with app.app_context():
+            held("h-1", True)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert holding.wait(20)
+        with app.app_context(), pytest.raises(ConflictError) as refused:
+            held("h-1", True)
+    finally:
+        gate.set()
+        thread.join(30)
+    # A running duplicate where the engine can tell (SQLite's one lock is the
+    # whole database's: a busy database there, unless the record says otherwise).
+    assert isinstance(refused.value, (OperationInProgressError, TransactionConflictError))
+    if not app.config["SQLALCHEMY_DATABASE_URI"].startswith("sqlite"):
+        assert isinstance(refused.value, OperationInProgressError)
+    assert ledger_count(app) == 1
 
 
 def test_a_failed_leased_call_keeps_its_steps_and_the_next_call_resumes(
