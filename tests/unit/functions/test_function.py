@@ -275,3 +275,22 @@ def test_scope_and_key_from_callables_and_a_dotted_exclude(app: Flask) -> None:
             place("a", {"id": "", "total": 6})
     assert CALLS == [("a", 5), ("b", 5)]
     assert set(rows(app)) == {("tenant:a", "o-1"), ("tenant:b", "o-1")}
+
+
+class Billing:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @idem.function(scope="billing.method", key="invoice_id", exclude=("self",))
+    def charge(self, invoice_id: str, amount: int) -> str:
+        CALLS.append((invoice_id, amount))
+        return self.name
+
+
+def test_a_method_binds_its_instance(app: Flask) -> None:
+    with app.app_context():
+        assert Billing("first").charge("m-1", 1) == "first"
+        # Another instance, same arguments: the stored value (self is excluded).
+        outcome = Billing("second").charge.outcome("m-1", 1)
+    assert (outcome.value, outcome.replayed) == ("first", True)
+    assert CALLS == [("m-1", 1)]
