@@ -25,7 +25,9 @@ from .._context import (
     end_request,
     set_request_state,
 )
+from .._failures import SealBroken
 from .._request.claim import claim_key
+from .._request.decorator import unreadable
 from .._request.flow import Flow
 from .._storage import Record
 from ..errors import (
@@ -114,6 +116,8 @@ def call(
     try:
         try:
             claimed = claim_key(flow, scope, key, fingerprint, allow_new=True)
+        except SealBroken as broken:  # its sealed columns do not open: nothing changes
+            raise unreadable(session, broken) from None
         except BaseException as exc:
             session.rollback()
             worded = _function_error(options, scope, key, exc)

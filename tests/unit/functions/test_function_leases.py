@@ -30,11 +30,13 @@ from flask_idempotency.errors import (
     ConflictError,
     FailedAfterCommitError,
     OperationInProgressError,
+    RecordUnreadableError,
     TransactionConflictError,
 )
 from flask_idempotency.jobs import recover_abandoned
 from tests.conftest import Clock, insert_records, ledger_count, record_rows
 from tests.support import function_jobs, testapp
+from tests.support.keyrings import KEY_A, KEY_B, keys_config
 from tests.support.sealing import clear_in_rows, sealed_config
 from tests.support.testapp import Ledger, db, idem
 
@@ -242,6 +244,23 @@ def test_a_sealed_app_seals_the_stored_value(make_app: t.Callable[..., Flask]) -
         assert secret("s-1") == {"card": "4242-SECRET-VALUE"}
     assert rows(app)[("sealed", "s-1")]["status"] == COMPLETED
     assert clear_in_rows(app, "SECRET-VALUE") == []
+
+
+def test_a_value_sealed_under_a_key_no_longer_configured_is_refused(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    calls = []
+
+    @idem.function(scope="sealed", key="key")
+    def secret(key: str) -> str:
+        calls.append(key)
+        return "SECRET-VALUE"
+
+    with make_app(**keys_config(KEY_A)).app_context():
+        assert secret("s-2") == "SECRET-VALUE"
+    with make_app(**keys_config(KEY_B)).app_context(), pytest.raises(RecordUnreadableError):
+        secret("s-2")
+    assert calls == ["s-2"]
 
 
 def test_inside_a_protected_view_it_is_refused(app: Flask) -> None:
