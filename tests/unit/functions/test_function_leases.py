@@ -48,6 +48,11 @@ def rows(app: Flask) -> dict[tuple[str, str], dict[str, t.Any]]:
     return {(r["scope"], r["key"]): r for r in record_rows(app)}
 
 
+def text(value: t.Any) -> t.Any:
+    """A column as text (MySQL's VARBINARY reads back as bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def lines(log: Path) -> list[str]:
     return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -95,10 +100,9 @@ def test_a_leased_call_killed_between_steps_resumes_after_its_lease(
     assert resumed.value["charge"] == {"done": "charge", "key": first_key}
     assert ledger_count(app) == 1
     (event,) = events(app)
-    event_id = event["event_id"]  # MySQL's VARBINARY reads back as bytes
-    assert (event_id.decode() if isinstance(event_id, bytes) else event_id) == resumed.value[
-        "event"
-    ]
+    assert text(event["event_id"]) == resumed.value["event"]
+    # Owned by the function's operation (erasure finds it by scope and key).
+    assert (text(event["owner_scope"]), text(event["owner_key"])) == ("jobs.ship", "o-1")
     with app.app_context():
         again = function_jobs.ship.outcome("o-1", str(log))
     assert again.replayed
