@@ -171,6 +171,11 @@ def _stored(options: FunctionOptions, record: Record) -> t.Any:
     """The return value a finished call stored; its recorded failure raised."""
     if record.response_code == _VALUE and record.response_body is not None:
         return options.load(record.response_body)
+    if record.response_code == _VALUE:  # body not kept: a call checks its size first
+        raise RuntimeError(
+            f"@idem.function {options.name} ({record.scope!r}, key {record.key!r}) ran, "
+            "but its stored value was not kept; it does not run again with this key"
+        )
     raise FailedAfterCommitError(
         f"@idem.function {options.name} ({record.scope!r}, key {record.key!r}) failed "
         "after it had committed work of its own, so it does not run again with this key. "
