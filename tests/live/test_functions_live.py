@@ -1,0 +1,229 @@
+"""``idem.function`` with real processes: the billing example's command run as
+``flask --app billing.app ...``, calls killed with SIGKILL before and after
+their commit and between recovery points, and a kombu consumer on RabbitMQ
+(skipped, saying why, where none answers at 127.0.0.1:5672).
+
+Every test counts what happened: the ``charges`` rows committed, and the calls
+the fake payment processor (tests/support/downstream.py) recorded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing as t
+import uuid
+
+import pytest
+
+from tests.conftest import run_sql
+from tests.support import billing
+from tests.support.downstream import Downstream
+from tests.support.live import ROOT
+
+pytestmark = pytest.mark.slow
+
+LEASE = 1.5  # seconds: short, so that a test outlives it
+CHARGE = {"invoice_id": "inv-1", "amount": 500, "payment_id": None}
+
+
+@pytest.fixture
+def url(database_url: str) -> t.Iterator[str]:
+    app = billing.fresh_app(database_url)
+    yield database_url
+    with app.app_context():
+        billing.example().db.engine.dispose()
+
+
+def call(
+    url: str, function: str, crash: str = "none", *, config: dict[str, t.Any] | None = None
+) -> tuple[int, dict[str, t.Any]]:
+    """``billing.app.<function>("inv-1", 500)`` in a process of its own, killed at
+    ``crash`` (tests/support/billing.py); its exit code and what it printed
+    (``{}`` for a killed one)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.billing",
+            url,
+            function,
+            crash,
+            "inv-1",
+            "500",
+            json.dumps(config or {}),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+# -- A flask command, as a real process ---------------------------------------------
+
+
+def flask(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "billing.app", *args],
+        cwd=billing.EXAMPLES,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(billing.EXAMPLES)]),
+            "FLASK_SQLALCHEMY_DATABASE_URI": url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_command_run_twice_by_an_operator_charges_once(url: str) -> None:
+    first = flask(url, "charge-invoice", "inv-1", "500")
+    second = flask(url, "charge-invoice", "inv-1", "500")
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    assert first.stdout.startswith("charged {")
+    assert second.stdout == first.stdout.replace("charged", "replayed", 1)
+    other = flask(url, "charge-invoice", "inv-1", "700")
+    assert other.returncode == 1
+    assert "inv-1 was charged with other arguments" in other.stderr
+    assert "Traceback" not in other.stderr
+    assert billing.charges(url) == [CHARGE]
+
+
+# -- Real kills ------------------------------------------------------------------------
+
+
+def test_killed_right_after_its_commit_the_rerun_returns_the_stored_charge(url: str) -> None:
+    code, _ = call(url, "charge_invoice", "after_commit")
+    assert code == -signal.SIGKILL
+    assert billing.charges(url) == [CHARGE]  # the charge and its record committed
+    code, rerun = call(url, "charge_invoice")
+    assert code == 0
+    assert rerun["replayed"] is True
+    assert rerun["value"]["invoice_id"] == "inv-1"
+    assert billing.charges(url) == [CHARGE]
+
+
+@pytest.mark.parametrize("crash", ["in_body", "before_commit"])
+def test_killed_before_its_commit_the_rerun_charges_once(url: str, crash: str) -> None:
+    code, _ = call(url, "charge_invoice", crash)
+    assert code == -signal.SIGKILL
+    assert billing.charges(url) == []  # nothing of the call committed
+    code, rerun = call(url, "charge_invoice")
+    assert code == 0
+    assert rerun["replayed"] is False
+    assert billing.charges(url) == [CHARGE]
+    code, again = call(url, "charge_invoice")
+    assert again["replayed"] is True
+    assert again["value"] == rerun["value"]
+
+
+@pytest.fixture
+def processor() -> t.Iterator[Downstream]:
+    service = Downstream().start()
+    yield service
+    service.stop()
+
+
+def locked_until(url: str) -> dt.datetime:
+    [(scope, until)] = run_sql(url, "SELECT scope, locked_until FROM idempotency_keys")
+    assert until is not None, scope
+    return t.cast(dt.datetime, until if until.tzinfo else until.replace(tzinfo=dt.timezone.utc))
+
+
+def test_a_leased_call_killed_after_its_first_step_resumes_after_the_lease(
+    url: str, processor: Downstream
+) -> None:
+    config = {"BILLING_PROCESSOR_URL": processor.url, "IDEMPOTENCY_LEASE": LEASE}
+    code, _ = call(url, "settle_invoice", "after_step:payment", config=config)
+    assert code == -signal.SIGKILL
+    assert processor.calls_for("payments") == 1
+    assert processor.calls_for("receipts") == 0
+    assert billing.charges(url) == []
+    # Within the lease the record is held by the dead call: refused, with when to retry.
+    until = locked_until(url)
+    code, held = call(url, "settle_invoice", config=config)
+    if dt.datetime.now(dt.timezone.utc) < until:  # (a slow machine may be past it already)
+        assert code == 3
+        assert held["error"] == "OperationInProgressError", held
+    else:
+        pytest.fail("the lease ended before the second call: raise LEASE")
+    time.sleep(max(0.0, (until - dt.datetime.now(dt.timezone.utc)).total_seconds()) + 0.2)
+    code, resumed = call(url, "settle_invoice", config=config)
+    assert code == 0, resumed
+    assert resumed["replayed"] is False
+    # The payment step was not called again; the receipt, after it, was called once.
+    assert processor.calls_for("payments") == 1
+    assert processor.calls_for("receipts") == 1
+    [payment] = [effect["id"] for (op, _), effect in processor.effects.items() if op == "payments"]
+    assert resumed["value"]["payment_id"] == payment
+    assert billing.charges(url) == [{**CHARGE, "payment_id": payment}]
+    code, again = call(url, "settle_invoice", config=config)
+    assert again["replayed"] is True
+    assert again["value"] == resumed["value"]
+    assert processor.calls_for("payments") == 1
+    assert processor.calls_for("receipts") == 1
+
+
+# -- A kombu consumer on RabbitMQ -------------------------------------------------------
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@pytest.fixture
+def rabbitmq() -> t.Iterator[t.Any]:
+    import kombu
+
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError as exc:
+        pytest.skip(f"no RabbitMQ at 127.0.0.1:5672: {exc}")
+    with kombu.Connection(RABBITMQ) as connection:
+        yield connection
+
+
+@pytest.fixture
+def rabbit_queue(rabbitmq: t.Any) -> t.Iterator[t.Any]:
+    queue = billing.example("consumer").charge_queue(f"billing.charges.{uuid.uuid4().hex[:8]}")
+    yield queue
+    queue(rabbitmq.channel()).delete()  # leave nothing behind on a shared server
+
+
+def test_rabbitmq_redelivers_after_a_lost_ack_and_the_consumer_charges_once(
+    url: str, rabbitmq: t.Any, rabbit_queue: t.Any
+) -> None:
+    import kombu
+
+    consumer = billing.example("consumer")
+    app = billing.example().create_app({"SQLALCHEMY_DATABASE_URI": url})
+    consumer.request_charge(rabbitmq, rabbit_queue, "inv-1", 500)
+    consumer.request_charge(rabbitmq, rabbit_queue, "inv-1", 500)  # a retried publish
+    first: list[t.Any] = []
+    with kombu.Connection(RABBITMQ) as dying:
+
+        def process_without_ack(body: dict[str, t.Any], message: t.Any) -> None:
+            first.append(consumer.process(app, body))
+
+        with kombu.Consumer(
+            dying, queues=[rabbit_queue], callbacks=[process_without_ack], prefetch_count=1
+        ):
+            dying.drain_events(timeout=10)
+    # The connection closed with the message unacked: RabbitMQ redelivers it.
+    outcomes = consumer.consume(app, rabbitmq, rabbit_queue, count=2)
+    assert not first[0].replayed
+    assert [o.replayed for o in outcomes] == [True, True]
+    assert {json.dumps(o.value) for o in outcomes} == {json.dumps(first[0].value)}
+    assert billing.charges(url) == [CHARGE]
+    with app.app_context():
+        billing.example().db.engine.dispose()

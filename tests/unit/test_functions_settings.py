@@ -1,0 +1,177 @@
+"""``idem.function`` where Flask apps work outside HTTP, in one process: an
+APScheduler job, a ``flask`` command through the CLI runner, a kombu consumer on
+kombu's in-memory transport (real kombu, no server). Each drives the billing
+example (docs/examples/billing) as its docs show it, on every engine, and counts
+the charges it committed; the live tests (tests/live/test_functions_live.py)
+add real processes, real kills and RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import typing as t
+import uuid
+
+import pytest
+
+from tests.support import billing
+
+CHARGE = {"invoice_id": "inv-1", "amount": 500, "payment_id": None}
+
+
+@pytest.fixture
+def app(database_url: str) -> t.Iterator[t.Any]:
+    app = billing.fresh_app(database_url)
+    yield app
+    with app.app_context():
+        billing.example().db.engine.dispose()
+
+
+# -- APScheduler ----------------------------------------------------------------
+
+
+class Runs:
+    """What a scheduler's job runs returned (or raised), as its listener saw them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.results: list[t.Any] = []
+        self.done = threading.Condition(self.lock)
+
+    def listener(self, event: t.Any) -> None:
+        with self.lock:
+            self.results.append(event.exception if event.exception else event.retval)
+            self.done.notify_all()
+
+    def wait(self, count: int) -> list[t.Any]:
+        with self.lock:
+            assert self.done.wait_for(lambda: len(self.results) >= count, timeout=60)
+            return list(self.results)
+
+
+def scheduler(runs: Runs) -> t.Any:
+    from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    started = BackgroundScheduler(timezone=dt.timezone.utc)
+    started.add_listener(runs.listener, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
+    started.start()
+    return started
+
+
+def test_a_job_run_again_after_a_restart_returns_the_first_charge(app: t.Any) -> None:
+    job = billing.example("job")
+    runs = Runs()
+    first = scheduler(runs)
+    job.schedule_charge(first, app, "inv-1", 500)
+    runs.wait(1)
+    first.shutdown()
+    # The process restarts and catches up a run it believes missed (misfired ten
+    # minutes ago, within the job's grace time): the same invoice again.
+    second = scheduler(runs)
+    ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=10)
+    job.schedule_charge(second, app, "inv-1", 500, at=ago)
+    made, again = runs.wait(2)
+    second.shutdown()
+    assert not made.replayed
+    assert again.replayed
+    assert again.value == made.value
+    assert made.value["invoice_id"] == "inv-1"
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
+def test_two_schedulers_firing_the_same_job_at_once_charge_once(app: t.Any) -> None:
+    """Two processes with the same schedule (two schedulers here, each with its
+    own threads) run the same job at the same time: one charge, and both runs
+    end with it."""
+    job = billing.example("job")
+    runs = Runs()
+    schedulers = [scheduler(runs) for _ in range(2)]
+    at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=0.5)
+    for each in schedulers:
+        job.schedule_charge(each, app, "inv-1", 500, at=at)
+    outcomes = runs.wait(2)
+    for each in schedulers:
+        each.shutdown()
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert sorted(o.replayed for o in outcomes) == [False, True]
+    assert outcomes[0].value == outcomes[1].value
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
+# -- A flask command --------------------------------------------------------------
+
+
+def test_a_command_run_twice_charges_once_and_prints_the_first_charge(app: t.Any) -> None:
+    runner = app.test_cli_runner()
+    first = runner.invoke(args=["charge-invoice", "inv-1", "500"])
+    second = runner.invoke(args=["charge-invoice", "inv-1", "500"])
+    assert first.exit_code == 0, first.output
+    assert second.exit_code == 0, second.output
+    assert first.output.startswith("charged {")
+    assert second.output == first.output.replace("charged", "replayed", 1)
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
+def test_a_command_with_another_amount_for_a_charged_invoice_is_refused(app: t.Any) -> None:
+    runner = app.test_cli_runner()
+    assert runner.invoke(args=["charge-invoice", "inv-1", "500"]).exit_code == 0
+    other = runner.invoke(args=["charge-invoice", "inv-1", "700"])
+    assert other.exit_code == 1
+    assert "inv-1 was charged with other arguments" in other.output
+    assert "Traceback" not in other.output
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
+# -- A kombu consumer ---------------------------------------------------------------
+
+
+@pytest.fixture
+def memory() -> t.Iterator[t.Any]:
+    """kombu's in-memory broker (one per process, shared by its connections)."""
+    import kombu
+
+    with kombu.Connection("memory://") as connection:
+        yield connection
+
+
+@pytest.fixture
+def queue() -> t.Any:
+    return billing.example("consumer").charge_queue(f"billing.charges.{uuid.uuid4().hex[:8]}")
+
+
+def test_a_message_published_twice_charges_once(app: t.Any, memory: t.Any, queue: t.Any) -> None:
+    consumer = billing.example("consumer")
+    for _ in range(2):  # the producer retried a publish whose confirm it lost
+        consumer.request_charge(memory, queue, "inv-1", 500)
+    made, again = consumer.consume(app, memory, queue, count=2)
+    assert (made.replayed, again.replayed) == (False, True)
+    assert again.value == made.value
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
+def test_a_message_redelivered_after_a_lost_ack_charges_once(app: t.Any, queue: t.Any) -> None:
+    """The first consumer charges, then goes away before its ack: the broker
+    gives the message to the next consumer, which gets the first charge."""
+    import kombu
+
+    consumer = billing.example("consumer")
+    first: list[t.Any] = []
+    with kombu.Connection("memory://") as dying:
+        consumer.request_charge(dying, queue, "inv-1", 500)
+
+        def process_without_ack(body: dict[str, t.Any], message: t.Any) -> None:
+            first.append(consumer.process(app, body))
+
+        with kombu.Consumer(dying, queues=[queue], callbacks=[process_without_ack]):
+            dying.drain_events(timeout=10)
+    # Its connection closed with the message unacked: the broker has it again.
+    with kombu.Connection("memory://") as survivor:
+        [again] = consumer.consume(app, survivor, queue, count=1)
+        with pytest.raises(TimeoutError):  # acked now: nothing more to deliver
+            consumer.consume(app, survivor, queue, count=1, timeout=0.2)
+    assert not first[0].replayed
+    assert again.replayed
+    assert again.value == first[0].value
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
