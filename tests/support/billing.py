@@ -44,8 +44,9 @@ def example(name: str = "app") -> ModuleType:
 def fresh_app(url: str, **config: t.Any) -> t.Any:
     """The example's app on ``url``, its tables (charges, the extension's) empty."""
     billing = example()
+    app = billing.create_app({"SQLALCHEMY_DATABASE_URI": url, **config})
     recreate_tables(billing.db.metadata, url)
-    return billing.create_app({"SQLALCHEMY_DATABASE_URI": url, **config})
+    return app
 
 
 def charges(url: str) -> list[dict[str, t.Any]]:

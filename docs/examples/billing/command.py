@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import click
+from flask.cli import with_appcontext
 
 from flask_idempotency.errors import KeyReusedError
 
@@ -19,9 +20,9 @@ from .app import charge_invoice
 @click.command("charge-invoice")
 @click.argument("invoice_id")
 @click.argument("amount", type=int)
+@with_appcontext  # the function needs an app context
 def charge_invoice_command(invoice_id: str, amount: int) -> None:
     """Charge AMOUNT for INVOICE_ID, once per invoice."""
-    # Commands of app.cli run in an app context: the function needs one.
     try:
         outcome = charge_invoice.outcome(invoice_id, amount)
     except KeyReusedError as exc:

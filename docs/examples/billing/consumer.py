@@ -25,7 +25,8 @@ EXCHANGE = kombu.Exchange("billing", type="direct", durable=True)
 
 
 def charge_queue(name: str = "billing.charges") -> kombu.Queue:
-    return kombu.Queue(name, EXCHANGE, routing_key="charge", durable=True)
+    """The queue of charge requests, bound by its name."""
+    return kombu.Queue(name, EXCHANGE, routing_key=name, durable=True)
 
 
 def request_charge(
