@@ -22,6 +22,7 @@ from . import relay as relay
 from . import scheduler as scheduler
 from . import scope as scope
 from . import signals
+from ._function import FunctionOutcome
 from ._storage.schema import COMPLETED, IN_PROGRESS, Record
 from .errors import (
     BrokerUnavailable,
@@ -57,6 +58,7 @@ __all__ = [
     "DatabaseUnavailableError",
     "EventIdConflictError",
     "FormKeyError",
+    "FunctionOutcome",
     "Idempotency",
     "IdempotencyError",
     "InvalidKeyError",

@@ -60,6 +60,7 @@ __all__ = [
     "MalformedBodyError",
     "MissingKeyError",
     "NothingToRecoverError",
+    "OperationInProgressError",
     "PayloadTooLargeError",
     "ProblemError",
     "RecordUnreadableError",
@@ -296,6 +297,11 @@ class LeaseLostError(ConflictError):
 
     slug = "lease-lost"
     title = "The lease on this idempotency key was lost"
+
+
+class OperationInProgressError(ConflictError):
+    """An idempotent function's call with this key is still running (``idem.function``):
+    the caller waited its ``wait`` for it, or it runs under a lease. ``retry_after``: seconds."""
 
 
 class FailedAfterCommitError(ProblemError):

@@ -1,6 +1,7 @@
 """The ``Idempotency`` extension object: registration, config, the decorator;
 what a view calls on it comes from :class:`._view.ViewAPI`, what an operator
-calls (readiness, figures, erasure) from :class:`._operator.OperatorAPI`."""
+calls (readiness, figures, erasure) from :class:`._operator.OperatorAPI`,
+``idem.function`` from :class:`._function.FunctionAPI`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ._context import (
     register,
     watch_pooled_engines,
 )
+from ._function import FunctionAPI
 from ._maintenance import gauges
 from ._maintenance.scheduler import InProcessScheduler
 from ._messaging import outbox
@@ -62,7 +64,7 @@ def in_utc(clock: Clock) -> Clock:
     return now
 
 
-class Idempotency(ViewAPI, OperatorAPI):
+class Idempotency(ViewAPI, OperatorAPI, FunctionAPI):
     """Makes decorated POST routes idempotent per (scope, ``Idempotency-Key``).
 
     Guarantee: the view runs at most once per (scope, key) within the retention

@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..scope import resolve_scope
 from . import answer
-from .claim import answer_existing, claim_key, restamp_if_waited
+from .claim import Claimed, answer_existing, claim_key, restamp_if_waited
 from .claim_guard import Claim, ClaimGuard, lost_error
 from .fingerprint import NormalizedRequest, bound_to, load_payload, normalize_request
 from .finish import (
@@ -184,7 +184,16 @@ class Flow:
             # Derived keys in manual mode name the completed operation.
             state.operation = outcome.created_at.isoformat()
             return self._run_manual(view, kwargs)
-        outcome = restamp_if_waited(self, scope, key, outcome)
+        app = self.hold(state, scope, key, outcome)
+        return self.run_claimed(view, kwargs, state, app, recovery=recovery is not None)
+
+    def hold(self, state: RequestState, scope: str, key: str, claimed: Claimed) -> t.Any:
+        """Make the claim won ``claimed`` this call's: its token and recovery
+        points on ``state``, the claim committed first on a leased route, and the
+        :class:`.ClaimGuard` that keeps it in every transaction the view (or an
+        idempotent function, :mod:`.._function`) commits. The current app."""
+        route, settings = self.route, self.settings
+        outcome = restamp_if_waited(self, scope, key, claimed)
         state.fencing_token = outcome.token
         state.recovery_points = dict(outcome.recovery_points)
         state.operation = outcome.created_at.isoformat()
@@ -212,7 +221,7 @@ class Flow:
             # resume after a crash (steps), so its record is reclaimed instead.
             failure_answer=None if route.commit_claim else (lambda: failure_answer(self)),
         )
-        return self._run_claimed(view, kwargs, state, app, recovery=recovery is not None)
+        return app
 
     def _claim(
         self,
@@ -255,7 +264,7 @@ class Flow:
 
     # -- run and finish ------------------------------------------------------------
 
-    def _run_claimed(
+    def run_claimed(
         self,
         view: t.Callable[..., t.Any],
         kwargs: dict[str, t.Any],
