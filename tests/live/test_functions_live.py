@@ -51,7 +51,12 @@ def python_path(*first: Path) -> str:
 
 
 def call(
-    url: str, function: str, crash: str = "none", *, config: dict[str, t.Any] | None = None
+    url: str,
+    function: str,
+    crash: str = "none",
+    *,
+    config: dict[str, t.Any] | None = None,
+    args: tuple[str, str] = ("inv-1", "500"),
 ) -> tuple[int, dict[str, t.Any]]:
     """``billing.app.<function>("inv-1", 500)`` in a process of its own, killed at
     ``crash`` (tests/support/billing.py); its exit code and what it printed
@@ -64,8 +69,7 @@ def call(
             url,
             function,
             crash,
-            "inv-1",
-            "500",
+            *args,
             json.dumps(config or {}),
         ],
         cwd=ROOT,
@@ -247,3 +251,21 @@ def test_rabbitmq_redelivers_after_a_lost_ack_and_the_consumer_charges_once(
     assert billing.charges(url) == [CHARGE]
     with app.app_context():
         billing.example().db.engine.dispose()
+
+
+def test_a_consumer_killed_between_its_commit_and_its_ack_is_answered_on_redelivery(
+    url: str, rabbitmq: t.Any, rabbit_queue: t.Any
+) -> None:
+    """A consumer process charges, commits, and is SIGKILLed before its ack:
+    RabbitMQ redelivers the message to the next consumer, which gets the charge
+    the dead one made."""
+    consumer = billing.example("consumer")
+    consumer.request_charge(rabbitmq, rabbit_queue, "inv-1", 500)
+    code, _ = call(url, "consume", "after_commit", args=(RABBITMQ, rabbit_queue.name))
+    assert code == -signal.SIGKILL
+    assert billing.charges(url) == [CHARGE]
+    code, redelivered = call(url, "consume", args=(RABBITMQ, rabbit_queue.name))
+    assert code == 0, redelivered
+    assert redelivered["replayed"] is True
+    assert redelivered["value"]["invoice_id"] == "inv-1"
+    assert billing.charges(url) == [CHARGE]

@@ -15,6 +15,11 @@ point of the call, from outside the example's code:
 - ``before_commit``: when the session commits the charge row, before the commit;
 - ``after_commit``: right after that commit (the charge and the record are in);
 - ``after_step:NAME``: right after recovery point ``NAME`` was saved.
+
+``python -m tests.support.billing URL consume CRASH BROKER QUEUE`` is a consumer
+process instead: it takes one charge request off ``QUEUE`` at ``BROKER`` with the
+example's consumer (``billing.consumer.consume``), crashing at ``CRASH`` as above
+(``after_commit``: the charge committed, the message not acked yet).
 """
 
 from __future__ import annotations
@@ -101,9 +106,23 @@ def arm(crash: str, db: t.Any, charge_type: type) -> None:
         signals.step_saved.connect(on_step, weak=False)
 
 
+def consume(url: str, crash: str, broker: str, queue: str) -> int:
+    import kombu
+
+    billing, consumer = example(), example("consumer")
+    app = billing.create_app({"SQLALCHEMY_DATABASE_URI": url})
+    arm(crash, billing.db, billing.Charge)
+    with kombu.Connection(broker) as connection:
+        [outcome] = consumer.consume(app, connection, consumer.charge_queue(queue), count=1)
+    print(json.dumps({"value": outcome.value, "replayed": outcome.replayed}))
+    return 0
+
+
 def main(
-    url: str, function: str, crash: str, invoice_id: str, amount: str, config: str = "{}"
+    url: str, function: str, crash: str, invoice_id: str, amount: str = "0", config: str = "{}"
 ) -> int:
+    if function == "consume":  # a consumer process: invoice_id is the broker, amount the queue
+        return consume(url, crash, broker=invoice_id, queue=amount)
     billing = example()
     app = billing.create_app({"SQLALCHEMY_DATABASE_URI": url, **json.loads(config)})
     arm(crash, billing.db, billing.Charge)
