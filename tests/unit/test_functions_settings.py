@@ -100,6 +100,38 @@ def test_two_schedulers_firing_the_same_job_at_once_charge_once(app: t.Any) -> N
     assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
 
 
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+def test_a_job_run_that_failed_is_run_again_by_the_next_one(
+    app: t.Any, failure: type[BaseException]
+) -> None:
+    """The first run raises inside the function, after its charge row was written
+    (flushed, not committed): nothing of it stays, the key is free, and the next
+    run (the scheduler's retry) charges."""
+    from sqlalchemy import event, orm
+
+    job = billing.example("job")
+    failures = [failure("the processor's answer could not be read")]
+
+    def fail_once(session: orm.Session, context: t.Any) -> None:
+        if failures and any(isinstance(o, billing.example().Charge) for o in session.new):
+            raise failures.pop()
+
+    event.listen(orm.Session, "after_flush", fail_once)
+    try:
+        runs = Runs()
+        each = scheduler(runs)
+        job.schedule_charge(each, app, "inv-1", 500)
+        runs.wait(1)
+        job.schedule_charge(each, app, "inv-1", 500)
+        failed, made = runs.wait(2)
+        each.shutdown()
+    finally:
+        event.remove(orm.Session, "after_flush", fail_once)
+    assert isinstance(failed, failure)
+    assert not made.replayed
+    assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
+
+
 # -- A flask command --------------------------------------------------------------
 
 
