@@ -132,6 +132,33 @@ def test_a_job_run_that_failed_is_run_again_by_the_next_one(
     assert billing.charges(app.config["SQLALCHEMY_DATABASE_URI"]) == [CHARGE]
 
 
+def test_the_extensions_scheduler_runs_a_billing_job_charging_each_invoice_once(
+    app: t.Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job on the extension's own scheduler (JobScheduler): two processes'
+    schedulers each run it (the first's run outlived its job lock, or its process
+    died after charging); each invoice is charged once, the second run replays."""
+    from flask_idempotency.scheduler import JobScheduler
+
+    job = billing.example("job")
+    due = [("inv-1", 500), ("inv-2", 700)]
+    seen: list[t.Any] = []
+    charge_job = job.charge_job
+
+    def recorded(app: t.Any, invoice_id: str, amount: int) -> t.Any:
+        seen.append(charge_job(app, invoice_id, amount))
+        return seen[-1]
+
+    monkeypatch.setattr(job, "charge_job", recorded)  # (to see each charge's outcome)
+    run = job.charge_due(lambda: due)
+    assert JobScheduler(app).run_job("billing.charge-due", run)
+    assert JobScheduler(app).run_job("billing.charge-due", run)
+    assert [o.replayed for o in seen] == [False, False, True, True]
+    assert [o.value for o in seen[2:]] == [o.value for o in seen[:2]]
+    rows = billing.charges(app.config["SQLALCHEMY_DATABASE_URI"])
+    assert rows == [CHARGE, {**CHARGE, "invoice_id": "inv-2", "amount": 700}]
+
+
 # -- A flask command --------------------------------------------------------------
 
 

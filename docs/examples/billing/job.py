@@ -5,6 +5,13 @@ caught up after a restart, a job stored in a job store runs again when the
 process died before it was marked done, two processes with the same schedule
 both run it. The job calls the idempotent function, so every run after the
 first returns the first run's charge.
+
+Two ways to run it: ``schedule_charge`` puts one charge on an APScheduler
+scheduler of the app's own; ``charge_due`` is a job for the extension's
+scheduler (``flask_idempotency.scheduler.JobScheduler.add_job``), which runs it
+once at a time across processes, and whose runs may still overlap in their
+work (a run that outlives its job lock, a process that died mid-run): the
+function keeps each invoice's charge single all the same.
 """
 
 from __future__ import annotations
@@ -34,6 +41,22 @@ def charge_job(app: Flask, invoice_id: str, amount: int) -> FunctionOutcome:
         outcome.value["charge_id"],
     )
     return outcome
+
+
+def charge_due(
+    due: t.Callable[[], t.Iterable[tuple[str, int]]],
+) -> t.Callable[[Flask, t.Callable[[], bool]], None]:
+    """A job for ``JobScheduler.add_job(name, charge_due(due), every)``: charge
+    every ``(invoice_id, amount)`` that ``due()`` lists, stopping when the job's
+    lock is lost (``keep_going()`` says so)."""
+
+    def run(app: Flask, keep_going: t.Callable[[], bool]) -> None:
+        for invoice_id, amount in due():
+            charge_job(app, invoice_id, amount)
+            if not keep_going():
+                return
+
+    return run
 
 
 def schedule_charge(
