@@ -303,6 +303,9 @@ class OperationInProgressError(ConflictError):
     """An idempotent function's call with this key is still running (``idem.function``):
     the caller waited its ``wait`` for it, or it runs under a lease. ``retry_after``: seconds."""
 
+    slug = "operation-in-progress"
+    title = "An operation with this idempotency key is in progress"
+
 
 class FailedAfterCommitError(ProblemError):
     """The view failed after committing work of its own (500): recorded, so retries

@@ -32,8 +32,29 @@ class IdempotentFunction(t.Generic[P, R]):
         (the function did not run), and the record's scope and key."""
         return call(self._options, self.__wrapped__, args, kwargs)
 
+    def __get__(self, instance: t.Any, owner: type | None = None) -> t.Any:
+        # A method: bound to its instance as a plain function would be (the
+        # instance is then an argument like any other: name it in exclude=).
+        if instance is None:
+            return self
+        return _Bound(self, instance)
+
     def __repr__(self) -> str:
         return f"<idempotent function {self._options.name}>"
+
+
+class _Bound:
+    """An idempotent method bound to its instance."""
+
+    def __init__(self, function: IdempotentFunction[t.Any, t.Any], instance: t.Any) -> None:
+        self._function = function
+        self._instance = instance
+
+    def __call__(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        return self._function(self._instance, *args, **kwargs)
+
+    def outcome(self, *args: t.Any, **kwargs: t.Any) -> FunctionOutcome[t.Any]:
+        return self._function.outcome(self._instance, *args, **kwargs)
 
 
 class FunctionAPI:

@@ -252,3 +252,45 @@ def test_concurrent_callers_run_it_once_and_all_get_the_value(app: Flask) -> Non
     assert sorted(o.replayed for o in results) == [False, True, True, True]
     assert {o.value for o in results} == {42}
     assert ledger_count(app) == 1
+
+
+@idem.function(
+    scope=lambda tenant, order: f"tenant:{tenant}",
+    key=lambda tenant, order: order["id"],
+    exclude=("order.note",),
+)
+def place(tenant: str, order: dict[str, t.Any]) -> int:
+    CALLS.append((tenant, order["total"]))
+    return int(order["total"])
+
+
+def test_scope_and_key_from_callables_and_a_dotted_exclude(app: Flask) -> None:
+    with app.app_context():
+        assert place("a", {"id": "o-1", "total": 5, "note": "x"}) == 5
+        assert place.outcome("a", {"id": "o-1", "total": 5, "note": "y"}).replayed
+        assert not place.outcome("b", {"id": "o-1", "total": 5}).replayed  # another tenant
+        with pytest.raises(KeyReusedError):
+            place("a", {"id": "o-1", "total": 6})
+        with pytest.raises(ValueError, match="place"):
+            place("a", {"id": "", "total": 6})
+    assert CALLS == [("a", 5), ("b", 5)]
+    assert set(rows(app)) == {("tenant:a", "o-1"), ("tenant:b", "o-1")}
+
+
+class Billing:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @idem.function(scope="billing.method", key="invoice_id", exclude=("self",))
+    def charge(self, invoice_id: str, amount: int) -> str:
+        CALLS.append((invoice_id, amount))
+        return self.name
+
+
+def test_a_method_binds_its_instance(app: Flask) -> None:
+    with app.app_context():
+        assert Billing("first").charge("m-1", 1) == "first"
+        # Another instance, same arguments: the stored value (self is excluded).
+        outcome = Billing("second").charge.outcome("m-1", 1)
+    assert (outcome.value, outcome.replayed) == ("first", True)
+    assert CALLS == [("m-1", 1)]
