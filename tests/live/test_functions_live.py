@@ -26,7 +26,8 @@ import sqlalchemy as sa
 
 from flask_idempotency import errors
 from flask_idempotency._storage.schema import as_utc, record_table
-from tests.support import billing
+from tests.conftest import run_sql
+from tests.support import billing, sealing
 from tests.support.downstream import Downstream
 from tests.support.live import ROOT
 
@@ -117,11 +118,20 @@ def test_the_command_run_twice_by_an_operator_charges_once(url: str) -> None:
 # -- Real kills ------------------------------------------------------------------------
 
 
-def test_killed_right_after_its_commit_the_rerun_returns_the_stored_charge(url: str) -> None:
-    code, _ = call(url, "charge_invoice", "after_commit")
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_killed_right_after_its_commit_the_rerun_returns_the_stored_charge(
+    url: str, sealed: bool
+) -> None:
+    """Sealed: the value was stored under the app's encryption keys, and the
+    rerun, another process, opens it with the same keys."""
+    config = sealing.sealed_config() if sealed else {}
+    code, _ = call(url, "charge_invoice", "after_commit", config=config)
     assert code == -signal.SIGKILL
     assert billing.charges(url) == [CHARGE]  # the charge and its record committed
-    code, rerun = call(url, "charge_invoice")
+    [(stored,)] = run_sql(url, "SELECT response_body FROM idempotency_keys")
+    text = stored if isinstance(stored, str) else bytes(stored).decode("latin-1")
+    assert ("invoice_id" in text) is not sealed
+    code, rerun = call(url, "charge_invoice", config=config)
     assert code == 0
     assert rerun["replayed"] is True
     assert rerun["value"]["invoice_id"] == "inv-1"
@@ -140,6 +150,76 @@ def test_killed_before_its_commit_the_rerun_charges_once(url: str, crash: str) -
     code, again = call(url, "charge_invoice")
     assert again["replayed"] is True
     assert again["value"] == rerun["value"]
+
+
+def start(url: str, crash: str = "none") -> subprocess.Popen[str]:
+    """:func:`call`, started and left running."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.billing",
+            url,
+            "charge_invoice",
+            crash,
+            "inv-1",
+            "500",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": python_path(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def waits_on_a_lock(url: str, name: str, deadline: float) -> bool:
+    """Whether the session ``name`` (its ``application_name``) waits on a lock
+    (PostgreSQL tells; elsewhere, after a moment, assume so: a second caller that
+    came after the first's commit only makes the test a plain repeat)."""
+    if not url.startswith("postgresql"):
+        time.sleep(0.5)
+        return True
+    while time.monotonic() < deadline:
+        if run_sql(
+            url,
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND application_name = :name",
+            name=name,
+        ):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_two_processes_calling_at_once_charge_once(url: str, tmp_path: Path) -> None:
+    """The second caller comes while the first holds its claim, uncommitted: it
+    waits on the claim's row, then returns the charge the first committed."""
+    gate = tmp_path / "gate"
+    first = start(url, f"hold:{gate}")
+    deadline = time.monotonic() + 60
+    while not gate.with_suffix(".held").exists():
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    name = f"billing-{uuid.uuid4().hex[:8]}"
+    named = url
+    if url.startswith("postgresql"):
+        named = sa.make_url(url).update_query_dict({"application_name": name})
+        named = named.render_as_string(hide_password=False)
+    second = start(named)
+    try:
+        assert waits_on_a_lock(url, name, time.monotonic() + 30)
+    finally:
+        gate.touch()
+    outputs = [each.communicate(timeout=120) for each in (first, second)]
+    for each, (_, err) in zip((first, second), outputs, strict=True):
+        assert each.returncode == 0, err
+    made, again = (json.loads(out) for out, _ in outputs)
+    assert made["replayed"] is False
+    assert again["replayed"] is True
+    assert again["value"] == made["value"]
+    assert billing.charges(url) == [CHARGE]
 
 
 @pytest.fixture

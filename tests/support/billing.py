@@ -14,7 +14,10 @@ point of the call, from outside the example's code:
   before anything of it is committed);
 - ``before_commit``: when the session commits the charge row, before the commit;
 - ``after_commit``: right after that commit (the charge and the record are in);
-- ``after_step:NAME``: right after recovery point ``NAME`` was saved.
+- ``after_step:NAME``: right after recovery point ``NAME`` was saved;
+- ``hold:PATH``: no crash; when the body flushes its charge row, create
+  ``PATH.held`` and wait (up to a minute) until ``PATH`` exists: the call holds
+  its claim (uncommitted) while the test starts a second caller.
 
 ``python -m tests.support.billing URL consume CRASH BROKER QUEUE`` is a consumer
 process instead: it takes one charge request off ``QUEUE`` at ``BROKER`` with the
@@ -28,7 +31,9 @@ import json
 import os
 import signal
 import sys
+import time
 import typing as t
+from pathlib import Path
 from types import ModuleType
 
 from tests.support.live import ROOT
@@ -67,6 +72,14 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold(gate: Path) -> None:
+    """Say so (``gate.held``), then wait until ``gate`` exists."""
+    gate.with_suffix(".held").touch()
+    deadline = time.monotonic() + 60
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def arm(crash: str, db: t.Any, charge_type: type) -> None:
     """Kill this process at ``crash`` (see the module's docstring)."""
     from sqlalchemy import event, orm
@@ -81,6 +94,8 @@ def arm(crash: str, db: t.Any, charge_type: type) -> None:
             flushed["charge"] = True
             if crash == "in_body":
                 _kill()
+            if crash.startswith("hold:"):
+                hold(Path(crash.split(":", 1)[1]))
 
     @event.listens_for(orm.Session, "after_rollback")
     def after_rollback(session: orm.Session) -> None:
