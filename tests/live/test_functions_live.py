@@ -263,6 +263,18 @@ def test_a_leased_call_killed_after_its_first_step_resumes_after_the_lease(
             assert held.value.retry_after
         billing.example().db.engine.dispose()
     assert processor.calls_for("payments") == 1
+    # What an operator sees (a real `flask idempotency` process): the call in
+    # progress with its first step saved, not to be released (whether or not its
+    # lease ended by now: a release would lose the step).
+    shown = flask(url, "idempotency", "show", "billing.settle", "inv-1")
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["status"] == "in_progress"
+    assert record["recovery_point_names"] == ["payment"]
+    refused = flask(url, "idempotency", "release", "billing.settle", "inv-1", "--yes")
+    assert refused.returncode == 1
+    assert "not released" in refused.stderr
+    assert "Traceback" not in refused.stderr
     time.sleep(max(0.0, (until - dt.datetime.now(dt.timezone.utc)).total_seconds()) + 0.2)
     code, resumed = call(url, "settle_invoice", config=config)
     assert code == 0, resumed
@@ -273,6 +285,8 @@ def test_a_leased_call_killed_after_its_first_step_resumes_after_the_lease(
     [payment] = [effect["id"] for (op, _), effect in processor.effects.items() if op == "payments"]
     assert resumed["value"]["payment_id"] == payment
     assert billing.charges(url) == [{**CHARGE, "payment_id": payment}]
+    shown = flask(url, "idempotency", "show", "billing.settle", "inv-1")
+    assert json.loads(shown.stdout)["status"] == "completed"
     code, again = call(url, "settle_invoice", config=config)
     assert again["replayed"] is True
     assert again["value"] == resumed["value"]
