@@ -8,6 +8,7 @@ import typing as t
 
 from .._request.decorator import UNSET, LeaseArg, Unset, route_options
 from .._request.fingerprint import SchemaArg
+from .._request.route import RouteOptions
 from .call import FunctionOutcome, call
 from .options import FunctionOptions, KeyArg, ScopeArg, function_options
 
@@ -97,7 +98,28 @@ class FunctionAPI:
             running before :class:`~flask_idempotency.errors.OperationInProgressError`
             (default ``IDEMPOTENCY_WAIT``; ``None``: the engine's own bound).
         """
-        route = route_options(
+        try:
+            route = self._function_route(ttl, lease, wait)
+        except (TypeError, ValueError) as exc:  # worded for routes: name the decorator
+            raise type(exc)(str(exc).replace("@idem.idempotent", "@idem.function")) from None
+
+        def decorator(fn: t.Callable[P, R]) -> IdempotentFunction[P, R]:
+            options = function_options(
+                fn, scope=scope, key=key, exclude=exclude, schema=schema, route=route
+            )
+            return IdempotentFunction(fn, options)
+
+        return decorator
+
+    @staticmethod
+    def _function_route(
+        ttl: dt.timedelta | float | None,
+        lease: LeaseArg,
+        wait: dt.timedelta | float | Unset | None,
+    ) -> RouteOptions:
+        """The record's settings (ttl, lease, wait) as a route's, which the claim
+        machinery reads; checked as a route's are."""
+        return route_options(
             schema=None,
             exclude=(),
             redact=(),
@@ -119,11 +141,3 @@ class FunctionAPI:
             wait=wait,
             optimistic=False,
         )
-
-        def decorator(fn: t.Callable[P, R]) -> IdempotentFunction[P, R]:
-            options = function_options(
-                fn, scope=scope, key=key, exclude=exclude, schema=schema, route=route
-            )
-            return IdempotentFunction(fn, options)
-
-        return decorator

@@ -25,7 +25,9 @@ from .._context import (
     end_request,
     set_request_state,
 )
+from .._failures import SealBroken
 from .._request.claim import claim_key
+from .._request.decorator import unreadable
 from .._request.flow import Flow
 from .._storage import Record
 from ..errors import (
@@ -114,6 +116,8 @@ def call(
     try:
         try:
             claimed = claim_key(flow, scope, key, fingerprint, allow_new=True)
+        except SealBroken as broken:  # its sealed columns do not open: nothing changes
+            raise unreadable(session, broken) from None
         except BaseException as exc:
             session.rollback()
             worded = _function_error(options, scope, key, exc)
@@ -167,6 +171,11 @@ def _stored(options: FunctionOptions, record: Record) -> t.Any:
     """The return value a finished call stored; its recorded failure raised."""
     if record.response_code == _VALUE and record.response_body is not None:
         return options.load(record.response_body)
+    if record.response_code == _VALUE:  # body not kept: a call checks its size first
+        raise RuntimeError(
+            f"@idem.function {options.name} ({record.scope!r}, key {record.key!r}) ran, "
+            "but its stored value was not kept; it does not run again with this key"
+        )
     raise FailedAfterCommitError(
         f"@idem.function {options.name} ({record.scope!r}, key {record.key!r}) failed "
         "after it had committed work of its own, so it does not run again with this key. "

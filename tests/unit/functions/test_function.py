@@ -294,3 +294,22 @@ def test_a_method_binds_its_instance(app: Flask) -> None:
         outcome = Billing("second").charge.outcome("m-1", 1)
     assert (outcome.value, outcome.replayed) == ("first", True)
     assert CALLS == [("m-1", 1)]
+
+
+@idem.function(scope="commits", key="key")
+def commits(key: str) -> str:
+    CALLS.append((key, 0))
+    db.session.add(Ledger(route="commits", key=key, amount=1))
+    db.session.commit()  # its own commit: the record goes with it, still in progress
+    db.session.add(Ledger(route="commits", key=key, amount=2))
+    return "both"
+
+
+def test_a_function_that_commits_then_returns_stores_its_value(app: Flask) -> None:
+    with app.app_context():
+        assert commits("c-1") == "both"
+        assert commits.outcome("c-1").replayed
+    assert CALLS == [("c-1", 0)]
+    assert ledger_count(app) == 2
+    row = rows(app)[("commits", "c-1")]
+    assert (row["status"], row["response_code"]) == (COMPLETED, 200)

@@ -30,11 +30,13 @@ from flask_idempotency.errors import (
     ConflictError,
     FailedAfterCommitError,
     OperationInProgressError,
+    RecordUnreadableError,
     TransactionConflictError,
 )
 from flask_idempotency.jobs import recover_abandoned
 from tests.conftest import Clock, insert_records, ledger_count, record_rows
 from tests.support import function_jobs, testapp
+from tests.support.keyrings import KEY_A, KEY_B, keys_config
 from tests.support.sealing import clear_in_rows, sealed_config
 from tests.support.testapp import Ledger, db, idem
 
@@ -44,6 +46,11 @@ RUN = "import sys; from tests.support.function_jobs import main; main(*sys.argv[
 
 def rows(app: Flask) -> dict[tuple[str, str], dict[str, t.Any]]:
     return {(r["scope"], r["key"]): r for r in record_rows(app)}
+
+
+def text(value: t.Any) -> t.Any:
+    """A column as text (MySQL's VARBINARY reads back as bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def lines(log: Path) -> list[str]:
@@ -93,16 +100,19 @@ def test_a_leased_call_killed_between_steps_resumes_after_its_lease(
     assert resumed.value["charge"] == {"done": "charge", "key": first_key}
     assert ledger_count(app) == 1
     (event,) = events(app)
-    event_id = event["event_id"]  # MySQL's VARBINARY reads back as bytes
-    assert (event_id.decode() if isinstance(event_id, bytes) else event_id) == resumed.value[
-        "event"
-    ]
+    assert text(event["event_id"]) == resumed.value["event"]
+    # Owned by the function's operation (erasure finds it by scope and key).
+    assert (text(event["owner_scope"]), text(event["owner_key"])) == ("jobs.ship", "o-1")
     with app.app_context():
         again = function_jobs.ship.outcome("o-1", str(log))
     assert again.replayed
     assert again.value == resumed.value
     assert lines(log) == ["charge", "email"]
     assert len(events(app)) == 1
+    with app.app_context():
+        report = idem.erase("jobs.ship", "o-1")
+    # The record is erased; its event, not published yet, waits for the relay.
+    assert (report.erased, report.events_erased) == (1, 0)
 
 
 def test_a_call_killed_after_a_commit_of_its_own_is_settled_as_failed(
@@ -242,6 +252,23 @@ def test_a_sealed_app_seals_the_stored_value(make_app: t.Callable[..., Flask]) -
         assert secret("s-1") == {"card": "4242-SECRET-VALUE"}
     assert rows(app)[("sealed", "s-1")]["status"] == COMPLETED
     assert clear_in_rows(app, "SECRET-VALUE") == []
+
+
+def test_a_value_sealed_under_a_key_no_longer_configured_is_refused(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    calls = []
+
+    @idem.function(scope="sealed", key="key")
+    def secret(key: str) -> str:
+        calls.append(key)
+        return "SECRET-VALUE"
+
+    with make_app(**keys_config(KEY_A)).app_context():
+        assert secret("s-2") == "SECRET-VALUE"
+    with make_app(**keys_config(KEY_B)).app_context(), pytest.raises(RecordUnreadableError):
+        secret("s-2")
+    assert calls == ["s-2"]
 
 
 def test_inside_a_protected_view_it_is_refused(app: Flask) -> None:
