@@ -173,20 +173,27 @@ def start(url: str, crash: str = "none") -> subprocess.Popen[str]:
     )
 
 
+#: A session of the test's database waiting on a lock, as each server tells it.
+LOCK_WAITS = {
+    "postgresql": "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    " AND datname = current_database() AND application_name = :name",
+    "mysql": "SELECT 1 FROM information_schema.innodb_trx AS trx"
+    " JOIN information_schema.processlist AS p ON p.id = trx.trx_mysql_thread_id"
+    " WHERE trx.trx_state = 'LOCK WAIT' AND p.db = DATABASE()",
+}
+
+
 def waits_on_a_lock(url: str, name: str, deadline: float) -> bool:
-    """Whether the session ``name`` (its ``application_name``) waits on a lock
-    (PostgreSQL tells; elsewhere, after a moment, assume so: a second caller that
-    came after the first's commit only makes the test a plain repeat)."""
-    if not url.startswith("postgresql"):
+    """Whether the second caller (``application_name`` ``name`` on PostgreSQL; a
+    session of the test's own database on MySQL/MariaDB) waits on a lock. SQLite
+    cannot tell: after a moment, assume so (a second caller that came after the
+    first's commit only makes the test a plain repeat)."""
+    sql = LOCK_WAITS.get(sa.make_url(url).get_backend_name())
+    if sql is None:
         time.sleep(0.5)
         return True
     while time.monotonic() < deadline:
-        if run_sql(
-            url,
-            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND application_name = :name",
-            name=name,
-        ):
+        if run_sql(url, sql, name=name):
             return True
         time.sleep(0.02)
     return False
