@@ -61,7 +61,7 @@ def fresh_app(url: str, **config: t.Any) -> t.Any:
 
 def charges(url: str) -> list[dict[str, t.Any]]:
     """The rows of ``charges``, read on a connection of the test's own."""
-    from tests.conftest import run_sql
+    from tests.conftest import run_sql  # (not in the worker process: it needs none)
 
     rows = run_sql(url, "SELECT invoice_id, amount, payment_id FROM charges ORDER BY id")
     return [dict(row._mapping) for row in rows]
@@ -80,8 +80,9 @@ def hold(gate: Path) -> None:
         time.sleep(0.02)
 
 
-def arm(crash: str, db: t.Any, charge_type: type) -> None:
-    """Kill this process at ``crash`` (see the module's docstring)."""
+def arm(crash: str, charge_type: type) -> None:
+    """Kill this process at ``crash`` (see the module's docstring): SQLAlchemy's
+    session events and the extension's signals, never the example's code."""
     from sqlalchemy import event, orm
 
     from flask_idempotency import signals
@@ -126,7 +127,7 @@ def consume(url: str, crash: str, broker: str, queue: str) -> int:
 
     billing, consumer = example(), example("consumer")
     app = billing.create_app({"SQLALCHEMY_DATABASE_URI": url})
-    arm(crash, billing.db, billing.Charge)
+    arm(crash, billing.Charge)
     with kombu.Connection(broker) as connection:
         [outcome] = consumer.consume(app, connection, consumer.charge_queue(queue), count=1)
     print(json.dumps({"value": outcome.value, "replayed": outcome.replayed}))
@@ -140,7 +141,7 @@ def main(
         return consume(url, crash, broker=invoice_id, queue=amount)
     billing = example()
     app = billing.create_app({"SQLALCHEMY_DATABASE_URI": url, **json.loads(config)})
-    arm(crash, billing.db, billing.Charge)
+    arm(crash, billing.Charge)
     with app.app_context():
         try:
             outcome = getattr(billing, function).outcome(invoice_id, int(amount))

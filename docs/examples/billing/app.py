@@ -67,9 +67,10 @@ def _post(path: str, body: dict[str, t.Any], key: str) -> dict[str, t.Any]:
 def settle_invoice(invoice_id: str, amount: int) -> dict[str, t.Any]:
     """Take the payment at the processor, send the receipt, record the charge.
 
-    Leased (``IDEMPOTENCY_LEASE``): a call that finds the record held waits or
-    is refused (``OperationInProgressError``); after a crash, the first call past
-    the lease resumes it, and the steps that finished are not called again.
+    Leased (``IDEMPOTENCY_LEASE``): its record commits before it runs, so a
+    second call while it runs is refused (``OperationInProgressError``, with
+    ``retry_after``); after a crash, the first call past the lease resumes it,
+    and the steps that finished are not called again.
     """
     body = {"invoice_id": invoice_id, "amount": amount}
     payment = idem.step("payment", lambda: _post("/payments", body, idem.derived_key("payment")))
