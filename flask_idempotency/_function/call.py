@@ -128,7 +128,11 @@ def call(
             session.rollback()  # ends the claim's read (MySQL's locking read)
             return FunctionOutcome(_stored(options, claimed), True, scope, key)
         assert not isinstance(claimed, Response)  # a manual route's: never an answer
-        app = flow.hold(held, scope, key, claimed)
+        try:
+            app = flow.hold(held, scope, key, claimed)  # commits a leased claim
+        except BaseException:
+            session.rollback()
+            raise
         ran: list[R] = []
 
         def body() -> Response:
@@ -137,8 +141,9 @@ def call(
             if len(stored) > settings.max_body:
                 raise TypeError(
                     f"@idem.function {name}: its return value is {len(stored)} bytes as "
-                    f"stored, more than IDEMPOTENCY_MAX_BODY ({settings.max_body}); nothing "
-                    "was kept and the key is free"
+                    f"stored, more than IDEMPOTENCY_MAX_BODY ({settings.max_body}), so it "
+                    "was not stored (its writes roll back and the key is released, unless it "
+                    "committed work of its own: then that failure is stored)"
                 )
             ran.append(value)
             return Response(stored, status=_VALUE, mimetype="application/json")

@@ -114,8 +114,8 @@ class FunctionOptions:
             how = f"through {type(self.schema).__qualname__}" if self.schema else "as JSON"
             raise TypeError(
                 f"@idem.function {self.name}: its return value (a {type(value).__qualname__}) "
-                f"cannot be stored {how} ({exc}); nothing was kept and the key is free. "
-                "Return JSON data, or give schema= a marshmallow schema that dumps it."
+                f"cannot be stored {how} ({exc}). Return JSON data, or give schema= a "
+                "marshmallow schema that dumps it."
             ) from exc
 
     def load(self, stored: bytes) -> t.Any:
