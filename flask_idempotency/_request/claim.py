@@ -254,7 +254,7 @@ def answer_existing(
         logger.debug("%r in scope %r was erased", record.key, record.scope)
         raise erased_error()
     app = resolve_app()
-    judged = judge(record, fingerprint, flow.rules_version, flow.request_digest)
+    judged = judge(record, fingerprint, flow.rules_version, flow.request_digest, flow.bound)
     if not judged.same:
         signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
         if judged.rules_changed:

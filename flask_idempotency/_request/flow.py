@@ -99,6 +99,8 @@ class Flow:
         #: a claim writes them and a retry is judged by them (:mod:`.rules`).
         self.rules_version: str | None = None
         self.request_digest: str | None = None
+        #: The record's scope and key, as a keyed digest counts them.
+        self.bound = b""
 
     @property
     def session(self) -> Session:
@@ -145,12 +147,13 @@ class Flow:
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         if form_token is not None and recovery is None:
             check_binding(form_token, scope)
+        self.bound = bound_to(scope, key)
         payload, self.normalized = normalize_request(
             route.schema,
             route.exclude,
             form_ignored_fields(settings),
             settings.fingerprint_key,
-            bound_to(scope, key),
+            self.bound,
         )
         fingerprint = self.normalized.fingerprint(request.path)
         if recovery is not None and recovery.request_hash is not None:
@@ -160,7 +163,7 @@ class Flow:
             self.rules_version, self.request_digest = recovery.rules_version, recovery.digest
         else:
             self.rules_version = rules_version(route, settings.fingerprint_key, settings.form_field)
-            self.request_digest = request_digest(settings.fingerprint_key, bound_to(scope, key))
+            self.request_digest = request_digest(settings.fingerprint_key, self.bound)
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )

@@ -26,6 +26,7 @@ from flask import Flask, current_app, request
 from marshmallow import Schema, fields, missing
 
 from .._context import app_state, resolve_app
+from .._secrets import FINGERPRINT_KEY, fingerprint_keys
 from .._storage import Record
 from ..errors import RulesChangedError
 from . import canonical
@@ -206,17 +207,25 @@ class Judged(t.NamedTuple):
     rules_changed: bool
 
 
-def judge(record: Record, fingerprint: str, version: str | None, digest: str | None) -> Judged:
+def judge(
+    record: Record,
+    fingerprint: str,
+    version: str | None,
+    digest: str | None,
+    bound: bytes = b"",
+) -> Judged:
     """Whether the request of ``fingerprint`` (under rules ``version``, sent as
-    ``digest``) is the request of ``record``.
+    ``digest``; ``bound`` its record's scope and key) is the request of ``record``.
 
     A record without a rules version (from before this feature, or made
     outside a route), one made under the same rules, or a request without
     them, compare fingerprints, as always. A record made under other rules
     compares the request's bytes: the same bytes are the same request
-    whatever the rules now make of them. Other bytes under rules another
-    route of the app has now are a key reused across routes (a scope they
-    share): ``rules_changed`` only where no route has the record's rules."""
+    whatever the rules now make of them. Its digest may be keyed by an older
+    fingerprint key, or by none (a key added since): each is tried (equal
+    digests mean equal bytes whichever key made them). Other bytes under rules
+    another route of the app has now are a key reused across routes (a scope
+    they share): ``rules_changed`` only where no route has the record's rules."""
     if (
         record.rules_version is None
         or version is None
@@ -225,9 +234,19 @@ def judge(record: Record, fingerprint: str, version: str | None, digest: str | N
         or digest is None
     ):
         return Judged(hmac.compare_digest(record.request_hash, fingerprint), False)
-    if hmac.compare_digest(record.request_digest, digest):
+    stored = record.request_digest
+    if hmac.compare_digest(stored, digest) or any(
+        hmac.compare_digest(stored, other) for other in _other_digests(bound)
+    ):
         return Judged(True, False)
     return Judged(False, record.rules_version not in app_versions())
+
+
+def _other_digests(bound: bytes) -> t.Iterator[str]:
+    """The request's digest under each older fingerprint key, then under none."""
+    older = fingerprint_keys(current_app.config.get(FINGERPRINT_KEY))[1:]
+    for key in (*older, None):
+        yield request_digest(key, bound)
 
 
 def app_versions() -> frozenset[str]:

@@ -1,0 +1,241 @@
+"""Fingerprints across a deploy: app v1 and app v2 of one service, on the same
+database, v2 with changed fingerprint rules (a field newly excluded, a schema
+that gains a load_default, a field renamed behind its data_key, a fingerprint
+key added or rotated, the canonical form's version bumped). v1 serves, v2
+takes over, and both serve at once: a retry of the same bytes replays on
+either version (one order), other bytes answer 422 fingerprint-rules-changed
+(no second order); with the same rules, nothing changes (422 key-reused for
+another payload). On every engine, through real requests; orders counted."""
+
+from __future__ import annotations
+
+import logging
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from marshmallow import Schema, fields
+from sqlalchemy import orm
+
+from flask_idempotency import Idempotency
+from flask_idempotency._request import canonical, rules
+from flask_idempotency._storage import added
+from flask_idempotency.errors import PROBLEM_TYPE_BASE
+from tests.support.flow import assert_problem
+
+KEY_1 = "k" * 32 + "-first-fingerprint-key"
+KEY_2 = "z" * 32 + "-second-fingerprint-key"
+RULES_CHANGED = PROBLEM_TYPE_BASE + "fingerprint-rules-changed"
+KEY_REUSED = PROBLEM_TYPE_BASE + "key-reused"
+
+
+def order_schema(*, default: bool = False, renamed: bool = False) -> Schema:
+    """The route's schema: one class name in every version, as a deploy keeps it."""
+
+    class OrderSchema(Schema):
+        if renamed:  # the attribute renamed, the wire name kept (data_key)
+            amount = fields.Integer(required=True, data_key="total")
+        else:
+            total = fields.Integer(required=True)
+        note = fields.String()
+        currency = fields.String(load_default="EUR") if default else fields.String()
+
+    return OrderSchema()
+
+
+def make_version(
+    url: str,
+    *,
+    schema: Schema | None = None,
+    exclude: t.Sequence[str] = (),
+    key: str | list[str] | None = None,
+) -> tuple[Flask, t.Any]:
+    """One version of the service: its own app, models and rules."""
+    app = Flask("deploys")
+    app.config.update(SQLALCHEMY_DATABASE_URI=url)
+    if key is not None:
+        app.config["IDEMPOTENCY_FINGERPRINT_KEY"] = key
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db, scope=lambda: "tenant:a")
+
+    class Order(db.Model):  # type: ignore[name-defined,misc]
+        __tablename__ = "deploy_orders"
+        id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
+        body: orm.Mapped[str] = orm.mapped_column(sa.Text)
+
+    @app.post("/orders")
+    @idem.idempotent(schema=schema or order_schema(), exclude=list(exclude))
+    def orders() -> tuple[dict[str, t.Any], int]:
+        order = Order(body="x")
+        db.session.add(order)
+        db.session.flush()
+        return {"order": order.id}, 201
+
+    with app.app_context():
+        db.create_all()
+    return app, db
+
+
+def orders(app: Flask, db: t.Any) -> int:
+    with app.app_context():
+        return int(db.session.scalar(sa.text("SELECT count(*) FROM deploy_orders")))
+
+
+def post(app: Flask, key: str, body: bytes) -> t.Any:
+    return app.test_client().post(
+        "/orders",
+        data=body,
+        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+    )
+
+
+#: Each change a deploy may make, as (v1's options, v2's options), and bodies:
+#: the first request, and a retry whose bytes differ from it.
+CHANGES: dict[str, tuple[dict[str, t.Any], dict[str, t.Any]]] = {
+    "field-newly-excluded": ({}, {"exclude": ["note"]}),
+    "schema-gains-load-default": ({}, {"schema": order_schema(default=True)}),
+    "field-renamed-via-data-key": ({}, {"schema": order_schema(renamed=True)}),
+    "fingerprint-key-added": ({}, {"key": KEY_1}),
+    # Rotated in two deploys, as docs/deploys.md says: v1 already accepts the
+    # new key (after its current one), v2 makes it current and keeps the old one.
+    "fingerprint-key-rotated": ({"key": [KEY_1, KEY_2]}, {"key": [KEY_2, KEY_1]}),
+}
+FIRST = b'{"total": 100, "note": "gift"}'
+# The same request, as the same operation on the client would not resend it:
+# other bytes (key order, spacing, a field's value the new rules ignore).
+OTHER_BYTES = b'{"note": "gift",   "total": 100}'
+
+
+@pytest.fixture
+def deploy(
+    fresh_database: str, request: pytest.FixtureRequest
+) -> t.Iterator[tuple[tuple[Flask, t.Any], tuple[Flask, t.Any]]]:
+    v1_options, v2_options = CHANGES[request.param]
+    v1 = make_version(fresh_database, **v1_options)
+    v2 = make_version(fresh_database, **v2_options)
+    yield v1, v2
+    for app, db in (v1, v2):
+        with app.app_context():
+            db.engine.dispose()
+
+
+@pytest.mark.parametrize("deploy", list(CHANGES), indirect=True)
+def test_a_retry_of_the_same_bytes_replays_on_either_version_and_other_bytes_are_refused(
+    deploy: tuple[tuple[Flask, t.Any], tuple[Flask, t.Any]], request: pytest.FixtureRequest
+) -> None:
+    (app1, db1), (app2, _) = deploy
+    first = post(app1, "k1", FIRST)
+    assert first.status_code == 201, first.get_data(as_text=True)
+    # v2 takes over: the retry of the same bytes replays v1's answer.
+    replayed = post(app2, "k1", FIRST)
+    assert replayed.status_code == 201
+    assert replayed.headers.get("Idempotent-Replayed") == "true"
+    assert replayed.get_data() == first.get_data()
+    # Other bytes under other rules: the server cannot tell, and says so.
+    refused = assert_problem(post(app2, "k1", OTHER_BYTES), 422)
+    assert refused["type"] == RULES_CHANGED
+    assert "rules changed" in refused["detail"]
+    # Both versions live at once (a rolling deploy): v1 still replays its own.
+    again = post(app1, "k1", FIRST)
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.get_data() == first.get_data()
+    # A record v2 made, retried on v1: the same bytes replay, others are refused.
+    made = post(app2, "k2", FIRST)
+    assert made.status_code == 201
+    back = post(app1, "k2", FIRST)
+    if request.node.callspec.params["deploy"] == "fingerprint-key-added":
+        # v1 has no key: it cannot check a digest keyed by v2's. Refused, never run.
+        assert assert_problem(back, 422)["type"] == RULES_CHANGED
+    else:
+        assert back.headers.get("Idempotent-Replayed") == "true"
+        assert back.get_data() == made.get_data()
+    assert assert_problem(post(app1, "k2", OTHER_BYTES), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 2  # one per key, whatever was retried where
+
+
+@pytest.mark.parametrize("deploy", ["field-newly-excluded"], indirect=True)
+def test_same_rules_keep_todays_answers(
+    deploy: tuple[tuple[Flask, t.Any], tuple[Flask, t.Any]],
+) -> None:
+    """Within one version: another payload is key-reused (not the new problem),
+    and other bytes of the same payload replay (the fingerprint decides)."""
+    (app1, db1), (app2, _) = deploy
+    for app, key in ((app1, "a"), (app2, "b")):
+        assert post(app, key, FIRST).status_code == 201
+        assert post(app, key, OTHER_BYTES).headers.get("Idempotent-Replayed") == "true"
+        reused = assert_problem(post(app, key, b'{"total": 999}'), 422)
+        assert reused["type"] == KEY_REUSED
+    assert orders(app1, db1) == 2
+
+
+def test_a_bumped_canonical_form_is_compared_by_bytes(
+    fresh_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app1, db1 = make_version(fresh_database)
+    first = post(app1, "k1", FIRST)
+    assert first.status_code == 201
+    with app1.test_request_context():
+        before = rules.rules_version(
+            app1.view_functions["orders"]._idempotency_route,  # type: ignore[attr-defined]
+            None,
+            None,
+        )
+    monkeypatch.setattr(canonical, "CANONICAL_FORM_VERSION", canonical.CANONICAL_FORM_VERSION + 1)
+    app2, _ = make_version(fresh_database)  # the release with the new canonical form
+    with app2.test_request_context():
+        after = rules.rules_version(
+            app2.view_functions["orders"]._idempotency_route,  # type: ignore[attr-defined]
+            None,
+            None,
+        )
+    assert after != before
+    replayed = post(app2, "k1", FIRST)
+    assert replayed.headers.get("Idempotent-Replayed") == "true"
+    assert replayed.get_data() == first.get_data()
+    assert assert_problem(post(app2, "k1", OTHER_BYTES), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
+
+
+def test_an_old_table_without_the_columns_warns_once_and_works_as_before(
+    fresh_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record table from an earlier release: one WARNING naming the ALTER
+    statement; records written without the columns; retries judged by their
+    fingerprint, as before (a changed rule gives key-reused, never a replay
+    of another request)."""
+    engine = sa.create_engine(fresh_database)
+    try:
+        metadata = sa.MetaData()
+        from flask_idempotency._storage.schema import record_table
+
+        table = record_table(metadata)
+        old = sa.Table(
+            table.name,
+            sa.MetaData(),
+            *(c._copy() for c in table.c if c.name not in added.ADDED_COLUMNS),
+            sa.PrimaryKeyConstraint("scope", "key"),
+        )
+        old.create(engine)
+    finally:
+        engine.dispose()
+    logger = logging.getLogger("flask_idempotency")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        app1, db1 = make_version(fresh_database)
+        app2, _ = make_version(fresh_database, exclude=["note"])
+        first = post(app1, "k1", FIRST)
+        assert first.status_code == 201
+        assert post(app1, "k1", FIRST).headers.get("Idempotent-Replayed") == "true"
+        # v2's fingerprint differs and there is no digest to judge by: as before.
+        assert assert_problem(post(app2, "k1", FIRST), 422)["type"] == KEY_REUSED
+        assert post(app2, "k2", FIRST).status_code == 201
+    warned = [r.getMessage() for r in caplog.records if "earlier release" in r.getMessage()]
+    assert len(warned) == 4, warned  # one per column, once per engine (one per app)
+    assert all("ALTER TABLE" in message for message in warned)
+    with app1.app_context():
+        columns = {c["name"] for c in sa.inspect(db1.engine).get_columns(table.name)}
+    assert not columns.intersection(added.ADDED_COLUMNS)
+    assert orders(app1, db1) == 2
