@@ -15,80 +15,24 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from marshmallow import Schema, fields
-from sqlalchemy import orm
 
-from flask_idempotency import Idempotency
 from flask_idempotency._request import canonical, rules
 from flask_idempotency._storage import added
 from flask_idempotency.errors import PROBLEM_TYPE_BASE
+from tests.support.deploys import (
+    FIRST,
+    KEY_1,
+    KEY_2,
+    OTHER_BYTES,
+    make_version,
+    order_schema,
+    orders,
+    post,
+)
 from tests.support.flow import assert_problem
 
-KEY_1 = "k" * 32 + "-first-fingerprint-key"
-KEY_2 = "z" * 32 + "-second-fingerprint-key"
 RULES_CHANGED = PROBLEM_TYPE_BASE + "fingerprint-rules-changed"
 KEY_REUSED = PROBLEM_TYPE_BASE + "key-reused"
-
-
-def order_schema(*, default: bool = False, renamed: bool = False) -> Schema:
-    """The route's schema: one class name in every version, as a deploy keeps it."""
-
-    class OrderSchema(Schema):
-        if renamed:  # the attribute renamed, the wire name kept (data_key)
-            amount = fields.Integer(required=True, data_key="total")
-        else:
-            total = fields.Integer(required=True)
-        note = fields.String()
-        currency = fields.String(load_default="EUR") if default else fields.String()
-
-    return OrderSchema()
-
-
-def make_version(
-    url: str,
-    *,
-    schema: Schema | None = None,
-    exclude: t.Sequence[str] = (),
-    key: str | list[str] | None = None,
-) -> tuple[Flask, t.Any]:
-    """One version of the service: its own app, models and rules."""
-    app = Flask("deploys")
-    app.config.update(SQLALCHEMY_DATABASE_URI=url)
-    if key is not None:
-        app.config["IDEMPOTENCY_FINGERPRINT_KEY"] = key
-    db = SQLAlchemy(app)
-    idem = Idempotency(app, db, scope=lambda: "tenant:a")
-
-    class Order(db.Model):  # type: ignore[name-defined,misc]
-        __tablename__ = "deploy_orders"
-        id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
-        body: orm.Mapped[str] = orm.mapped_column(sa.Text)
-
-    @app.post("/orders")
-    @idem.idempotent(schema=schema or order_schema(), exclude=list(exclude))
-    def orders() -> tuple[dict[str, t.Any], int]:
-        order = Order(body="x")
-        db.session.add(order)
-        db.session.flush()
-        return {"order": order.id}, 201
-
-    with app.app_context():
-        db.create_all()
-    return app, db
-
-
-def orders(app: Flask, db: t.Any) -> int:
-    with app.app_context():
-        return int(db.session.scalar(sa.text("SELECT count(*) FROM deploy_orders")))
-
-
-def post(app: Flask, key: str, body: bytes) -> t.Any:
-    return app.test_client().post(
-        "/orders",
-        data=body,
-        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
-    )
 
 
 #: Each change a deploy may make, as (v1's options, v2's options), and bodies:
@@ -102,10 +46,6 @@ CHANGES: dict[str, tuple[dict[str, t.Any], dict[str, t.Any]]] = {
     # new key (after its current one), v2 makes it current and keeps the old one.
     "fingerprint-key-rotated": ({"key": [KEY_1, KEY_2]}, {"key": [KEY_2, KEY_1]}),
 }
-FIRST = b'{"total": 100, "note": "gift"}'
-# The same request, as the same operation on the client would not resend it:
-# other bytes (key order, spacing, a field's value the new rules ignore).
-OTHER_BYTES = b'{"note": "gift",   "total": 100}'
 
 
 @pytest.fixture
