@@ -43,14 +43,19 @@ def make_version(
     schema: Schema | None = None,
     exclude: t.Sequence[str] = (),
     key: str | list[str] | None = None,
+    clock: t.Callable[[], t.Any] | None = None,
+    before_write: t.Callable[[], None] | None = None,
+    **route: t.Any,
 ) -> tuple[Flask, t.Any]:
-    """One version of the service: its own app, models and rules."""
+    """One version of the service: its own app, models and rules (``route``:
+    more options of the route; ``before_write`` runs in the view first)."""
     app = Flask("deploys")
     app.config.update(SQLALCHEMY_DATABASE_URI=url)
     if key is not None:
         app.config["IDEMPOTENCY_FINGERPRINT_KEY"] = key
     db = SQLAlchemy(app)
-    idem = Idempotency(app, db, scope=lambda: "tenant:a")
+    extra = {} if clock is None else {"clock": clock}
+    idem = Idempotency(app, db, scope=lambda: "tenant:a", **extra)
 
     class Order(db.Model):  # type: ignore[name-defined,misc]
         __tablename__ = "deploy_orders"
@@ -58,8 +63,10 @@ def make_version(
         body: orm.Mapped[str] = orm.mapped_column(sa.Text)
 
     @app.post("/orders")
-    @idem.idempotent(schema=schema or order_schema(), exclude=list(exclude))
+    @idem.idempotent(schema=schema or order_schema(), exclude=list(exclude), **route)
     def orders() -> tuple[dict[str, t.Any], int]:
+        if before_write is not None:
+            before_write()
         order = Order(body=request.headers.get("Idempotency-Key", ""))
         db.session.add(order)
         db.session.flush()

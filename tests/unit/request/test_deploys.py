@@ -9,7 +9,9 @@ another payload). On every engine, through real requests; orders counted."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import typing as t
 
 import pytest
@@ -179,3 +181,55 @@ def test_an_old_table_without_the_columns_warns_once_and_works_as_before(
         columns = {c["name"] for c in sa.inspect(db1.engine).get_columns(table.name)}
     assert not columns.intersection(added.ADDED_COLUMNS)
     assert orders(app1, db1) == 2
+
+
+def test_a_lease_ended_on_v1_is_reclaimed_by_v2_for_the_same_bytes_and_v1_loses_it(
+    fresh_database: str, clock: t.Any
+) -> None:
+    """v1 claims on a leased route and stalls; its lease ends; v2 gets the same
+    bytes, judges them the record's request, reclaims it (writing its own
+    fingerprint and rules version over v1's) and runs it. v1's stalled run
+    then finds its lease lost (409), its writes rolled back: one order. The
+    record now answers by v2's rules: replayed for the same payload on v2."""
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        if not release.is_set():
+            stalled.set()
+            assert release.wait(timeout=60)
+
+    app1, db1 = make_version(fresh_database, clock=clock, before_write=stall, lease=True)
+    app2, _ = make_version(
+        fresh_database, clock=clock, lease=True, exclude=["note"], schema=order_schema(default=True)
+    )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(post, app1, "k1", FIRST)
+        assert stalled.wait(timeout=60)
+        with app1.app_context():
+            lease = app1.extensions["idempotency"].settings.lease
+        clock.advance(seconds=lease.total_seconds() + 1)
+        store = app2.extensions["idempotency"].store
+        reclaimed = post(app2, "k1", FIRST)  # v1 still stalled (the stall is v1's only)
+        release.set()
+        lost = first.result(timeout=60)
+        assert reclaimed.status_code == 201, reclaimed.get_data(as_text=True)
+        assert reclaimed.headers.get("Idempotent-Replayed") is None
+    assert lost.status_code == 409, lost.get_data(as_text=True)
+    assert orders(app1, db1) == 1
+    with app1.app_context(), db1.engine.connect() as conn:
+        record = store.load(conn, "tenant:a", "k1")
+    with app2.test_request_context():
+        v2_rules = rules.rules_version(
+            app2.view_functions["orders"]._idempotency_route,  # type: ignore[attr-defined]
+            None,
+            "idempotency_key",
+        )
+    assert record is not None
+    assert record.rules_version == v2_rules  # the reclaim wrote v2's rules
+    again = post(app2, "k1", OTHER_BYTES)  # v2's rules, same payload: its fingerprint
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.get_data() == reclaimed.get_data()
+    assert post(app1, "k1", FIRST).headers.get("Idempotent-Replayed") == "true"
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
