@@ -36,9 +36,12 @@ def resolve_fingerprint_key(value: t.Any, encryption_keys: t.Any) -> bytes | Non
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{FINGERPRINT_KEY} is an empty list: give the current key first")
+        if any(not isinstance(one, (str, bytes, bytearray)) for one in value):
+            kinds = sorted({type(one).__name__ for one in value})
+            raise TypeError(
+                f"{FINGERPRINT_KEY} as a list takes secrets as text or bytes, got {kinds}"
+            )
         keys = [resolve_fingerprint_key(one, None) for one in value]
-        if any(key is None for key in keys):
-            raise TypeError(f"{FINGERPRINT_KEY}: every key of the list must be a secret")
         return keys[0]
     if value is None:
         if encryption_keys:

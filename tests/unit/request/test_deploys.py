@@ -233,3 +233,35 @@ def test_a_lease_ended_on_v1_is_reclaimed_by_v2_for_the_same_bytes_and_v1_loses_
     assert orders(app1, db1) == 1
     with app1.app_context():
         db1.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "text"),
+    [
+        ([], ValueError, "empty list"),
+        ([KEY_1, "short"], ValueError, "at least 32 characters"),
+        ([KEY_1, None], TypeError, "text or bytes"),
+        ([[KEY_1]], TypeError, "text or bytes"),
+        ((KEY_1, 5), TypeError, "text or bytes"),
+    ],
+)
+def test_a_bad_list_of_fingerprint_keys_is_refused_at_init(
+    tmp_path: t.Any, value: t.Any, error: type[Exception], text: str
+) -> None:
+    app = Flask("keys")
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path}/a.db", IDEMPOTENCY_FINGERPRINT_KEY=value
+    )
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_idempotency import Idempotency
+
+    with pytest.raises(error, match="IDEMPOTENCY_FINGERPRINT_KEY") as refused:
+        Idempotency(app, SQLAlchemy(app))
+    assert text in str(refused.value)
+    assert KEY_1 not in str(refused.value)  # a secret is never echoed
+
+
+def test_a_list_of_fingerprint_keys_makes_the_first_current(tmp_path: t.Any) -> None:
+    app, _ = make_version(f"sqlite:///{tmp_path}/a.db", key=(KEY_2, KEY_1))
+    assert app.extensions["idempotency"].settings.fingerprint_key == KEY_2.encode()
