@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
+from flask_idempotency._maintenance import erasure
 from flask_idempotency._request import canonical, rules
 from flask_idempotency._storage import added
 from flask_idempotency.errors import PROBLEM_TYPE_BASE
@@ -265,3 +266,38 @@ def test_a_bad_list_of_fingerprint_keys_is_refused_at_init(
 def test_a_list_of_fingerprint_keys_makes_the_first_current(tmp_path: t.Any) -> None:
     app, _ = make_version(f"sqlite:///{tmp_path}/a.db", key=(KEY_2, KEY_1))
     assert app.extensions["idempotency"].settings.fingerprint_key == KEY_2.encode()
+
+
+@pytest.mark.parametrize("deploy", ["field-newly-excluded"], indirect=True)
+def test_an_erased_record_answers_410_on_either_version_and_keeps_no_digest(
+    deploy: tuple[tuple[Flask, t.Any], tuple[Flask, t.Any]],
+) -> None:
+    (app1, db1), (app2, _) = deploy
+    assert post(app1, "k1", FIRST).status_code == 201
+    erasure.erase(app1, "tenant:a", "k1")
+    idem = app1.extensions["idempotency"]
+    for app in (app1, app2):
+        for body in (FIRST, OTHER_BYTES):
+            assert assert_problem(post(app, "k1", body), 410)["type"].endswith("key-erased")
+    with app1.app_context(), db1.engine.connect() as conn:
+        record = idem.store.load(conn, "tenant:a", "k1")
+    assert record is not None
+    assert (record.status, record.request_digest, record.rules_version) == ("erased", None, None)
+    assert orders(app1, db1) == 1
+
+
+def test_the_optimistic_path_judges_a_deploy_by_bytes_too(fresh_database: str) -> None:
+    """Optimistic routes insert the completed record at the end: the record
+    carries the rules version and digest, and a duplicate that ran on the other
+    version finds it and answers by bytes."""
+    app1, db1 = make_version(fresh_database, optimistic=True)
+    app2, _ = make_version(fresh_database, optimistic=True, schema=order_schema(default=True))
+    first = post(app1, "opt", FIRST)
+    assert first.status_code == 201
+    replayed = post(app2, "opt", FIRST)
+    assert replayed.headers.get("Idempotent-Replayed") == "true"
+    assert replayed.get_data() == first.get_data()
+    assert assert_problem(post(app2, "opt", OTHER_BYTES), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
