@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency._maintenance import erasure
+from flask_idempotency._maintenance.jobs import recover_abandoned
 from flask_idempotency._request import canonical, rules
 from flask_idempotency._storage import added
 from flask_idempotency.errors import PROBLEM_TYPE_BASE
@@ -298,6 +299,41 @@ def test_the_optimistic_path_judges_a_deploy_by_bytes_too(fresh_database: str) -
     assert replayed.headers.get("Idempotent-Replayed") == "true"
     assert replayed.get_data() == first.get_data()
     assert assert_problem(post(app2, "opt", OTHER_BYTES), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
+
+
+def test_the_recovery_job_on_v2_finishes_v1s_abandoned_request_under_its_record(
+    fresh_database: str, clock: t.Any
+) -> None:
+    """v1's request on a recover=True route stalls past its lease; the
+    recovery job of v2 re-runs the stored request: it is the record's own
+    request (its fingerprint, rules version and digest kept), so it reclaims
+    and completes it. The client's retry then replays on either version."""
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        assert release.wait(timeout=60)
+
+    options = {"clock": clock, "lease": True, "recover": True}
+    app1, db1 = make_version(fresh_database, before_write=stall, **options)
+    app2, _ = make_version(fresh_database, exclude=["note"], **options)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(post, app1, "k1", FIRST)
+        assert stalled.wait(timeout=60)
+        lease = app1.extensions["idempotency"].settings.lease
+        clock.advance(seconds=lease.total_seconds() + 1)
+        report = recover_abandoned(app2)
+        release.set()
+        assert first.result(timeout=60).status_code == 409  # v1 lost its lease
+    assert report.completed == 1, report
+    assert orders(app1, db1) == 1
+    retried = [post(app, "k1", FIRST) for app in (app2, app1)]
+    assert [r.headers.get("Idempotent-Replayed") for r in retried] == ["true", "true"]
+    assert retried[0].get_data() == retried[1].get_data()
+    assert assert_problem(post(app2, "k1", OTHER_BYTES), 422)["type"] == RULES_CHANGED
     assert orders(app1, db1) == 1
     with app1.app_context():
         db1.engine.dispose()
