@@ -30,8 +30,10 @@ from .._secrets import FINGERPRINT_KEY, fingerprint_keys
 from .._storage import Record
 from ..errors import RulesChangedError
 from . import canonical
-from .fingerprint import exclude_paths, keyed_hmac
-from .forms import stored_request_body
+from .canonical import canonical_json
+from .fingerprint import exclude_paths, keyed_hmac, read_body
+from .forms import MULTIPART, form_fields, is_form
+from .forms import consumed as form_consumed
 from .route import RouteOptions
 
 #: Hex digits of a rules version (and of the fingerprint key's identity).
@@ -171,28 +173,34 @@ def rules_version(route: RouteOptions, key: bytes | None, form_field: str | None
 
 def request_digest(key: bytes | None, bound: bytes) -> str:
     """The digest of the current request as sent: method, path, raw query
-    string, content type and body bytes (a form something parsed first: its
-    faithful re-encoding). HMAC-SHA256 under ``key`` bound to the record
-    (``bound``, :func:`.fingerprint.bound_to`) like the fingerprint; SHA-256
-    without a key."""
-    body, content_type = stored_request_body()
-    head = json.dumps(
-        [
-            "request",
-            request.method.upper(),
-            request.path,
-            request.query_string.decode("latin-1"),
-            content_type or "",
-        ],
-        separators=(",", ":"),
-    )
+    string, content type and body bytes. HMAC-SHA256 under ``key`` bound to the
+    record (``bound``, :func:`.fingerprint.bound_to`) like the fingerprint;
+    SHA-256 without a key.
+
+    A multipart form, or a form something parsed before the extension read
+    it, counts as its parsed fields and files (each file by its SHA-256),
+    every field included, and its media type without parameters: a browser
+    sends the same form with a new random boundary on each submission."""
+    if is_form() and (request.mimetype == MULTIPART or form_consumed()):
+        form = form_fields()
+        body = b"" if form is None else b"form:" + canonical_json(form)
+        content_type = request.mimetype
+    else:
+        body, content_type = read_body(), request.content_type or ""
+    head = [
+        "request",
+        request.method.upper(),
+        request.path,
+        request.query_string.decode("latin-1"),
+        content_type,
+    ]
     digest: hmac.HMAC | hashlib._Hash
     if key is None:
         digest = hashlib.sha256()
     else:
         digest = keyed_hmac(key).copy()
         digest.update(bound)
-    digest.update(head.encode("utf-8"))
+    digest.update(json.dumps(head, separators=(",", ":")).encode("utf-8"))
     digest.update(b"\x00")
     digest.update(body)
     return digest.hexdigest()

@@ -337,3 +337,39 @@ def test_the_recovery_job_on_v2_finishes_v1s_abandoned_request_under_its_record(
     assert orders(app1, db1) == 1
     with app1.app_context():
         db1.engine.dispose()
+
+
+def test_a_multipart_form_resent_with_a_new_boundary_is_the_same_request_across_a_deploy(
+    fresh_database: str,
+) -> None:
+    """A browser sends a form again (a reload, the back button) with a new
+    random boundary: across a deploy it still counts as the same bytes (its
+    parsed fields and files), and another value in a field does not."""
+    app1, db1 = make_version(fresh_database, forms=True)
+    app2, _ = make_version(fresh_database, forms=True, exclude=["note"])
+
+    def send(app: Flask, boundary: str, total: str) -> t.Any:
+        body = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="total"\r\n\r\n{total}\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="receipt"; '
+            f'filename="r.txt"\r\nContent-Type: text/plain\r\n\r\nreceipt bytes\r\n'
+            f"--{boundary}--\r\n"
+        ).encode()
+        return app.test_client().post(
+            "/orders",
+            data=body,
+            headers={
+                "Idempotency-Key": "form-1",
+                "Content-Type": f"multipart/form-data; boundary={boundary}",
+            },
+        )
+
+    first = send(app1, "first-boundary", "100")
+    assert first.status_code == 201
+    again = send(app2, "another-boundary", "100")
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.get_data() == first.get_data()
+    assert assert_problem(send(app2, "third-boundary", "999"), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
