@@ -45,13 +45,14 @@ def make_version(
     key: str | list[str] | None = None,
     clock: t.Callable[[], t.Any] | None = None,
     forms: bool = False,
+    config: t.Mapping[str, t.Any] | None = None,
     before_write: t.Callable[[], None] | None = None,
     **route: t.Any,
 ) -> tuple[Flask, t.Any]:
     """One version of the service: its own app, models and rules (``route``:
     more options of the route; ``before_write`` runs in the view first)."""
     app = Flask("deploys")
-    app.config.update(SQLALCHEMY_DATABASE_URI=url)
+    app.config.update(SQLALCHEMY_DATABASE_URI=url, **(config or {}))
     if key is not None:
         app.config["IDEMPOTENCY_FINGERPRINT_KEY"] = key
     db = SQLAlchemy(app)

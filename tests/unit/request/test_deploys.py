@@ -34,6 +34,7 @@ from tests.support.deploys import (
     post,
 )
 from tests.support.flow import assert_problem
+from tests.support.keyrings import KEY_A, key_line
 
 RULES_CHANGED = PROBLEM_TYPE_BASE + "fingerprint-rules-changed"
 KEY_REUSED = PROBLEM_TYPE_BASE + "key-reused"
@@ -370,6 +371,31 @@ def test_a_multipart_form_resent_with_a_new_boundary_is_the_same_request_across_
     assert again.headers.get("Idempotent-Replayed") == "true"
     assert again.get_data() == first.get_data()
     assert assert_problem(send(app2, "third-boundary", "999"), 422)["type"] == RULES_CHANGED
+    assert orders(app1, db1) == 1
+    with app1.app_context():
+        db1.engine.dispose()
+
+
+def test_sealed_records_replay_across_a_key_rotation_and_changed_rules(
+    fresh_database: str,
+) -> None:
+    """Encryption at rest on both versions (the response sealed at rest), v2
+    with a newly excluded field and the fingerprint key rotated: the same
+    bytes replay the sealed answer, opened; other bytes are refused."""
+    sealed = {"IDEMPOTENCY_ENCRYPTION_KEYS": [key_line(KEY_A)]}
+    app1, db1 = make_version(fresh_database, key=[KEY_1, KEY_2], config=sealed)
+    app2, _ = make_version(fresh_database, key=[KEY_2, KEY_1], exclude=["note"], config=sealed)
+    first = post(app1, "sealed", FIRST)
+    assert first.status_code == 201
+    with app1.app_context():
+        raw = db1.session.execute(
+            sa.text("SELECT response_body FROM idempotency_keys")
+        ).scalar_one()
+    assert first.get_data() not in bytes(raw)  # sealed at rest
+    replayed = post(app2, "sealed", FIRST)
+    assert replayed.headers.get("Idempotent-Replayed") == "true"
+    assert replayed.get_data() == first.get_data()
+    assert assert_problem(post(app2, "sealed", OTHER_BYTES), 422)["type"] == RULES_CHANGED
     assert orders(app1, db1) == 1
     with app1.app_context():
         db1.engine.dispose()
