@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import inspect
 import json
 import threading
 import typing as t
@@ -31,7 +30,7 @@ from .._storage import Record
 from ..errors import RulesChangedError
 from . import canonical
 from .canonical import canonical_json
-from .fingerprint import exclude_paths, keyed_hmac, read_body
+from .fingerprint import exclude_paths, hook_tags, keyed_hmac, read_body
 from .forms import MULTIPART, form_fields, is_form
 from .forms import consumed as form_consumed
 from .route import RouteOptions
@@ -52,17 +51,6 @@ _versions_lock = threading.Lock()
 _app_versions: weakref.WeakKeyDictionary[Flask, tuple[int, frozenset[str]]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def _hooks(schema_class: type[Schema]) -> list[str]:
-    """The load hooks ``schema_class`` (or a base) declares, sorted."""
-    found: set[str] = set()
-    for klass in inspect.getmro(schema_class):
-        for attr in vars(klass).values():
-            hooks = getattr(attr, "__marshmallow_hook__", None) or {}
-            # marshmallow 3 keys hooks by (tag, many), marshmallow 4 by tag.
-            found.update(k[0] if isinstance(k, tuple) else k for k in hooks)
-    return sorted(found.intersection(_LOAD_HOOKS))
 
 
 def _options(value: t.Any) -> t.Any:
@@ -87,7 +75,7 @@ def describe_schema(schema: Schema, seen: tuple[type[Schema], ...] = ()) -> t.An
             option: _options(getattr(schema, option, None))
             for option in ("unknown", "many", "partial", "only", "exclude")
         },
-        "hooks": _hooks(klass),
+        "hooks": sorted(hook_tags(klass).intersection(_LOAD_HOOKS)),
         "fields": [
             _describe_field(field_name, field, inner)
             for field_name, field in sorted(schema.load_fields.items())
