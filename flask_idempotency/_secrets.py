@@ -23,7 +23,9 @@ MAKE_ONE = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
 
 
 def resolve_fingerprint_key(value: t.Any, encryption_keys: t.Any) -> bytes | None:
-    """``IDEMPOTENCY_FINGERPRINT_KEY`` as bytes (text is taken as UTF-8), or ``None``.
+    """``IDEMPOTENCY_FINGERPRINT_KEY``'s current key as bytes (text is taken as
+    UTF-8), or ``None``. A list or tuple names the current key first, then
+    older ones (:func:`fingerprint_keys`), each checked alike.
 
     Refused (naming the setting, never showing the value): anything but text or
     bytes, one shorter than :data:`MIN_FINGERPRINT_KEY`, and none at all while
@@ -31,6 +33,16 @@ def resolve_fingerprint_key(value: t.Any, encryption_keys: t.Any) -> bytes | Non
     sealed bodies beside an unkeyed SHA-256 of the request would let whoever
     reads the table confirm a guess of a small body (``{"amount": 100}``).
     """
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{FINGERPRINT_KEY} is an empty list: give the current key first")
+        if any(not isinstance(one, (str, bytes, bytearray)) for one in value):
+            kinds = sorted({type(one).__name__ for one in value})
+            raise TypeError(
+                f"{FINGERPRINT_KEY} as a list takes secrets as text or bytes, got {kinds}"
+            )
+        keys = [resolve_fingerprint_key(one, None) for one in value]
+        return keys[0]
     if value is None:
         if encryption_keys:
             raise ValueError(
@@ -50,6 +62,13 @@ def resolve_fingerprint_key(value: t.Any, encryption_keys: t.Any) -> bytes | Non
             f"of a random secret, got {len(value)}; make one with: {MAKE_ONE}"
         )
     return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+def fingerprint_keys(value: t.Any) -> tuple[bytes, ...]:
+    """Every key ``IDEMPOTENCY_FINGERPRINT_KEY`` names, the current one first
+    (already checked by :func:`resolve_fingerprint_key`); none without one."""
+    values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    return tuple(v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values)
 
 
 #: A key id: what the config names a key by, and what a sealed value records.

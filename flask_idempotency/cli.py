@@ -63,6 +63,7 @@ from ._maintenance.jobs import purge_expired, recover_abandoned
 from ._messaging.admin import purge_published, retry_parked
 from ._storage import OVERRIDABLE, Hold, release_verdict
 from ._storage import outbox as outbox_sql
+from ._storage.added import lacking_columns as added_columns
 from ._storage.schema import inbox_table, outbox_table
 
 __all__ = ["idempotency_cli"]
@@ -109,15 +110,16 @@ def create_tables() -> None:
         table.create(state.db.engine, checkfirst=True)
         _cli.report(f"{table.name}: present")
     with state.db.engine.connect() as conn:
-        if missing := outbox_sql.lacking_columns(conn, outbox):
-            statements = "; ".join(
-                outbox_sql.add_column_sql(conn.dialect, outbox, name) for name in missing
-            )
-            raise _cli.Misconfigured(
-                f"{outbox.name} has no column {', '.join(missing)} (created by an earlier "
-                f"release; create-tables adds no columns): run {statements} "
-                "or your migrations"
-            )
+        for table, lacking in ((outbox, outbox_sql.lacking_columns), (own[0], added_columns)):
+            if missing := lacking(conn, table):
+                statements = "; ".join(
+                    outbox_sql.add_column_sql(conn.dialect, table, name) for name in missing
+                )
+                raise _cli.Misconfigured(
+                    f"{table.name} has no column {', '.join(missing)} (created by an earlier "
+                    f"release; create-tables adds no columns): run {statements} "
+                    "or your migrations"
+                )
 
 
 @_command("purge")

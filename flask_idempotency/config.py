@@ -148,9 +148,11 @@ SETTINGS: tuple[Setting, ...] = (
         " HMAC-SHA256 instead of SHA-256, so whoever reads the table cannot confirm a guess of"
         ' a small body (`{"amount": 100}`). Text or bytes, at least 32 characters (bytes); make'
         ' one with `python -c "import secrets; print(secrets.token_urlsafe(32))"`. Required'
-        " with `IDEMPOTENCY_ENCRYPTION_KEYS` and on any route with `redact=`. Changing it turns"
-        " the retries of operations still in their retention into 422 mismatches. See"
-        " [Redaction](scope.md#redaction-and-the-keyed-fingerprint).",
+        " with `IDEMPOTENCY_ENCRYPTION_KEYS` and on any route with `redact=`. A list names the"
+        " current key first, then older ones still accepted: a retry of an operation recorded"
+        " under another key is judged by its bytes. See"
+        " [Redaction](scope.md#redaction-and-the-keyed-fingerprint) and"
+        " [Deploys](deploys.md#rotating-the-fingerprint-key).",
     ),
     Setting("PURGE_BATCH", 1000, "Expired rows deleted per transaction by cleanup."),
     Setting("SCHEDULER", False, "Run the jobs in each serving process, from its first request."),

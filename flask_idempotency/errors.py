@@ -13,6 +13,7 @@ Every error of the extension is an :class:`IdempotencyError`::
     |   |   ValidationProblem, KeyReusedError, NothingToRecoverError,
     |   |   ReplayRefusedError, KeyErasedError (4xx)
     |   |   +-- FormKeyError (an InvalidKeyError), FormKeyExpiredError (400)
+    |   |   +-- RulesChangedError (a KeyReusedError, 422)
     |   +-- ConflictError (409)
     |   |   +-- TransactionConflictError, LeaseLostError
     |   +-- FailedAfterCommitError, StepNotStoredError, RecordUnreadableError,
@@ -65,6 +66,7 @@ __all__ = [
     "ProblemError",
     "RecordUnreadableError",
     "ReplayRefusedError",
+    "RulesChangedError",
     "ServerMisconfiguredError",
     "StalledMessage",
     "StepNotStoredError",
@@ -263,6 +265,14 @@ class KeyReusedError(ProblemError):
         "stands. To send new values, reload the page and fill it in again."
     )
     code = 422
+
+
+class RulesChangedError(KeyReusedError):
+    """The key was used under other fingerprint rules, with other bytes (422)."""
+
+    slug = "fingerprint-rules-changed"
+    title = "Idempotency key used before the route's fingerprint rules changed"
+    visitor = "This form changed since it was sent. Reload the page and fill it in again."
 
 
 class ConflictError(ProblemError):

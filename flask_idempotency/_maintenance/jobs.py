@@ -216,7 +216,9 @@ def _rerun(app: Flask, record: Record) -> bool | None:
             data=record.request_body or b"",
             headers=headers,
             environ_overrides={
-                RECOVERY_ENVIRON_KEY: RecoveryRun(record.scope, record.request_hash)
+                RECOVERY_ENVIRON_KEY: RecoveryRun(
+                    record.scope, record.request_hash, record.rules_version, record.request_digest
+                )
             },
         )
     if response.status_code == 409:

@@ -7,6 +7,8 @@ variant in ``optimistic`` and recovery points in ``steps``. ``session_guard``
 and ``claim_guard`` keep the claim in step with the view's own commits;
 ``responses`` captures and replays answers; ``fingerprint``, ``body``,
 ``forms`` and ``canonical`` turn the request into its payload and fingerprint;
+``rules`` gives the version of a route's fingerprint rules and the request's
+digest, by which a retry across a deploy that changed them is judged;
 ``route`` holds a decorated view's options. It sits above the request context
 and the storage layer, and below messaging (the layers contract in
 pyproject.toml).

@@ -25,6 +25,12 @@ from decimal import Decimal
 
 from ..errors import MalformedBodyError
 
+#: The version of the canonical form this module writes: part of every route's
+#: fingerprint rules (:mod:`.rules`). Bump it with any change to the bytes
+#: :func:`canonical_json` gives for some value, so that records fingerprinted
+#: before a deploy are compared by the request's bytes, not its new form.
+CANONICAL_FORM_VERSION = 1
+
 # Integral Decimals with more digits than Python turns into text by default are
 # written as coefficient and exponent instead (no JSON integer can be that long).
 _MAX_INTEGER_DIGITS = 4300

@@ -47,6 +47,7 @@ from .redact import kept_request
 from .replay_guard import check_replay
 from .responses import erased_error, replay_answer, stored_failure
 from .route import RouteOptions
+from .rules import judge, rules_changed_error, rules_version
 
 if t.TYPE_CHECKING:
     from .flow import Flow
@@ -90,6 +91,8 @@ def claim_values(flow: Flow, fingerprint: str, now: dt.datetime) -> dict[str, t.
     settings = flow.settings
     values = operation_values(
         request_hash=fingerprint,
+        rules_version=flow.rules_version,
+        request_digest=flow.request_digest,
         status=IN_PROGRESS,
         locked_until=now + settings.lease,
         created_at=now,
@@ -255,9 +258,12 @@ def answer_existing(
         logger.debug("%r in scope %r was erased", record.key, record.scope)
         raise erased_error()
     app = resolve_app()
-    if record.request_hash != fingerprint:
+    judged = judge(record, fingerprint, flow.rules_version, flow.request_digest, flow.bound)
+    if not judged.same:
         signals.payload_mismatch.send(app, scope=record.scope, key=record.key, record=record)
-        other = route_of_same_request(flow, record.request_hash)
+        if judged.rules_changed:
+            raise rules_changed_error()
+        other = route_of_same_request(flow, record)
         if other is not None:
             raise KeyReusedError(
                 f"This idempotency key was already used on another route ({other}) with the "
@@ -312,9 +318,11 @@ _ROUTE_HINT_CANDIDATES = 20
 _ROUTE_HINT_RULES = 2
 
 
-def route_of_same_request(flow: Flow, stored_hash: str) -> str | None:
+def route_of_same_request(flow: Flow, record: Record) -> str | None:
     """``METHOD /path`` of another route of the app that this very request
-    (method, query, body) would have hashed to ``stored_hash`` on, or ``None``.
+    (method, query, body) would have hashed to ``record``'s fingerprint on, or
+    ``None``. A route whose fingerprint rules are not the record's (a deploy
+    changed them since) is no candidate: its hash would tell nothing.
 
     A record keeps the fingerprint only (the route is in it, not beside it: a
     column would cost every claim), so on a 422 the request's normalized bytes
@@ -329,6 +337,7 @@ def route_of_same_request(flow: Flow, stored_hash: str) -> str | None:
     normalized = flow.normalized
     if normalized is None:
         return None
+    stored_hash = record.request_hash
     app = resolve_app()
     state = app_state(app)
     current = request.url_rule.rule if request.url_rule is not None else None
@@ -347,6 +356,10 @@ def route_of_same_request(flow: Flow, stored_hash: str) -> str | None:
         try:
             settings = state.route_settings.get(route) or route.settings_for(state.settings)
             if not settings.protects(request.method):
+                continue
+            if record.rules_version is not None and record.rules_version != rules_version(
+                route, settings.fingerprint_key, settings.form_field
+            ):
                 continue
             ignored = form_ignored_fields(settings)
             rules = _rules_key(route.exclude, ignored)

@@ -77,15 +77,20 @@ SchemaArg = Schema | type[Schema] | None
 
 
 @functools.cache
-def _has_pre_load(schema_class: type[Schema]) -> bool:
-    """Whether a ``pre_load`` hook may change the data the fields see."""
+def hook_tags(schema_class: type[Schema]) -> frozenset[str]:
+    """The tags of the hooks ``schema_class`` (or a base) declares (``pre_load``...)."""
+    found: set[str] = set()
     for klass in inspect.getmro(schema_class):
         for attr in vars(klass).values():
             hooks = getattr(attr, "__marshmallow_hook__", None) or {}
             # marshmallow 3 keys hooks by (tag, many), marshmallow 4 by tag.
-            if any((k[0] if isinstance(k, tuple) else k) == "pre_load" for k in hooks):
-                return True
-    return False
+            found.update(k[0] if isinstance(k, tuple) else k for k in hooks)
+    return frozenset(found)
+
+
+def _has_pre_load(schema_class: type[Schema]) -> bool:
+    """Whether a ``pre_load`` hook may change the data the fields see."""
+    return "pre_load" in hook_tags(schema_class)
 
 
 def _pairwise(sent: t.Any, loaded: t.Any, each: t.Callable[[t.Any, t.Any], t.Any]) -> t.Any:

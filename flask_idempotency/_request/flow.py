@@ -46,6 +46,7 @@ from .finish import (
 from .formkeys import check_binding, expired_error, form_ignored_fields, request_key
 from .optimistic import run_optimistic
 from .route import RouteOptions
+from .rules import request_digest, rules_version
 from .session_guard import NoCommitGuard
 from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 
@@ -94,6 +95,12 @@ class Flow:
         #: The request as its fingerprint counts it (set once the key is read):
         #: a 422 re-hashes it for other paths without parsing the body again.
         self.normalized: NormalizedRequest | None = None
+        #: The route's fingerprint rules version and the request's digest, as
+        #: a claim writes them and a retry is judged by them (:mod:`.rules`).
+        self.rules_version: str | None = None
+        self.request_digest: str | None = None
+        #: The record's scope and key, as a keyed digest counts them.
+        self.bound = b""
 
     @property
     def session(self) -> Session:
@@ -140,17 +147,23 @@ class Flow:
         scope = recovery.scope if recovery else resolve_scope(route.scope or settings.scope)
         if form_token is not None and recovery is None:
             check_binding(form_token, scope)
+        self.bound = bound_to(scope, key)
         payload, self.normalized = normalize_request(
             route.schema,
             route.exclude,
             form_ignored_fields(settings),
             settings.fingerprint_key,
-            bound_to(scope, key),
+            self.bound,
         )
         fingerprint = self.normalized.fingerprint(request.path)
-        if recovery is not None and route.redact and recovery.request_hash is not None:
-            # The record's own request, kept without the redacted fields.
+        if recovery is not None and recovery.request_hash is not None:
+            # The record's own request (kept without the redacted fields, or
+            # fingerprinted under the rules of an earlier deploy): judged as its own.
             fingerprint = recovery.request_hash
+            self.rules_version, self.request_digest = recovery.rules_version, recovery.digest
+        else:
+            self.rules_version = rules_version(route, settings.fingerprint_key, settings.form_field)
+            self.request_digest = request_digest(settings.fingerprint_key, self.bound)
         state = RequestState(
             payload=payload, key=key, scope=scope, flow=self, optimistic=route.optimistic
         )

@@ -127,6 +127,8 @@ def _record(flow: Flow, state: RequestState, fingerprint: str, response: Respons
                 key=key,
                 fencing_token=token,
                 request_hash=fingerprint,
+                rules_version=flow.rules_version,
+                request_digest=flow.request_digest,
                 status=COMPLETED,
                 response_code=captured.status,
                 response_headers=json.dumps(captured.headers),

@@ -48,6 +48,9 @@ class RecoveryRun:
     #: The record's fingerprint: its kept request, without the fields the
     #: route redacts, no longer hashes to it.
     request_hash: str | None = None
+    #: The record's fingerprint rules version and request digest, kept as they are.
+    rules_version: str | None = None
+    digest: str | None = None
 
 
 logger = logging.getLogger("flask_idempotency")

@@ -28,6 +28,7 @@ record from being released: the one rule every entry point follows), :mod:`.lock
 locks), :mod:`.outbox`, :mod:`.inbox` and :mod:`.notify` (the messaging
 tables' statements, the relay's wake-up channel), :mod:`.readiness` (the
 readiness probe's), :mod:`.schema` (the tables and the record as read),
+:mod:`.added` (the record table's added columns, and a table from before them),
 :mod:`.sql` (the shared building blocks); :mod:`.dialects` (one module per
 engine, behind one interface: every difference between engines is there) and
 :mod:`.drivers` (the psycopg fast paths, by dialect and driver).

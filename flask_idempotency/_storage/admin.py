@@ -43,7 +43,7 @@ class OperatorQueries(Statements):
         (one whose view committed counts: it is settled without being opened)."""
         c = self.table.c
         stmt = (
-            sa.select(self.table)
+            sa.select(*self._read_columns(conn))
             .where(
                 c.status == IN_PROGRESS,
                 lease_over(c, now),
@@ -216,7 +216,7 @@ class OperatorQueries(Statements):
     ) -> list[Record]:
         """Records matching all the given filters, newest first (an operator query)."""
         c = self.table.c
-        stmt = sa.select(self.table)
+        stmt = sa.select(*self._read_columns(conn))
         if key is not None:
             stmt = stmt.where(c.key == text_param("w_key", key))
         if scope_prefix:

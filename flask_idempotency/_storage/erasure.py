@@ -5,7 +5,8 @@ A tombstone keeps the record's scope, key, fencing token, times and status
 (``erased``): the fence that answers a retry 410 instead of running the
 operation again. Everything the operation stored goes: the response (code,
 headers, body), the recovery points, the kept request, and the fingerprint
-(``request_hash`` becomes :data:`.schema.ERASED_HASH`). Each batch is read,
+(``request_hash`` becomes :data:`.schema.ERASED_HASH`) with the digest of
+the request and the version of the rules that made it. Each batch is read,
 then changed by conditional ``UPDATE`` statements that re-check, on the row
 as it is when the statement runs, what the read saw (the fencing token, and
 that no live lease holds it), in the caller's transaction: a batch holds its
@@ -20,6 +21,7 @@ import typing as t
 
 import sqlalchemy as sa
 
+from .added import absent_columns, without
 from .dialects import dialect_for
 from .holds import Hold
 from .schema import (
@@ -29,6 +31,8 @@ from .schema import (
     IN_PROGRESS,
     OWNER_KEY,
     OWNER_SCOPE,
+    REQUEST_DIGEST,
+    RULES_VERSION,
     _text,
     as_utc,
 )
@@ -46,6 +50,9 @@ _CLEARED = {
     "request_path": None,
     "request_content_type": None,
     "request_body": None,
+    # Derived from the request: a digest of it could confirm a guess of it.
+    RULES_VERSION: None,
+    REQUEST_DIGEST: None,
 }
 
 
@@ -170,7 +177,8 @@ def erase_records(
     live = Hold.LIVE_LEASE.condition(c, now)
     committed = Hold.VIEW_COMMITTED.condition(c, now)
     this_scope = c.scope == text_param("w_scope", scope)
-    tombstone = {**_CLEARED, "status": ERASED, "request_hash": ERASED_HASH}
+    cleared = without(_CLEARED, absent_columns(conn, table))  # a table from an earlier release
+    tombstone = {**cleared, "status": ERASED, "request_hash": ERASED_HASH}
     plain: list[t.Any] = []
     settled: list[t.Any] = []
     for row in rows:

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from .._failures import SealBroken
 from ..errors import TooLargeToStore
-from . import drivers, seal
+from . import added, drivers, seal
 from .dialects import Executor, dialect_for, dialect_of
 from .schema import Record, identity
 from .sql import changed_one
@@ -36,6 +36,23 @@ class Statements:
         if self.keyring is None:
             return dict(values)
         return seal.seal_record(self.keyring, self.table.name, scope, key, values)
+
+    def _absent(self, executor: Executor) -> frozenset[str]:
+        """The columns a release added that this table lacks on ``executor``'s
+        engine (a table from an earlier release, :mod:`.added`); read once per
+        engine."""
+        return added.absent_columns(self._connection(executor), self.table)
+
+    def _present(self, executor: Executor, values: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+        """``values`` without the columns the table lacks: every write of a
+        record's operation values goes through here (and :meth:`_sealed`)."""
+        return added.without(values, self._absent(executor))
+
+    def _read_columns(self, executor: Executor, leave_out: t.Collection[str] = ()) -> list[t.Any]:
+        """The columns a read of whole records selects: all the table has on
+        ``executor``'s engine, but ``leave_out``."""
+        skip = {*leave_out, *self._absent(executor)}
+        return [column for column in self.table.c if column.name not in skip]
 
     def _record(self, m: t.Mapping[t.Any, t.Any]) -> Record:
         """The record of a row as read, its sealed columns opened; raises

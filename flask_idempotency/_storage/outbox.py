@@ -29,6 +29,7 @@ from .notify import NOTIFY
 from .schema import ERASED_PAYLOAD, OWNER_KEY, OWNER_SCOPE
 from .seal import open_event_text as open_event_text
 from .seal import seal_event as seal_event
+from .sql import add_column_sql as add_column_sql
 from .sql import database_now
 
 _R = t.TypeVar("_R")
@@ -54,15 +55,6 @@ ADDED_COLUMNS = (TRACE_CONTEXT, *OWNER)
 
 _absent: weakref.WeakKeyDictionary[sa.Engine, frozenset[str]] = weakref.WeakKeyDictionary()
 _absent_lock = threading.Lock()
-
-
-def add_column_sql(dialect: sa.Dialect, table: sa.Table, name: str) -> str:
-    """The statement that adds the column ``name`` to ``table`` on ``dialect``,
-    as the table declares it (nullable)."""
-    column = table.c[name]
-    quote = dialect.identifier_preparer
-    kind = column.type.compile(dialect=dialect)
-    return f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {quote.quote(column.name)} {kind}"
 
 
 def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:

@@ -90,6 +90,11 @@ def _text(value: str | bytes | None) -> str | None:
     return value
 
 
+#: The record's fingerprint rules version and request digest (:mod:`.added`).
+RULES_VERSION = "rules_version"
+REQUEST_DIGEST = "request_digest"
+
+
 def record_table(metadata: sa.MetaData) -> sa.Table:
     """The ``idempotency_keys`` table on ``metadata``, defined once per metadata."""
     existing = metadata.tables.get(TABLE_NAME)
@@ -123,6 +128,11 @@ def record_table(metadata: sa.MetaData) -> sa.Table:
         sa.Column("request_path", sa.Text, nullable=True),
         sa.Column("request_content_type", _long_text(), nullable=True),
         sa.Column("request_body", _long_binary(), nullable=True),
+        # The version of the route's fingerprint rules that made request_hash,
+        # and a digest of the request as sent (added in 0.1.0: a table from
+        # before works without them, see .added).
+        sa.Column(RULES_VERSION, sa.String(16), nullable=True),
+        sa.Column(REQUEST_DIGEST, sa.String(64), nullable=True),
         sa.PrimaryKeyConstraint("scope", "key", name="idempotency_keys_scope_key"),
         # Cleanup finds expired records by this index. No column a completion
         # changes (status, locked_until, the response) is indexed, so on
@@ -240,6 +250,10 @@ class Record:
     #: return such a record, with those fields empty; a request that meets
     #: one answers 500 ``record-unreadable`` instead.
     unreadable: str | None = None
+    #: The version of the fingerprint rules that made ``request_hash``, and the
+    #: digest of the request as sent; ``None`` for a record from before them.
+    rules_version: str | None = None
+    request_digest: str | None = None
 
     def __repr__(self) -> str:
         # Signals carry records, and a receiver may log them: bodies, header
@@ -308,6 +322,8 @@ class Record:
             request_path=m.get("request_path"),
             request_content_type=m.get("request_content_type"),
             request_body=bytes(stored) if (stored := m.get("request_body")) is not None else None,
+            rules_version=m.get(RULES_VERSION),
+            request_digest=m.get(REQUEST_DIGEST),
         )
 
     @classmethod

@@ -93,6 +93,9 @@ def operation_values(**values: t.Any) -> dict[str, t.Any]:
         "request_path": None,
         "request_content_type": None,
         "request_body": None,
+        # A record made outside a route's rules is judged by its fingerprint.
+        "rules_version": None,
+        "request_digest": None,
         **values,
     }
 
@@ -171,3 +174,12 @@ def refuse_autocommit(connection: sa.Connection) -> None:
             "the view's rows cannot commit or roll back together. Use another "
             "isolation level for the app's session."
         )
+
+
+def add_column_sql(dialect: sa.Dialect, table: sa.Table, name: str) -> str:
+    """The statement that adds the column ``name`` to ``table`` on ``dialect``,
+    as the table declares it (nullable): a table from an earlier release."""
+    column = table.c[name]
+    quote = dialect.identifier_preparer
+    kind = column.type.compile(dialect=dialect)
+    return f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {quote.quote(column.name)} {kind}"

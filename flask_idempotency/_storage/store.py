@@ -58,6 +58,16 @@ from .sql import (
 __all__ = ["Store"]
 
 
+class _Loads(t.NamedTuple):
+    """The reads of one record: whole, without the stored request, and each
+    as a locking read."""
+
+    whole: t.Any
+    head: t.Any
+    whole_locking: t.Any
+    head_locking: t.Any
+
+
 class Store(HeldRecord, OperatorQueries):
     """Statements on one ``idempotency_keys`` table.
 
@@ -86,16 +96,9 @@ class Store(HeldRecord, OperatorQueries):
         self._inserts: dict[str, t.Any] = {}  # the conflict-tolerant insert, per engine
         self._this_record = this_record
         self._portable_insert = sa.insert(table).values(this_record)
-        self._load = sa.select(table).where(*this_key)
-        # What a request needs of an existing record: all but the stored request,
-        # which only the recovery job reads (and which may be large). A plain
-        # primary-key lookup: PostgreSQL plans it in a fraction of the time a
-        # join (or a CASE per column) takes, and planning is most of its cost.
-        head = [col for col in table.c if col.name not in STORED_REQUEST]
-        self._load_head = sa.select(*head).where(*this_key)
-        # A locking read sees the latest committed row whatever the isolation level.
-        self._load_locking = self._load.with_for_update(read=True)
-        self._load_head_locking = self._load_head.with_for_update(read=True)
+        self._this_key = this_key
+        # The reads of a record, per set of added columns the table lacks.
+        self._loads: dict[frozenset[str], _Loads] = {}
         token_read = (*this_key, c.fencing_token == sa.bindparam("w_token"))
         self._replace_expired = sa.update(table).where(
             *token_read, *expired(c, sa.bindparam("w_now"))
@@ -109,6 +112,30 @@ class Store(HeldRecord, OperatorQueries):
             # happened, and is settled with its stored answer instead.
             c.response_code.is_(None),
         )
+
+    def _loads_for(self, executor: Executor) -> _Loads:
+        """The reads of one record on ``executor``'s engine, built once per set
+        of absent columns (:mod:`.added`)."""
+        absent = self._absent(executor)
+        loads = self._loads.get(absent)
+        if loads is None:
+            whole = sa.select(*self._read_columns(executor)).where(*self._this_key)
+            # What a request needs of an existing record: all but the stored
+            # request, which only the recovery job reads (and which may be large).
+            # A plain primary-key lookup: PostgreSQL plans it in a fraction of
+            # the time a join (or a CASE per column) takes, and planning is
+            # most of its cost.
+            head = self._read_columns(executor, STORED_REQUEST)
+            head_read = sa.select(*head).where(*self._this_key)
+            loads = self._loads[absent] = _Loads(
+                whole,
+                head_read,
+                # A locking read sees the latest committed row whatever the
+                # isolation level.
+                whole.with_for_update(read=True),
+                head_read.with_for_update(read=True),
+            )
+        return loads
 
     def _insert_for(self, name: str) -> t.Any | None:
         """The engine's conflict-tolerant insert of a record, built once per engine."""
@@ -184,10 +211,11 @@ class Store(HeldRecord, OperatorQueries):
         params = {"w_scope": scope, "w_key": key}
         try:
             with engine.connect() as conn:
-                locked = dialect_of(conn).record_locked(conn, self._load_head, params)
+                head = self._loads_for(conn).head
+                locked = dialect_of(conn).record_locked(conn, head, params)
                 if locked:
                     return True
-                row = conn.execute(self._load_head, params).first()
+                row = conn.execute(head, params).first()
                 conn.rollback()
         except sa_exc.DBAPIError:
             return False
@@ -200,7 +228,7 @@ class Store(HeldRecord, OperatorQueries):
         engine takes in one statement (MySQL answers such a statement by dropping
         the connection).
         """
-        values = self._sealed(values["scope"], values["key"], values)
+        values = self._sealed(values["scope"], values["key"], self._present(executor, values))
         self.check_size(executor, values)
         return self._insert(executor, values)[0]
 
@@ -259,10 +287,11 @@ class Store(HeldRecord, OperatorQueries):
         :attr:`Record.unreadable` set instead.
         """
         locking = dialect_of(executor).locking_reads
+        loads = self._loads_for(executor)
         if stored_request:
-            stmt = self._load_locking if locking else self._load
+            stmt = loads.whole_locking if locking else loads.whole
         else:
-            stmt = self._load_head_locking if locking else self._load_head
+            stmt = loads.head_locking if locking else loads.head
         row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
         if row is None:
             return None
@@ -292,7 +321,7 @@ class Store(HeldRecord, OperatorQueries):
         its clear columns (an expired one is replaced without being opened),
         and calls :meth:`readable` before it uses one.
         """
-        values = self._sealed(values["scope"], values["key"], values)
+        values = self._sealed(values["scope"], values["key"], self._present(session, values))
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
         refuse_autocommit(connection)
@@ -315,7 +344,7 @@ class Store(HeldRecord, OperatorQueries):
         statements = self._compiled.claim(
             connection.dialect,
             self._insert_for(connection.dialect.name),
-            self._load_head,
+            self._loads_for(connection).head,
             bounded=wait is not None,
             idle_bounded=idle is not None,
             values=values,
@@ -372,7 +401,7 @@ class Store(HeldRecord, OperatorQueries):
         stored request, creation and retention times. One conditional ``UPDATE``
         on the fencing token read: exactly one contender can win.
         """
-        values = self._sealed(record.scope, record.key, values)
+        values = self._sealed(record.scope, record.key, self._present(executor, values))
         self.check_size(executor, values)
         params = {
             **values,
@@ -386,5 +415,7 @@ class Store(HeldRecord, OperatorQueries):
             return self._changed_one(executor, self._replace_expired, params)
         for kept in RECLAIM_KEEPS:
             params.pop(kept, None)
-        params["w_request_hash"] = values["request_hash"]
+        # The record's own fingerprint: a retry judged the same request by its
+        # bytes (the route's fingerprint rules changed) writes its new one.
+        params["w_request_hash"] = record.request_hash
         return self._changed_one(executor, self._reclaim, params)

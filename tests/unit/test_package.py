@@ -166,6 +166,7 @@ PUBLIC: dict[str, set[str]] = {
         "PayloadTooLargeError",
         "ProblemError",
         "ReplayRefusedError",
+        "RulesChangedError",
         "KeyErasedError",
         "RecordUnreadableError",
         "ServerMisconfiguredError",

@@ -409,3 +409,65 @@ def test_a_savepoint_first_in_the_transaction_rolls_back_with_it(impl: Impl) -> 
             assert impl.store.try_insert(conn, record_values(new_key(), now_ms()))
         conn.rollback()
     assert impl.rows() == {}
+
+
+def test_the_rules_version_and_request_digest_are_written_and_read_on_every_path(
+    impl: Impl,
+) -> None:
+    """The claim (each driver's path), the holder's read, a reclaim judged the
+    same request by its bytes (a new fingerprint and rules version written over
+    the record's own, matched on the record's fingerprint), and the replacement
+    of an expired record (a new operation: its own values, or none)."""
+    now, key = now_ms(), new_key()
+    digest = "d" * 64
+    first = record_values(
+        key,
+        now - HOUR,
+        lease=dt.timedelta(minutes=-1),
+        rules_version="a" * 16,
+        request_digest=digest,
+    )
+    claimed(impl, first)
+    assert (impl.rows()[key]["rules_version"], impl.rows()[key]["request_digest"]) == (
+        "a" * 16,
+        digest,
+    )
+    with Session(impl.engine) as session:
+        won, held = impl.store.claim(session, record_values(key, now), None)
+        assert not won
+        assert held is not None
+        assert (held.rules_version, held.request_digest) == ("a" * 16, digest)
+        session.rollback()
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, key)
+        listed = impl.store.find(conn, key=key)
+    assert record is not None
+    assert (record.rules_version, record.request_digest) == ("a" * 16, digest)
+    assert [(r.rules_version, r.request_digest) for r in listed] == [("a" * 16, digest)]
+    token = new_fencing_token(record.fencing_token)
+    columns = {
+        k: v
+        for k, v in record_values(key, now, rules_version="b" * 16, request_digest=digest).items()
+        if k not in ("scope", "key")
+    }
+    columns["request_hash"] = "h-new"
+    with Session(impl.engine) as session:
+        assert impl.store.take_over(session, record, columns, now, expired=False, token=token)
+        session.commit()
+    row = impl.rows()[key]
+    assert (row["fencing_token"], row["request_hash"], row["rules_version"]) == (
+        token,
+        "h-new",
+        "b" * 16,
+    )
+    # Expired: replaced by a new operation that names no rules (made outside a route).
+    with impl.engine.connect() as conn:
+        record = impl.store.load(conn, SCOPE, key)
+    assert record is not None
+    later = now + 48 * HOUR
+    fresh = {k: v for k, v in record_values(key, later).items() if k not in ("scope", "key")}
+    with Session(impl.engine) as session:
+        token = new_fencing_token(record.fencing_token)
+        assert impl.store.take_over(session, record, fresh, later, expired=True, token=token)
+        session.commit()
+    assert (impl.rows()[key]["rules_version"], impl.rows()[key]["request_digest"]) == (None, None)
