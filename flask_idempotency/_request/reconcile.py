@@ -129,6 +129,8 @@ def rebuild(
     attempt = attempt_for(record, why, endpoint, from_client=from_client)
     try:
         answer = ask(hook, attempt, settings)
+        if not isinstance(answer, str):
+            answer = _hook_writes(session, session.flush) or answer
         if isinstance(answer, str):
             session.rollback()
             logger.warning(
@@ -162,7 +164,13 @@ def rebuild(
         if not won:
             session.rollback()
             return _other_outcome(session, store, record)
-        session.commit()
+        refused = _hook_writes(session, session.commit)
+        if refused is not None:  # a deferred constraint on the hook's writes
+            session.rollback()
+            logger.warning(
+                "%r in scope %r (%s): no answer rebuilt: %s", record.key, record.scope, why, refused
+            )
+            return Rebuilt(None, refused)
     except BaseException:
         session.rollback()
         raise
@@ -187,6 +195,20 @@ def rebuild(
             expires_at=max(record.expires_at, now + settings.ttl),
         )
     )
+
+
+def _hook_writes(session: Session, send: t.Callable[[], None]) -> str | None:
+    """``send`` (the session's flush, or its commit) what the hook left
+    pending; why not, when the database refuses those writes (a constraint):
+    that is the hook's failure, like an exception of its own, and nothing is
+    rebuilt. The database gone, busy or read-only is raised, as anywhere."""
+    try:
+        send()
+    except Exception as exc:
+        if dberrors.classify(exc) is not None or dberrors.read_only_reason(exc):
+            raise
+        return f"the hook's writes were refused ({type(exc).__name__})"
+    return None
 
 
 def _other_outcome(session: Session, store: Store, record: Record) -> Rebuilt:
