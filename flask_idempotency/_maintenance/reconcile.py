@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import typing as t
 import urllib.parse
 
@@ -40,21 +41,50 @@ class Reconciled:
     reason: str = ""
 
 
+#: How many records :func:`candidates` reads at a time.
+PAGE = 1000
+
+
 def candidates(
-    app: Flask, *, scope: str | None = None, key: str | None = None, limit: int = 1000
-) -> list[Record]:
-    """Records a hook may rebuild: completed with the extension's
-    ``failed-after-commit``, or in progress holding it, their lease over
-    (unreadable ones too, which :func:`reconcile_record` refuses)."""
+    app: Flask, *, scope: str | None = None, key: str | None = None, page: int | None = None
+) -> t.Iterator[Record]:
+    """Records a hook may rebuild, oldest first, every one of them, read
+    ``page`` at a time: completed with the extension's ``failed-after-commit``,
+    or in progress holding it, their lease over (unreadable ones too, which
+    :func:`reconcile_record` refuses). No connection is held between pages,
+    and records rebuilt while this runs do not move the next page."""
     state = app_state(app)
-    with state.db.engine.connect() as conn:
-        now = state.now(conn)
-        found = state.store.failed_after_commit(conn, scope=scope, key=key, limit=limit)
-    return [
-        record
-        for record in found
-        if record.unreadable is not None or (why_of(record) and not record.lease_live(now))
-    ]
+    page = PAGE if page is None else page
+    after: Record | None = None
+    while True:
+        with state.db.engine.connect() as conn:
+            now = state.now(conn)
+            found = state.store.failed_after_commit(
+                conn, scope=scope, key=key, limit=page, after=after
+            )
+        for record in found:
+            if record.unreadable is not None or (why_of(record) and not record.lease_live(now)):
+                yield record
+        if len(found) < page:
+            return
+        after = found[-1]
+
+
+def idempotent_endpoint(app: Flask, endpoint: str) -> None:
+    """Raise :class:`ValueError` unless ``endpoint`` names a route declared
+    with ``@idem.idempotent`` (whose hook the operator means)."""
+    view = app.view_functions.get(endpoint)
+    if isinstance(getattr(view, "_idempotency_route", None), RouteOptions):
+        return
+    known = sorted(
+        name
+        for name, view in app.view_functions.items()
+        if isinstance(getattr(view, "_idempotency_route", None), RouteOptions)
+    )
+    close = difflib.get_close_matches(endpoint, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else f" (idempotent routes: {', '.join(known)})"
+    what = "is not a route declared with @idem.idempotent" if view else "names no route"
+    raise ValueError(f"{endpoint!r} {what}{hint}")
 
 
 def _route_settings(
