@@ -32,7 +32,7 @@ from .._storage import COMPLETED, Record, Store, answer_values, dberrors, new_fe
 from ..errors import ClaimWaitExceeded
 from ..scope import ReconcileAttempt
 from .responses import Captured, capture, stored_failure
-from .steps import RECOVERY_ENVIRON_KEY
+from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 
 if t.TYPE_CHECKING:
     from .flow import Flow
@@ -249,4 +249,7 @@ def at_retry(flow: Flow, record: Record, why: Why, now: dt.datetime) -> Rebuilt 
     )
     if rebuilt.record is not None:
         flow.telemetry.reconciled()
+        run = request.environ.get(RECOVERY_ENVIRON_KEY)
+        if isinstance(run, RecoveryRun):  # the job counts the record completed
+            run.told.add("reconciled")
     return rebuilt

@@ -130,7 +130,8 @@ def test_the_recovery_job_s_re_run_of_a_leased_route_asks_the_hook(
         undo()
     [order_id] = orders(shop)
     clock.advance(seconds=LEASE + 1)
-    recover_abandoned(shop)
+    report = recover_abandoned(shop)
+    assert (report.completed, report.skipped, report.released) == (1, 0, 0)
     [attempt] = hook.calls
     assert (attempt.why, attempt.from_client) == ("lease-ended", False)
     record = raw_record(shop)
