@@ -7,7 +7,9 @@ stored request where it kept one (``recover=True``), else a bare one.
 Which hook: the route the stored request reaches, else the one of the
 endpoint the operator names, else ``IDEMPOTENCY_RECONCILE``. Refused as the
 job refuses: a record under a live lease (running), a tombstone, an
-unreadable record (its key not configured), an answer of the view's own.
+unreadable record (its key not configured), an answer of the view's own; and,
+as in a request, a record of a route in manual mode (found from its stored
+request or the endpoint named: a record that kept neither cannot tell).
 """
 
 from __future__ import annotations
@@ -89,22 +91,23 @@ def idempotent_endpoint(app: Flask, endpoint: str) -> None:
 
 def _route_settings(
     app: Flask, state: AppState, record: Record, endpoint: str | None
-) -> tuple[Settings, str | None]:
-    """The settings (whose ``reconcile`` is the hook) of the record's route:
-    found from its stored request, else ``endpoint``'s, else the app's."""
+) -> tuple[Settings, str | None, RouteOptions | None]:
+    """The settings (whose ``reconcile`` is the hook) of the record's route,
+    its endpoint and its options: found from its stored request, else
+    ``endpoint``'s, else the app's (no route)."""
     if record.request_path is not None and record.request_method is not None:
         adapter = app.url_map.bind("localhost")
         path = urllib.parse.unquote(record.request_path.partition("?")[0])
         with contextlib.suppress(HTTPException):
             endpoint, _ = adapter.match(path, method=record.request_method)
     if endpoint is None:
-        return state.settings, None
+        return state.settings, None, None
     view = app.view_functions.get(endpoint)
     route = getattr(view, "_idempotency_route", None)
     if not isinstance(route, RouteOptions):
-        return state.settings, endpoint
+        return state.settings, endpoint, None
     settings = state.route_settings.get(route) or route.settings_for(state.settings)
-    return settings, endpoint
+    return settings, endpoint, route
 
 
 def reconcile_record(app: Flask, record: Record, *, endpoint: str | None = None) -> Reconciled:
@@ -115,7 +118,10 @@ def reconcile_record(app: Flask, record: Record, *, endpoint: str | None = None)
     if why is None:
         return Reconciled(record, False, "not a failure after commit")
     state = app_state(app)
-    settings, endpoint = _route_settings(app, state, record, endpoint)
+    settings, endpoint, route = _route_settings(app, state, record, endpoint)
+    if route is not None and route.manual:
+        # As in a request: the view decides, with idem.previous.
+        return Reconciled(record, False, f"{endpoint} is in manual mode: its view decides")
     hook = settings.reconcile
     if hook is None:
         return Reconciled(record, False, "no reconcile hook (reconcile=, IDEMPOTENCY_RECONCILE)")

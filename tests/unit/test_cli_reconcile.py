@@ -182,3 +182,16 @@ def test_every_record_is_reached_past_the_first_page(
     assert done.output.count("not rebuilt\t") == 3
     assert [attempt.key for attempt in hook.calls] == ["k1", "k2", "k3", "k4", "k1", "k2", "k3"]
     assert_rebuilt(post(shop.test_client(), "/orders", {}, key="k4"), order_id)
+
+
+def test_a_manual_routes_record_is_never_reconciled(shop: Flask, hook: Hook) -> None:
+    # Its stored request names its route: in manual mode the view decides.
+    fail_after_commit(shop, "/manual-orders", "exception")
+    before = raw_record(shop)
+    done = cli(shop, "--yes")
+    assert done.exit_code == 1, done.output
+    assert "not rebuilt\ttenant-1\tk1\tshop.place_manual is in manual mode" in done.output
+    assert hook.calls == []
+    assert raw_record(shop) == before
+    answer = post(shop.test_client(), "/manual-orders", {})
+    assert (answer.status_code, answer.get_json()) == (200, {"previous": 500})
