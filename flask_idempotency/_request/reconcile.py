@@ -52,6 +52,8 @@ class Rebuilt:
 
     record: Record | None
     reason: str = ""
+    #: Whether this caller's hook gave the answer stored (not a concurrent one's).
+    mine: bool = False
 
 
 def why_of(record: Record) -> Why | None:
@@ -193,7 +195,8 @@ def rebuild(
             locked_until=None,
             completed_at=now,
             expires_at=max(record.expires_at, now + settings.ttl),
-        )
+        ),
+        mine=True,
     )
 
 
@@ -247,7 +250,7 @@ def at_retry(flow: Flow, record: Record, why: Why, now: dt.datetime) -> Rebuilt 
         endpoint=request.endpoint,
         from_client=RECOVERY_ENVIRON_KEY not in request.environ,
     )
-    if rebuilt.record is not None:
+    if rebuilt.mine:  # a concurrent caller's answer is a replay here
         flow.telemetry.reconciled()
         run = request.environ.get(RECOVERY_ENVIRON_KEY)
         if isinstance(run, RecoveryRun):  # the job counts the record completed
