@@ -125,6 +125,10 @@ def reconcile_record(app: Flask, record: Record, *, endpoint: str | None = None)
     hook = settings.reconcile
     if hook is None:
         return Reconciled(record, False, "no reconcile hook (reconcile=, IDEMPOTENCY_RECONCILE)")
+    if route is None:
+        # The route's retention is the record's own (its claim set it), not
+        # the app's: an answer is never kept longer than its route says.
+        settings = dataclasses.replace(settings, ttl=record.retention)
     if record.request_path is not None and record.request_method is not None:
         headers = {"Content-Type": record.request_content_type or "application/octet-stream"}
         context = app.test_request_context(

@@ -5,6 +5,7 @@ rebuilt by the hook, and the exit code says whether all were."""
 
 from __future__ import annotations
 
+import datetime as dt
 import typing as t
 
 import pytest
@@ -195,3 +196,23 @@ def test_a_manual_routes_record_is_never_reconciled(shop: Flask, hook: Hook) -> 
     assert raw_record(shop) == before
     answer = post(shop.test_client(), "/manual-orders", {})
     assert (answer.status_code, answer.get_json()) == (200, {"previous": 500})
+
+
+def test_a_record_of_an_unknown_route_keeps_its_own_retention(
+    database_url: str, clock: Clock, hook: Hook
+) -> None:
+    # /leased-orders keeps no request and has ttl=3600; the app's is a day.
+    app = make_app(database_url, clock, hook, IDEMPOTENCY_TTL=24 * 3600)
+    fail_after_commit(app, "/leased-orders", "exception")
+    clock.advance(minutes=30)
+    done = cli(app, "--yes")
+    assert done.exit_code == 0, done.output
+    expires = raw_record(app)["expires_at"]
+    if isinstance(expires, str):  # SQLite
+        expires = dt.datetime.fromisoformat(expires)
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=dt.timezone.utc)
+    assert expires - clock.now <= dt.timedelta(hours=1, seconds=1)  # not the app's day
+    assert expires - clock.now >= dt.timedelta(minutes=59)
+    with app.app_context():
+        db.engine.dispose()
