@@ -9,11 +9,8 @@ import click
 from . import _cli
 from ._cli import CommandError, key_argument
 from ._context import resolve_app
-from ._maintenance.reconcile import candidates, reconcile_record
+from ._maintenance.reconcile import candidates, idempotent_endpoint, reconcile_record
 from ._storage import Record
-
-#: The most records one run lists or reconciles.
-MAX_RECORDS = 1000
 
 
 def _line(record: Record) -> str:
@@ -40,28 +37,37 @@ def reconcile(
     it past their lease) with the app's reconcile hook, which finds what was
     committed. Each record prints "rebuilt" or "not rebuilt" and why. A record
     under a live lease, a tombstone or an unreadable record is never touched.
+    Every such record is listed or asked for, however many (read 1000 at a time).
 
-    Exit 0 when every record was rebuilt (or none was found), 1 when some were not.
+    Exit 0 when every record was rebuilt (or none was found), 1 when some were
+    not, 2 when --endpoint names no route declared with @idem.idempotent.
     """
     state = _cli.current_state()
     _cli.require_tables(state.store.table)
     app = resolve_app()
-    found = candidates(app, scope=scope, key=key, limit=MAX_RECORDS)
+    if endpoint is not None:
+        try:
+            idempotent_endpoint(app, endpoint)
+        except ValueError as exc:  # a typo would silently ask another hook
+            raise click.BadParameter(str(exc), param_hint="--endpoint") from None
     if listing:
-        for record in found:
+        listed = 0
+        for record in candidates(app, scope=scope, key=key):
             click.echo(_line(record))
-        _cli.report(f"{len(found)} record(s) failed after commit")
-        return
-    if not found:
-        _cli.report("nothing to reconcile")
+            listed += 1
+        _cli.report(f"{listed} record(s) failed after commit")
         return
     if not yes:
+        total = sum(1 for _ in candidates(app, scope=scope, key=key))
+        if not total:
+            _cli.report("nothing to reconcile")
+            return
         click.confirm(
-            f"Ask the reconcile hook to rebuild the answers of {len(found)} record(s)?",
-            abort=True,
+            f"Ask the reconcile hook to rebuild the answers of {total} record(s)?", abort=True
         )
-    missed = 0
-    for record in found:
+    seen = missed = 0
+    for record in candidates(app, scope=scope, key=key):
+        seen += 1
         outcome = reconcile_record(app, record, endpoint=endpoint)
         if outcome.rebuilt:
             answered = outcome.record.response_code
@@ -69,5 +75,7 @@ def reconcile(
         else:
             missed += 1
             click.echo(f"not rebuilt\t{record.scope}\t{record.key}\t{outcome.reason}")
-    if missed:
-        raise CommandError(f"{missed} of {len(found)} record(s) not rebuilt")
+    if not seen:
+        _cli.report("nothing to reconcile")
+    elif missed:
+        raise CommandError(f"{missed} of {seen} record(s) not rebuilt")

@@ -293,7 +293,8 @@ class Idempotency(ViewAPI, OperatorAPI, FunctionAPI):
             answered (500 ``failed-after-commit``; on a leased route, a holder
             gone), given a :class:`~flask_idempotency.scope.ReconcileAttempt`:
             what a view returns, or ``None`` when it cannot tell (default
-            ``IDEMPOTENCY_RECONCILE``; see the reconcile guide).
+            ``IDEMPOTENCY_RECONCILE``; see the reconcile guide). Refused with
+            ``manual`` or ``optimistic``, where it is never asked.
         """
         route = route_options(
             schema=schema,

@@ -207,6 +207,9 @@ def _rerun(app: Flask, record: Record) -> bool | None:
     if record.request_content_type:
         headers["Content-Type"] = record.request_content_type
     client = app.test_client()
+    run = RecoveryRun(
+        record.scope, record.request_hash, record.rules_version, record.request_digest
+    )
     # An app context of its own, as a served request has: its own session, ended
     # (and its locks freed) when the re-run is over, not shared with the job's.
     with app.app_context():
@@ -215,12 +218,10 @@ def _rerun(app: Flask, record: Record) -> bool | None:
             method=record.request_method,
             data=record.request_body or b"",
             headers=headers,
-            environ_overrides={
-                RECOVERY_ENVIRON_KEY: RecoveryRun(
-                    record.scope, record.request_hash, record.rules_version, record.request_digest
-                )
-            },
+            environ_overrides={RECOVERY_ENVIRON_KEY: run},
         )
+    if "reconciled" in run.told:
+        return True  # the app's reconcile hook rebuilt its answer (answered 409: not run)
     if response.status_code == 409:
         return None
     if response.status_code < 400 and response.headers.get(REPLAYED_HEADER) != "true":

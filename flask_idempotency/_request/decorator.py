@@ -131,6 +131,15 @@ def route_options(
                 f"optimistic=True cannot be combined with {', '.join(refused)}: they need "
                 "a record before the view runs, and an optimistic route writes it after"
             )
+    if reconcile is not None and (manual or optimistic):
+        # Never asked there: a hook the route names would be dead code, unseen.
+        raise ValueError(
+            "reconcile= is never asked on a route with manual=True (its view decides with "
+            "idem.previous)"
+            if manual
+            else "reconcile= is never asked on a route with optimistic=True (its view cannot "
+            "commit on its own, so no answer is lost after a commit of its own)"
+        )
     route = RouteOptions(
         schema=loaded_schema,
         exclude=excluded,

@@ -32,7 +32,7 @@ from .._storage import COMPLETED, Record, Store, answer_values, dberrors, new_fe
 from ..errors import ClaimWaitExceeded
 from ..scope import ReconcileAttempt
 from .responses import Captured, capture, stored_failure
-from .steps import RECOVERY_ENVIRON_KEY
+from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
 
 if t.TYPE_CHECKING:
     from .flow import Flow
@@ -52,6 +52,8 @@ class Rebuilt:
 
     record: Record | None
     reason: str = ""
+    #: Whether this caller's hook gave the answer stored (not a concurrent one's).
+    mine: bool = False
 
 
 def why_of(record: Record) -> Why | None:
@@ -129,6 +131,8 @@ def rebuild(
     attempt = attempt_for(record, why, endpoint, from_client=from_client)
     try:
         answer = ask(hook, attempt, settings)
+        if not isinstance(answer, str):
+            answer = _hook_writes(session, session.flush) or answer
         if isinstance(answer, str):
             session.rollback()
             logger.warning(
@@ -162,7 +166,13 @@ def rebuild(
         if not won:
             session.rollback()
             return _other_outcome(session, store, record)
-        session.commit()
+        refused = _hook_writes(session, session.commit)
+        if refused is not None:  # a deferred constraint on the hook's writes
+            session.rollback()
+            logger.warning(
+                "%r in scope %r (%s): no answer rebuilt: %s", record.key, record.scope, why, refused
+            )
+            return Rebuilt(None, refused)
     except BaseException:
         session.rollback()
         raise
@@ -185,8 +195,23 @@ def rebuild(
             locked_until=None,
             completed_at=now,
             expires_at=max(record.expires_at, now + settings.ttl),
-        )
+        ),
+        mine=True,
     )
+
+
+def _hook_writes(session: Session, send: t.Callable[[], None]) -> str | None:
+    """``send`` (the session's flush, or its commit) what the hook left
+    pending; why not, when the database refuses those writes (a constraint):
+    that is the hook's failure, like an exception of its own, and nothing is
+    rebuilt. The database gone, busy or read-only is raised, as anywhere."""
+    try:
+        send()
+    except Exception as exc:
+        if dberrors.classify(exc) is not None or dberrors.read_only_reason(exc):
+            raise
+        return f"the hook's writes were refused ({type(exc).__name__})"
+    return None
 
 
 def _other_outcome(session: Session, store: Store, record: Record) -> Rebuilt:
@@ -225,6 +250,9 @@ def at_retry(flow: Flow, record: Record, why: Why, now: dt.datetime) -> Rebuilt 
         endpoint=request.endpoint,
         from_client=RECOVERY_ENVIRON_KEY not in request.environ,
     )
-    if rebuilt.record is not None:
+    if rebuilt.mine:  # a concurrent caller's answer is a replay here
         flow.telemetry.reconciled()
+        run = request.environ.get(RECOVERY_ENVIRON_KEY)
+        if isinstance(run, RecoveryRun):  # the job counts the record completed
+            run.told.add("reconciled")
     return rebuilt

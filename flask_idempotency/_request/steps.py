@@ -51,6 +51,10 @@ class RecoveryRun:
     #: The record's fingerprint rules version and request digest, kept as they are.
     rules_version: str | None = None
     digest: str | None = None
+    #: What the re-run tells the job back (``"reconciled"``: the app's hook
+    #: rebuilt the record's answer). A set of the job's own: the test client
+    #: copies the environ, not the objects in it.
+    told: set[str] = dataclasses.field(default_factory=set, compare=False)
 
 
 logger = logging.getLogger("flask_idempotency")

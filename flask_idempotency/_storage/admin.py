@@ -77,10 +77,12 @@ class OperatorQueries(Statements):
         scope: str | None = None,
         key: str | None = None,
         limit: int = 1000,
+        after: Record | None = None,
     ) -> list[Record]:
         """Records holding a 500 answer, completed or in progress, oldest first
-        (of ``scope``, and ``key``, where given): those whose view committed
-        and whose request never answered are among them, which the caller tells
+        (of ``scope``, and ``key``, where given; only those after ``after`` in
+        that order, to read page by page): those whose view committed and
+        whose request never answered are among them, which the caller tells
         apart by their answer (``reconcile``). Unreadable ones are returned
         with :attr:`.Record.unreadable` set."""
         c = self.table.c
@@ -91,6 +93,20 @@ class OperatorQueries(Statements):
             stmt = stmt.where(c.scope == text_param("w_scope", scope))
         if key is not None:
             stmt = stmt.where(c.key == text_param("w_key", key))
+        if after is not None:
+            # (created_at, scope, key) > the last one read, spelled out: row
+            # value comparison is not on every engine SQLAlchemy supports.
+            at = sa.bindparam("a_created", after.created_at, type_=c.created_at.type)
+            a_scope, a_key = text_param("a_scope", after.scope), text_param("a_key", after.key)
+            stmt = stmt.where(
+                sa.or_(
+                    c.created_at > at,
+                    sa.and_(
+                        c.created_at == at,
+                        sa.or_(c.scope > a_scope, sa.and_(c.scope == a_scope, c.key > a_key)),
+                    ),
+                )
+            )
         stmt = stmt.order_by(c.created_at, c.scope, c.key).limit(limit)
         return [self._record_or_unreadable(r._mapping) for r in conn.execute(stmt)]
 

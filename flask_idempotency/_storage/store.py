@@ -180,11 +180,13 @@ class Store(HeldRecord, OperatorQueries):
             if wait is not None:
                 try:
                     dialect.restore_wait(executor, previous, failed=failed)
-                except sa_exc.DBAPIError:
+                except (sa_exc.DBAPIError, sa_exc.PendingRollbackError):
                     if not failed:
                         raise
                     # The failure took the connection with it: the pool discards
-                    # it, and the original error is the one to report.
+                    # it, and the original error is the one to report (a
+                    # session whose connection was lost refuses every statement
+                    # until rolled back: PendingRollbackError, no DBAPIError).
 
     def _wait_exceeded(self, exc: sa_exc.DBAPIError) -> ClaimWaitExceeded:
         on_record = dberrors.waited_on_row(exc, self.table.name)

@@ -2,7 +2,8 @@
 idempotency key, and the app's reconcile hook (:class:`Hook`) finds it, or
 misbehaves as a test tells it. ``/orders`` claims in the view's transaction,
 ``/leased-orders`` commits its claim first, ``/gift-orders`` has a hook of its
-own; an ``X-Fail`` header makes the view fail after its commit."""
+own, ``/manual-orders`` is in manual mode (keeping its request); an ``X-Fail``
+header makes the view fail after its commit."""
 
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def place_gift() -> t.Any:
 @bp.post("/recoverable-orders")
 @idem.idempotent(lease=LEASE, ttl=3600, recover=True)
 def place_recoverable() -> t.Any:
+    return _place()
+
+
+@bp.post("/manual-orders")
+@idem.idempotent(manual=True, lease=LEASE, ttl=3600, recover=True)
+def place_manual() -> t.Any:
+    if idem.previous is not None:  # the view decides, never the hook
+        return {"previous": idem.previous.response_code}, 200
     return _place()
 
 
