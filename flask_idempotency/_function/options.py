@@ -18,7 +18,7 @@ import inspect
 import json
 import typing as t
 
-from marshmallow import Schema
+from marshmallow import Schema, ValidationError
 
 from .._request.canonical import UnknownValueError, canonical_json
 from .._request.fingerprint import SchemaArg, bound_to, compute, resolve_schema
@@ -61,6 +61,15 @@ class FunctionOptions:
         arguments: dict[str, t.Any] = {}
         for name, value in bound.arguments.items():
             if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                # A positional-only parameter's name given as a keyword lands
+                # here: as one name, one would hide the other in the fingerprint.
+                clash = sorted(set(value) & set(self.signature.parameters))
+                if clash:
+                    raise TypeError(
+                        f"@idem.function {self.name}: the keyword argument {clash[0]!r} has the "
+                        "name of a positional-only parameter; the fingerprint (and key=, "
+                        "exclude=) could not tell them apart. Give it another name."
+                    )
                 arguments.update(value)
             else:
                 arguments[name] = value
@@ -107,15 +116,20 @@ class FunctionOptions:
         ``TypeError`` naming the function when it cannot be."""
         try:
             data = self.schema.dump(value) if self.schema is not None else value
-            return json.dumps(
+            stored = json.dumps(
                 data, default=_decimal_as_text, allow_nan=False, separators=(",", ":")
             ).encode("utf-8")
-        except (TypeError, ValueError, RecursionError, AttributeError) as exc:
+            if self.schema is not None:
+                # What a repeat will load: a value its schema refuses (a dump_only
+                # field, a validator) would fail every repeat for the retention.
+                self.schema.load(json.loads(stored))
+            return stored
+        except (TypeError, ValueError, RecursionError, AttributeError, ValidationError) as exc:
             how = f"through {type(self.schema).__qualname__}" if self.schema else "as JSON"
             raise TypeError(
                 f"@idem.function {self.name}: its return value (a {type(value).__qualname__}) "
                 f"cannot be stored {how} ({exc}). Return JSON data, or give schema= a "
-                "marshmallow schema that dumps it."
+                "marshmallow schema that dumps it and loads it back."
             ) from exc
 
     def load(self, stored: bytes) -> t.Any:
