@@ -225,5 +225,5 @@ def function_options(
         key=key,
         exclude=excluded,
         schema=resolve_schema(schema),
-        route=dataclasses.replace(route, view_name=f"@idem.function {name}"),
+        route=dataclasses.replace(route, view_name=f"@idem.function {name}", function=True),
     )

@@ -6,16 +6,27 @@ what it does not load back. Side effects read from the database.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import typing as t
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from flask import Flask
 from marshmallow import Schema, fields
 
-from flask_idempotency import inbox
-from tests.conftest import ledger_count, record_rows
+from flask_idempotency import COMPLETED, inbox
+from flask_idempotency.errors import FailedAfterCommitError
+from flask_idempotency.jobs import recover_abandoned
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
+from tests.support import function_jobs
 from tests.support.testapp import Ledger, db, idem
+
+ROOT = Path(__file__).resolve().parents[3]
+RUN = "import sys; from tests.support.function_jobs import main; main(*sys.argv[1:])"
 
 CALLS: list[str] = []
 
@@ -115,3 +126,57 @@ def test_a_value_its_schema_does_not_load_back_is_not_stored(app: Flask) -> None
         assert total("s-1", "total") == {"id": 7, "total": 5}
         assert total.outcome("s-1", "total").value == {"total": 5}
     assert CALLS == ["s-1", "s-1"]
+
+
+def test_the_reconcile_hooks_never_answer_for_a_function(
+    make_app: t.Callable[..., Flask], clock: Clock, database_url: str
+) -> None:
+    # An app-wide hook (written for routes) that would find the committed row:
+    # asked for a function's record, its HTTP answer would become the value.
+    asked: list[str] = []
+
+    def hook(attempt: t.Any) -> t.Any:
+        asked.append(attempt.key)
+        return {"ledger": "found"}, 200
+
+    app = make_app(IDEMPOTENCY_RECONCILE=hook)
+    reset_tables(database_url)
+    # Killed (SIGKILL) right after the function's own commit: in progress,
+    # holding the failure its commit stored.
+    run = subprocess.run(
+        [sys.executable, "-c", RUN, database_url, "book", "b-1", "-", "commit"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == -9, run.stderr.decode()
+    # And one that raised after its commit: completed with its failure.
+    with app.app_context(), pytest.raises(KeyboardInterrupt):
+        interrupted("i-1")
+    cli = app.test_cli_runner()
+    listed = cli.invoke(args=["idempotency", "reconcile", "--list"])
+    assert "b-1" not in listed.output
+    assert "i-1" not in listed.output
+    assert cli.invoke(args=["idempotency", "reconcile", "--yes"]).exit_code == 0
+    clock.advance(seconds=3600)  # past the lease the killed call's commit took
+    assert recover_abandoned(app).completed == 1  # settled with its failure
+    with app.app_context():
+        with pytest.raises(FailedAfterCommitError):
+            function_jobs.book("b-1")
+        with pytest.raises(FailedAfterCommitError):
+            interrupted("i-1")
+    assert asked == []
+    found = {(r["scope"], r["key"]): r for r in record_rows(app)}
+    assert {(r["status"], r["response_code"]) for r in found.values()} == {(COMPLETED, 500)}
+    # The function's name, not a request: shown to the operator, never sent.
+    assert {r["request_method"] for r in found.values()} == {None}
+    shown = cli.invoke(args=["idempotency", "show", "jobs.book", "b-1"])
+    assert json.loads(shown.output)["function"] == "tests.support.function_jobs.book"
+
+
+@idem.function(scope="edges.interrupted", key="key")
+def interrupted(key: str) -> None:
+    db.session.add(Ledger(route="interrupted", key=key, amount=1))
+    db.session.commit()
+    raise KeyboardInterrupt
