@@ -180,3 +180,14 @@ def interrupted(key: str) -> None:
     db.session.add(Ledger(route="interrupted", key=key, amount=1))
     db.session.commit()
     raise KeyboardInterrupt
+
+
+def test_a_lease_longer_than_the_apps_ttl_names_the_function(
+    make_app: t.Callable[..., Flask],
+) -> None:
+    app = make_app(IDEMPOTENCY_TTL=300)
+    leased = idem.function(scope="edges.lease", key="key", lease=600)(interrupted.__wrapped__)
+    with app.app_context(), pytest.raises(ValueError, match=r"^@idem.function tests\.") as raised:
+        leased("l-1")
+    assert "@idem.idempotent" not in str(raised.value)
+    assert record_rows(app) == []
