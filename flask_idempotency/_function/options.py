@@ -145,6 +145,14 @@ def _decimal_as_text(value: t.Any) -> t.Any:
     raise TypeError(f"a {type(value).__qualname__} is not JSON data")
 
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _variadic(param: inspect.Parameter) -> str:
+    stars = "**" if param.kind is inspect.Parameter.VAR_KEYWORD else "*"
+    return f"{stars}{param.name}"
+
+
 def check_scope(scope: t.Any, name: str) -> str:
     """``scope`` if it is a usable scope (a route's limits), else the error naming ``name``."""
     if not isinstance(scope, str) or not scope:
@@ -200,6 +208,11 @@ def function_options(
     elif not callable(scope):
         raise TypeError(f"@idem.function {name}: scope= must be a str or a callable, not {scope!r}")
     if isinstance(key, str):
+        if key in params and params[key].kind in _VARIADIC:
+            raise ValueError(
+                f"@idem.function {name}: key={key!r} names its {_variadic(params[key])} "
+                "parameter, not one value; name an item of **kwargs, or give key= a callable"
+            )
         if key not in params and not takes_any:
             raise ValueError(
                 f"@idem.function {name}: key={key!r} names no parameter of it "
@@ -218,6 +231,22 @@ def function_options(
     for path in exclude_paths(excluded):
         if path[0] not in params and not takes_any:
             raise ValueError(f"@idem.function {name}: exclude names no parameter {path[0]!r}")
+        param = params.get(path[0])
+        if param is not None and (
+            param.kind is inspect.Parameter.VAR_KEYWORD
+            or (param.kind is inspect.Parameter.VAR_POSITIONAL and len(path) > 1)
+        ):
+            # **kwargs items count as parameters of their own (name them); the
+            # paths reach into dicts, not into the *args tuple.
+            raise ValueError(
+                f"@idem.function {name}: exclude={'.'.join(map(str, path))!r} reaches into its "
+                f"{_variadic(param)} parameter; "
+                + (
+                    "its items count as parameters: name them (exclude=('trace',))"
+                    if param.kind is inspect.Parameter.VAR_KEYWORD
+                    else "exclude all of it, or take the value as a parameter of its own"
+                )
+            )
     return FunctionOptions(
         name=name,
         signature=signature,

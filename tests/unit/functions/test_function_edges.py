@@ -191,3 +191,26 @@ def test_a_lease_longer_than_the_apps_ttl_names_the_function(
         leased("l-1")
     assert "@idem.idempotent" not in str(raised.value)
     assert record_rows(app) == []
+
+
+def _options(k: str, *items: t.Any, **opts: t.Any) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        # **opts's items count as parameters: a path through it would do nothing.
+        ({"exclude": ("opts.trace",)}, r"'opts\.trace' reaches into its \*\*opts parameter"),
+        ({"exclude": ("opts",)}, r"reaches into its \*\*opts"),
+        ({"exclude": ("items.0",)}, r"'items\.0' reaches into its \*items"),
+        ({"key": "opts"}, r"key='opts' names its \*\*opts parameter"),
+        ({"key": "items"}, r"key='items' names its \*items parameter"),
+    ],
+)
+def test_variadic_parameters_are_named_by_their_items(
+    options: dict[str, t.Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        idem.function(**{"scope": "s", "key": "k", **options})(_options)
+    # What works: an item of **opts by its name, all of *items.
+    idem.function(scope="s", key="trace", exclude=("items", "attempt"))(_options)
