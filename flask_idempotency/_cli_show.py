@@ -53,6 +53,9 @@ def record_document(record: Record, *, reveal: bool) -> dict[str, t.Any]:
         "expires_at": _cli.iso(record.expires_at),
         "revealed": reveal,
     }
+    if record.function_call:
+        # An idempotent function's record: its path is the function's name.
+        document["function"] = t.cast(str, record.request_path).removeprefix("@idem.function ")
     if record.unreadable is not None:
         # Its sealed data did not open (encryption at rest): what is in clear, and why.
         document["unreadable"] = record.unreadable

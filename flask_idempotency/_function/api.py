@@ -100,6 +100,12 @@ class FunctionAPI:
         """
         try:
             route = self._function_route(ttl, lease, wait)
+            for name in ("ttl", "lease"):
+                # Zero passes the routes' decorator (their app's settings refuse
+                # it at init_app): refused here, not at the first call.
+                given = route.overrides.get(name)
+                if given is not None and given <= dt.timedelta(0):
+                    raise ValueError(f"@idem.function: {name}= must be positive, got {given}")
         except (TypeError, ValueError) as exc:  # worded for routes: name the decorator
             raise type(exc)(str(exc).replace("@idem.idempotent", "@idem.function")) from None
 

@@ -26,6 +26,7 @@ from .._context import (
     set_request_state,
 )
 from .._failures import SealBroken
+from .._messaging.inbox import holds_inbox_row
 from .._request.claim import claim_key
 from .._request.decorator import unreadable
 from .._request.flow import Flow
@@ -99,6 +100,16 @@ def call(
             f"@idem.function {name}: the session holds changes not flushed yet; the call "
             "commits (or rolls back) the session's transaction with its record. Commit "
             "them first, or make them inside the function."
+        )
+    if holds_inbox_row(session()):
+        # An inbox's delivery (inbox.process, @inbox.consumer): the call would
+        # commit its row before the consumer's work is done, or roll it back.
+        raise RuntimeError(
+            f"@idem.function {name} was called inside an inbox delivery (inbox.process, "
+            "@inbox.consumer, inbox.mark_processed) whose row is not committed yet: the call "
+            "commits or rolls back the session's transaction, which would mark the event "
+            "processed before the consumer's work is done. Call it outside the delivery's "
+            "transaction: its own record already makes it run once per key."
         )
     # Not counted as a request (its metrics are HTTP routes'): see docs/functions.md.
     observed = telemetry.request(name, "CALL")

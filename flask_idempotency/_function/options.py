@@ -18,7 +18,7 @@ import inspect
 import json
 import typing as t
 
-from marshmallow import Schema
+from marshmallow import Schema, ValidationError
 
 from .._request.canonical import UnknownValueError, canonical_json
 from .._request.fingerprint import SchemaArg, bound_to, compute, resolve_schema
@@ -61,6 +61,15 @@ class FunctionOptions:
         arguments: dict[str, t.Any] = {}
         for name, value in bound.arguments.items():
             if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                # A positional-only parameter's name given as a keyword lands
+                # here: as one name, one would hide the other in the fingerprint.
+                clash = sorted(set(value) & set(self.signature.parameters))
+                if clash:
+                    raise TypeError(
+                        f"@idem.function {self.name}: the keyword argument {clash[0]!r} has the "
+                        "name of a positional-only parameter; the fingerprint (and key=, "
+                        "exclude=) could not tell them apart. Give it another name."
+                    )
                 arguments.update(value)
             else:
                 arguments[name] = value
@@ -107,15 +116,20 @@ class FunctionOptions:
         ``TypeError`` naming the function when it cannot be."""
         try:
             data = self.schema.dump(value) if self.schema is not None else value
-            return json.dumps(
+            stored = json.dumps(
                 data, default=_decimal_as_text, allow_nan=False, separators=(",", ":")
             ).encode("utf-8")
-        except (TypeError, ValueError, RecursionError, AttributeError) as exc:
+            if self.schema is not None:
+                # What a repeat will load: a value its schema refuses (a dump_only
+                # field, a validator) would fail every repeat for the retention.
+                self.schema.load(json.loads(stored))
+            return stored
+        except (TypeError, ValueError, RecursionError, AttributeError, ValidationError) as exc:
             how = f"through {type(self.schema).__qualname__}" if self.schema else "as JSON"
             raise TypeError(
                 f"@idem.function {self.name}: its return value (a {type(value).__qualname__}) "
                 f"cannot be stored {how} ({exc}). Return JSON data, or give schema= a "
-                "marshmallow schema that dumps it."
+                "marshmallow schema that dumps it and loads it back."
             ) from exc
 
     def load(self, stored: bytes) -> t.Any:
@@ -129,6 +143,14 @@ def _decimal_as_text(value: t.Any) -> t.Any:
     if isinstance(value, decimal.Decimal):
         return str(value)
     raise TypeError(f"a {type(value).__qualname__} is not JSON data")
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _variadic(param: inspect.Parameter) -> str:
+    stars = "**" if param.kind is inspect.Parameter.VAR_KEYWORD else "*"
+    return f"{stars}{param.name}"
 
 
 def check_scope(scope: t.Any, name: str) -> str:
@@ -186,6 +208,11 @@ def function_options(
     elif not callable(scope):
         raise TypeError(f"@idem.function {name}: scope= must be a str or a callable, not {scope!r}")
     if isinstance(key, str):
+        if key in params and params[key].kind in _VARIADIC:
+            raise ValueError(
+                f"@idem.function {name}: key={key!r} names its {_variadic(params[key])} "
+                "parameter, not one value; name an item of **kwargs, or give key= a callable"
+            )
         if key not in params and not takes_any:
             raise ValueError(
                 f"@idem.function {name}: key={key!r} names no parameter of it "
@@ -204,6 +231,22 @@ def function_options(
     for path in exclude_paths(excluded):
         if path[0] not in params and not takes_any:
             raise ValueError(f"@idem.function {name}: exclude names no parameter {path[0]!r}")
+        param = params.get(path[0])
+        if param is not None and (
+            param.kind is inspect.Parameter.VAR_KEYWORD
+            or (param.kind is inspect.Parameter.VAR_POSITIONAL and len(path) > 1)
+        ):
+            # **kwargs items count as parameters of their own (name them); the
+            # paths reach into dicts, not into the *args tuple.
+            raise ValueError(
+                f"@idem.function {name}: exclude={'.'.join(map(str, path))!r} reaches into its "
+                f"{_variadic(param)} parameter; "
+                + (
+                    "its items count as parameters: name them (exclude=('trace',))"
+                    if param.kind is inspect.Parameter.VAR_KEYWORD
+                    else "exclude all of it, or take the value as a parameter of its own"
+                )
+            )
     return FunctionOptions(
         name=name,
         signature=signature,
@@ -211,5 +254,5 @@ def function_options(
         key=key,
         exclude=excluded,
         schema=resolve_schema(schema),
-        route=dataclasses.replace(route, view_name=f"@idem.function {name}"),
+        route=dataclasses.replace(route, view_name=f"@idem.function {name}", function=True),
     )

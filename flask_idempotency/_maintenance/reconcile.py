@@ -7,9 +7,10 @@ stored request where it kept one (``recover=True``), else a bare one.
 Which hook: the route the stored request reaches, else the one of the
 endpoint the operator names, else ``IDEMPOTENCY_RECONCILE``. Refused as the
 job refuses: a record under a live lease (running), a tombstone, an
-unreadable record (its key not configured), an answer of the view's own; and,
-as in a request, a record of a route in manual mode (found from its stored
-request or the endpoint named: a record that kept neither cannot tell).
+unreadable record (its key not configured), an answer of the view's own, an
+idempotent function's record; and, as in a request, a record of a route in
+manual mode (found from its stored request or the endpoint named: a record
+that kept neither cannot tell).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def candidates(
                 conn, scope=scope, key=key, limit=page, after=after
             )
         for record in found:
+            if record.function_call:
+                continue  # an idempotent function's: no hook of a route answers for it
             if record.unreadable is not None or (why_of(record) and not record.lease_live(now)):
                 yield record
         if len(found) < page:
@@ -114,6 +117,10 @@ def reconcile_record(app: Flask, record: Record, *, endpoint: str | None = None)
     """Ask the hook for ``record``'s answer and store it (fenced), or say why not."""
     if record.unreadable is not None:
         return Reconciled(record, False, f"unreadable: {record.unreadable}")
+    if record.function_call:
+        # Its stored value is the function's return value: a hook answers as a
+        # route's view would, so its failure stands (docs/functions.md).
+        return Reconciled(record, False, "an idempotent function's record")
     why = why_of(record)
     if why is None:
         return Reconciled(record, False, "not a failure after commit")

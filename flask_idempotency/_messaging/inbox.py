@@ -10,6 +10,7 @@ import random
 import threading
 import time
 import typing as t
+import weakref
 
 import sqlalchemy as sa
 from flask import current_app, has_app_context
@@ -33,6 +34,20 @@ _DEFAULT_TTL_TOLD = threading.Event()
 
 #: The longest consumer name or event id the inbox keeps (characters).
 MAX_ID_LENGTH = 255
+
+#: ``Session.info`` key: the transaction (a weak reference) in which this
+#: session wrote an inbox row it has not committed yet.
+_ROW_PENDING = "flask_idempotency.inbox_row_pending"
+
+
+def holds_inbox_row(session: Session) -> bool:
+    """Whether ``session``'s current transaction holds an inbox row it wrote
+    (:func:`mark_processed`) and has not committed yet: committing it now, before
+    the consumer's work is done, would mark the event processed without it
+    (``idem.function`` refuses to be called then)."""
+    held = session.info.get(_ROW_PENDING)
+    transaction = session.get_transaction()
+    return held is not None and transaction is not None and held() is transaction
 
 
 def _utc_now() -> dt.datetime:
@@ -124,7 +139,7 @@ def mark_processed(
     # or the renewal below: no row then means "not processed", so insert again.
     for _ in range(ATTEMPTS):
         if inbox_sql.insert(session, dialect, params):
-            return True
+            return _row_pending(session)
         # The id is there, committed. Only an expired one is taken over; a live
         # one is left without a write lock (on MySQL every waiter holds a shared
         # lock on it after INSERT IGNORE: a write by each would deadlock them).
@@ -149,7 +164,7 @@ def mark_processed(
             },
         )
         if renewed:
-            return True
+            return _row_pending(session)
         # Renewed by a concurrent delivery (the insert now meets its live row:
         # processed) or deleted by cleanup (the insert writes it: fresh).
     raise RuntimeError(
@@ -216,6 +231,16 @@ def process(
 
 #: Attempts at the insert when the database picks it as a deadlock victim.
 ATTEMPTS = 5
+
+
+def _row_pending(session: Session | scoped_session[t.Any]) -> bool:
+    """Note that ``session``'s transaction now holds an inbox row (see
+    :func:`holds_inbox_row`); ``True``, the delivery's verdict."""
+    current = session() if isinstance(session, scoped_session) else session
+    transaction = current.get_transaction()
+    if transaction is not None:
+        current.info[_ROW_PENDING] = weakref.ref(transaction)
+    return True
 
 
 def _mark_retrying(

@@ -109,6 +109,9 @@ def claim_values(flow: Flow, fingerprint: str, now: dt.datetime) -> dict[str, t.
             request_content_type=content_type,
             request_body=body,
         )
+    elif flow.route.function:
+        # No request: the function's name, which tells its record apart.
+        values.update(request_path=flow.route.view_name)
     return values
 
 

@@ -29,6 +29,10 @@ class RouteOptions:
     view_name: str = "a view"
     #: Fields never kept in the stored request (``redact=``), as written.
     redact: tuple[str, ...] = ()
+    #: An idempotent function's settings (``idem.function``), not a route's: its
+    #: records keep ``view_name`` as their path, without a method, which tells
+    #: them apart (``Record.function_call``).
+    function: bool = False
 
     def settings_for(self, app_settings: Settings) -> Settings:
         """The app's settings with this route's overrides; validated.
@@ -57,7 +61,7 @@ class RouteOptions:
             check_retention(
                 settings.ttl,
                 settings.lease,
-                f"@idem.idempotent on {self.view_name}",
+                self.view_name if self.function else f"@idem.idempotent on {self.view_name}",
                 names=(
                     "ttl=" if "ttl" in self.overrides else "ttl (IDEMPOTENCY_TTL)",
                     "lease="

@@ -291,6 +291,13 @@ class Record:
         """The request was stored, so the recovery job can run it without the client."""
         return self.request_method is not None and self.request_path is not None
 
+    @property
+    def function_call(self) -> bool:
+        """An idempotent function's record (``idem.function``): it keeps the
+        function's name as its path, without a method. Never a request to send,
+        nor a route's for a reconcile hook to answer."""
+        return self.request_method is None and self.request_path is not None
+
     @classmethod
     def from_row(cls, row: t.Any) -> Record:
         """The record of a row SQLAlchemy returned."""

@@ -354,6 +354,9 @@ def test_the_cli_shows_and_releases_a_function_record(app: Flask, clock: Clock) 
         ({"scope": "s", "key": "k", "exclude": ("other",)}, ValueError, "names no parameter"),
         ({"scope": "s", "key": "k", "ttl": "1 day"}, TypeError, "ttl"),
         ({"scope": "s", "key": "k", "lease": "long"}, TypeError, "lease"),
+        # Zero: the routes' decorator lets it through to init_app's settings.
+        ({"scope": "s", "key": "k", "ttl": 0}, ValueError, "@idem.function: ttl= must be positive"),
+        ({"scope": "s", "key": "k", "lease": 0.0}, ValueError, "lease= must be positive"),
         ({"scope": "s", "key": "k", "schema": dict}, TypeError, "schema"),
     ],
 )

@@ -26,7 +26,8 @@ JSON = [("Content-Type", "application/json")]
 def test_a_function_record_stores_its_value_and_is_never_a_request_to_rerun(impl: Impl) -> None:
     impl.store.keyring = seal.Keyring(keys=(("a", bytes(range(32))),))
     now, key = now_ms(), new_key()
-    values = record_values(key, now)  # no request_* columns: a function's claim
+    # No request: the function's name as its path, without a method (a function's claim).
+    values = {**record_values(key, now), "request_path": "@idem.function billing.charge"}
     claimed(impl, values)
     with Session(impl.engine) as session:
         assert impl.store.complete(
@@ -49,13 +50,19 @@ def test_a_function_record_stores_its_value_and_is_never_a_request_to_rerun(impl
         record = impl.store.load(conn, SCOPE, key)
     assert record is not None
     assert (record.response_body, record.recoverable) == (VALUE, False)
+    assert (record.request_path, record.function_call) == ("@idem.function billing.charge", True)
+    assert "billing.charge" not in str(row["request_path"])  # sealed as a request's path
+    with impl.engine.connect() as conn:  # and so found by the operator's queries
+        found = impl.store.failed_after_commit(conn, scope=SCOPE, key=None, limit=10)
+    assert key not in {r.key for r in found}  # its 200 is no failure
 
 
 def test_an_abandoned_function_record_is_released_or_kept_for_its_steps(impl: Impl) -> None:
     now = now_ms()
     bare, stepped, committed = new_key(), new_key(), new_key()
     for key in (bare, stepped, committed):
-        claimed(impl, record_values(key, now - 2 * HOUR, lease=HOUR))
+        values = record_values(key, now - 2 * HOUR, lease=HOUR)
+        claimed(impl, {**values, "request_path": "@idem.function jobs.book"})
     rows = impl.rows()
     with impl.engine.begin() as conn:
         # A step saved on one; the other's function committed work of its own.
@@ -72,6 +79,7 @@ def test_an_abandoned_function_record_is_released_or_kept_for_its_steps(impl: Im
     # The one with steps waits for its caller; none is a request to re-run.
     assert set(found) == {bare, committed}
     assert not any(r.recoverable for r in found.values())
+    assert all(r.function_call for r in found.values())  # its name read back
     assert found[committed].view_committed
     with impl.engine.begin() as conn:
         assert impl.store.delete_releasable(conn, found[bare], now)
