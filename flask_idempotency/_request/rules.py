@@ -200,12 +200,17 @@ def compute_version(
     exclude: t.Iterable[str],
     form_ignored: t.Iterable[str],
     key: bytes | None,
+    view: str = "",
 ) -> str:
     """The rules version of a route: 16 hex digits of a SHA-256 over the
-    canonical form's version, the schema's description, the excluded paths
-    and ignored form fields (sorted) and the fingerprint key's identity."""
+    canonical form's version, the view's name, the schema's description, the
+    excluded paths and ignored form fields (sorted) and the fingerprint key's
+    identity. The view's name keeps two routes with alike rules apart: a
+    record whose version another route has now came from that route (a key
+    reused across routes sharing a scope), not from this one's earlier rules."""
     description = {
         "canonical": canonical.CANONICAL_FORM_VERSION,
+        "view": view,
         "schema": None if schema is None else describe_schema(schema),
         "exclude": sorted(list(path) for path in exclude_paths(exclude)),
         "form_ignored": sorted(form_ignored),
@@ -223,7 +228,7 @@ def rules_version(route: RouteOptions, key: bytes | None, form_field: str | None
     known = _versions.get(route)
     if known is not None and inputs in known:
         return known[inputs]
-    version = compute_version(route.schema, route.exclude, ignored, key)
+    version = compute_version(route.schema, route.exclude, ignored, key, route.view_name)
     with _versions_lock:
         _versions.setdefault(route, {})[inputs] = version
     return version

@@ -1,7 +1,8 @@
 """Fingerprints across a deploy, the cases a review found: what the request
 digest counts for forms (one that does not parse, one parsed before the
 extension on one version only), and a field's load parameter the rules version
-must see (``fields.Decimal``'s ``places``). On every engine, through real
+must see (``fields.Decimal``'s ``places``, the view's name for two routes
+sharing a scope). On every engine, through real
 requests; orders counted. The digest and version themselves:
 :mod:`flask_idempotency._request.rules`; the main cases: test_deploys.py."""
 
@@ -13,10 +14,12 @@ import sys
 import typing as t
 
 from flask import Flask, request
+from flask_sqlalchemy import SQLAlchemy
 from marshmallow import Schema, fields
 
+from flask_idempotency import Idempotency
 from flask_idempotency._request import rules
-from tests.support.deploys import make_version, orders, post
+from tests.support.deploys import FIRST, OTHER_BYTES, make_version, order_schema, orders, post
 from tests.support.flow import assert_problem
 
 from .test_deploys import KEY_REUSED, RULES_CHANGED
@@ -142,3 +145,49 @@ def test_the_rules_version_is_the_same_in_every_process() -> None:
     assert rules.compute_version(_decimal_schema(2), (), (), None) != rules.compute_version(
         _decimal_schema(0), (), (), None
     )
+
+
+def _shared_scope_version(url: str, exclude_on_a: list[str]) -> tuple[Flask, t.Any]:
+    """Routes ``/a`` and ``/b`` of one service: one scope, one schema object."""
+    app = Flask("shared")
+    app.config["SQLALCHEMY_DATABASE_URI"] = url
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db, scope=lambda: "tenant:a")
+    schema = order_schema()
+
+    @app.post("/a")
+    @idem.idempotent(schema=schema, exclude=exclude_on_a)
+    def create_a() -> tuple[dict[str, str], int]:
+        return {"route": "a"}, 201
+
+    @app.post("/b")
+    @idem.idempotent(schema=schema)
+    def create_b() -> tuple[dict[str, str], int]:
+        return {"route": "b"}, 201
+
+    with app.app_context():
+        db.create_all()
+    return app, db
+
+
+def test_a_rules_change_on_one_of_two_routes_sharing_a_scope_is_told_as_such(
+    fresh_database: str,
+) -> None:
+    """Route B keeps the rules route A had: a retry on A of a record A made
+    before its change, with other bytes, is ``fingerprint-rules-changed`` (it
+    was ``key-reused``: "another operation", while the first may have run);
+    a retry on B of A's record stays ``key-reused``, as across routes."""
+    (v1, db1), (v2, _) = (
+        _shared_scope_version(fresh_database, []),
+        _shared_scope_version(fresh_database, ["note"]),
+    )
+    headers = {"Idempotency-Key": "shared-1", "Content-Type": "application/json"}
+    assert v1.test_client().post("/a", data=FIRST, headers=headers).status_code == 201
+    again = v2.test_client().post("/a", data=FIRST, headers=headers)
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    changed = assert_problem(v2.test_client().post("/a", data=OTHER_BYTES, headers=headers), 422)
+    assert changed["type"] == RULES_CHANGED
+    on_b = assert_problem(v1.test_client().post("/b", data=FIRST, headers=headers), 422)
+    assert on_b["type"] == KEY_REUSED
+    with v1.app_context():
+        db1.engine.dispose()
