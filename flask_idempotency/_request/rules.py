@@ -243,10 +243,9 @@ def request_digest(key: bytes | None, bound: bytes) -> str:
     A form (urlencoded or multipart) counts as its parsed fields and files
     (each file by its SHA-256), every field included, and its media type
     without parameters, whether or not something parsed it before the
-    extension read it: a browser
-    sends the same form with a new random boundary on each submission. A
-    form that does not parse counts as its bytes (never as an empty form:
-    two such bodies would share a digest)."""
+    extension read it: a browser sends the same form with a new random
+    boundary on each submission. A form that does not parse counts as its
+    bytes (never as an empty form: two such bodies would share a digest)."""
     # A form counts as its parsed fields whether or not something parsed it
     # before the extension (a version with CSRFProtect, one without: the same
     # bytes must agree across them).
