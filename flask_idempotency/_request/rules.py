@@ -31,8 +31,7 @@ from ..errors import RulesChangedError
 from . import canonical
 from .canonical import canonical_json
 from .fingerprint import exclude_paths, hook_tags, keyed_hmac, read_body
-from .forms import MULTIPART, form_fields, is_form
-from .forms import consumed as form_consumed
+from .forms import form_fields, is_form
 from .route import RouteOptions
 
 #: Hex digits of a rules version (and of the fingerprint key's identity).
@@ -94,6 +93,7 @@ def _describe_field(name: str, field: fields.Field[t.Any], seen: tuple[type[Sche
         "allow_none": field.allow_none,
         "load_default": field.load_default is not missing,
     }
+    shape["params"] = _field_params(field)
     if isinstance(field, fields.Pluck):
         shape["pluck"] = field.field_name
     if isinstance(field, fields.Nested):
@@ -108,6 +108,76 @@ def _describe_field(name: str, field: fields.Field[t.Any], seen: tuple[type[Sche
             sub = getattr(field, part)
             shape[part] = None if sub is None else _describe_field("", sub, seen)
     return shape
+
+
+# A field's attributes the description leaves out of its parameters: named
+# above already, described through nested schemas and inner fields, or not
+# deciding what a load gives (validators, messages, metadata, dump options).
+_NOT_PARAMS = frozenset(
+    (
+        "name",
+        "parent",
+        "root",
+        "metadata",
+        "error_messages",
+        "validate",
+        "validators",
+        "dump_default",
+        "load_default",
+        "attribute",
+        "data_key",
+        "required",
+        "allow_none",
+        "load_only",
+        "dump_only",
+        "as_string",
+        "serialize_func",
+        "choices_text",
+        "nested",
+        "only",
+        "exclude",
+        "many",
+        "unknown",
+        "inner",
+        "tuple_fields",
+        "key_field",
+        "value_field",
+        "field_name",
+    )
+)
+
+
+def _field_params(field: fields.Field[t.Any]) -> dict[str, t.Any]:
+    """A field's other load parameters (``fields.Decimal``'s ``places``, a
+    ``DateTime``'s ``format``, an ``Enum``'s ``by_value``, ``strict``, the
+    field's own load hooks...): each public attribute of the instance, as
+    data that is the same in every process (a class or function by its
+    qualified name, never a ``repr`` that holds an address)."""
+    return {
+        name: _param(value)
+        for name, value in sorted(vars(field).items())
+        if not name.startswith("_") and name not in _NOT_PARAMS
+    }
+
+
+def _param(value: t.Any) -> t.Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, fields.Field):
+        return _describe_field("", value, ())
+    if isinstance(value, (set, frozenset)):
+        return sorted(str(_param(item)) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [_param(item) for item in value]
+    if isinstance(value, dict):
+        return {str(k): _param(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, type) or callable(value):
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"{getattr(value, '__module__', '')}.{name}"
+    text = repr(value)
+    if " at 0x" in text:  # a default repr: an address, other in every process
+        return f"{type(value).__module__}.{type(value).__qualname__}"
+    return text
 
 
 def key_identity(key: bytes | None) -> str | None:
@@ -130,12 +200,17 @@ def compute_version(
     exclude: t.Iterable[str],
     form_ignored: t.Iterable[str],
     key: bytes | None,
+    view: str = "",
 ) -> str:
     """The rules version of a route: 16 hex digits of a SHA-256 over the
-    canonical form's version, the schema's description, the excluded paths
-    and ignored form fields (sorted) and the fingerprint key's identity."""
+    canonical form's version, the view's name, the schema's description, the
+    excluded paths and ignored form fields (sorted) and the fingerprint key's
+    identity. The view's name keeps two routes with alike rules apart: a
+    record whose version another route has now came from that route (a key
+    reused across routes sharing a scope), not from this one's earlier rules."""
     description = {
         "canonical": canonical.CANONICAL_FORM_VERSION,
+        "view": view,
         "schema": None if schema is None else describe_schema(schema),
         "exclude": sorted(list(path) for path in exclude_paths(exclude)),
         "form_ignored": sorted(form_ignored),
@@ -153,7 +228,7 @@ def rules_version(route: RouteOptions, key: bytes | None, form_field: str | None
     known = _versions.get(route)
     if known is not None and inputs in known:
         return known[inputs]
-    version = compute_version(route.schema, route.exclude, ignored, key)
+    version = compute_version(route.schema, route.exclude, ignored, key, route.view_name)
     with _versions_lock:
         _versions.setdefault(route, {})[inputs] = version
     return version
@@ -165,15 +240,19 @@ def request_digest(key: bytes | None, bound: bytes) -> str:
     record (``bound``, :func:`.fingerprint.bound_to`) like the fingerprint;
     SHA-256 without a key.
 
-    A multipart form, or a form something parsed before the extension read
-    it, counts as its parsed fields and files (each file by its SHA-256),
-    every field included, and its media type without parameters: a browser
-    sends the same form with a new random boundary on each submission."""
-    if is_form() and (request.mimetype == MULTIPART or form_consumed()):
-        form = form_fields()
-        body = b"" if form is None else b"form:" + canonical_json(form)
-        content_type = request.mimetype
-    else:
+    A form (urlencoded or multipart) counts as its parsed fields and files
+    (each file by its SHA-256), every field included, and its media type
+    without parameters, whether or not something parsed it before the
+    extension read it: a browser sends the same form with a new random
+    boundary on each submission. A form that does not parse counts as its
+    bytes (never as an empty form: two such bodies would share a digest)."""
+    # A form counts as its parsed fields whether or not something parsed it
+    # before the extension (a version with CSRFProtect, one without: the same
+    # bytes must agree across them).
+    form = form_fields() if is_form() else None
+    if form is not None:
+        body, content_type = b"form:" + canonical_json(form), request.mimetype
+    else:  # a form that does not parse counts as its bytes, like any other body
         body, content_type = read_body(), request.content_type or ""
     head = [
         "request",
