@@ -12,64 +12,43 @@ outbox does for its own added columns (:func:`.outbox.absent_columns`).
 from __future__ import annotations
 
 import logging
-import threading
 import typing as t
-import weakref
 
 import sqlalchemy as sa
 
 from .schema import REQUEST_DIGEST, RULES_VERSION
-from .sql import add_column_sql
+from .sql import AddedColumns
 
 logger = logging.getLogger("flask_idempotency")
 
 #: The columns a release added to the record table, in the order they came.
 ADDED_COLUMNS = (RULES_VERSION, REQUEST_DIGEST)
 
-_absent: weakref.WeakKeyDictionary[sa.Engine, frozenset[str]] = weakref.WeakKeyDictionary()
-_absent_lock = threading.Lock()
+_COLUMNS = AddedColumns(
+    ADDED_COLUMNS,
+    lambda _: (
+        "retries after a deploy that changes a route's fingerprint rules are judged by "
+        "their fingerprint only (422 key-reused)"
+    ),
+)
 
 
 def lacking_columns(conn: sa.Connection, table: sa.Table) -> tuple[str, ...]:
     """Of :data:`ADDED_COLUMNS`, those ``table`` lacks on ``conn``, read now;
     none without the table (it is created whole)."""
-    try:
-        columns = sa.inspect(conn).get_columns(table.name, schema=table.schema)
-    except sa.exc.NoSuchTableError:
-        return ()
-    present = {c["name"].lower() for c in columns}
-    return tuple(name for name in ADDED_COLUMNS if name not in present)
+    return _COLUMNS.lacking(conn, table)
 
 
 def absent_columns(conn: sa.Connection, table: sa.Table) -> frozenset[str]:
     """The added columns the record table behind ``conn`` lacks: read once per
     engine (a column added later is used by processes started after), with
     one WARNING per engine and column naming the statement to run."""
-    engine = conn.engine
-    known = _absent.get(engine)
-    if known is not None:
-        return known
-    missing = lacking_columns(conn, table)
-    with _absent_lock:
-        if engine in _absent:
-            return _absent[engine]
-        _absent[engine] = frozenset(missing)
-    for name in missing:
-        logger.warning(
-            "%s has no column %s (a table from an earlier release): retries after a deploy "
-            "that changes a route's fingerprint rules are judged by their fingerprint only "
-            "(422 key-reused) until you run: %s (or your migrations), then restart",
-            table.name,
-            name,
-            add_column_sql(engine.dialect, table, name),
-        )
-    return frozenset(missing)
+    return _COLUMNS.absent(conn, table)
 
 
 def forget(engine: sa.Engine) -> None:
     """Read the table's columns again at the next use on ``engine`` (tests)."""
-    with _absent_lock:
-        _absent.pop(engine, None)
+    _COLUMNS.forget(engine)
 
 
 def without(values: t.Mapping[str, t.Any], absent: frozenset[str]) -> dict[str, t.Any]:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-import threading
 import typing as t
-import weakref
 
 import sqlalchemy as sa
 
@@ -29,8 +27,8 @@ from .notify import NOTIFY
 from .schema import ERASED_PAYLOAD, OWNER_KEY, OWNER_SCOPE
 from .seal import open_event_text as open_event_text
 from .seal import seal_event as seal_event
+from .sql import AddedColumns, database_now
 from .sql import add_column_sql as add_column_sql
-from .sql import database_now
 
 _R = t.TypeVar("_R")
 _E = t.TypeVar("_E")
@@ -53,8 +51,7 @@ _WITHOUT = {
 #: The columns a release added to an existing outbox, in the order they came.
 ADDED_COLUMNS = (TRACE_CONTEXT, *OWNER)
 
-_absent: weakref.WeakKeyDictionary[sa.Engine, frozenset[str]] = weakref.WeakKeyDictionary()
-_absent_lock = threading.Lock()
+_COLUMNS = AddedColumns(ADDED_COLUMNS, _WITHOUT.__getitem__, prefix="outbox: ")
 
 
 def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:
@@ -66,12 +63,7 @@ def add_trace_context_sql(dialect: sa.Dialect, table: sa.Table) -> str:
 def lacking_columns(conn: sa.Connection, table: sa.Table) -> tuple[str, ...]:
     """Of :data:`ADDED_COLUMNS`, those ``table`` lacks on ``conn`` (an outbox
     created by an earlier release), read now; none without the table."""
-    try:
-        columns = sa.inspect(conn).get_columns(table.name, schema=table.schema)
-    except sa.exc.NoSuchTableError:
-        return ()
-    present = {c["name"].lower() for c in columns}
-    return tuple(name for name in ADDED_COLUMNS if name not in present)
+    return _COLUMNS.lacking(conn, table)
 
 
 def lacks_trace_context(conn: sa.Connection, table: sa.Table) -> bool:
@@ -84,25 +76,7 @@ def absent_columns(conn: sa.Connection, table: sa.Table) -> frozenset[str]:
     """The added columns the outbox behind ``conn`` lacks: read once per engine
     (a column added later is used by processes started after), with one
     WARNING per engine and column naming the statement to run."""
-    engine = conn.engine
-    known = _absent.get(engine)
-    if known is not None:
-        return known
-    missing = lacking_columns(conn, table)
-    with _absent_lock:
-        if engine in _absent:
-            return _absent[engine]
-        _absent[engine] = frozenset(missing)
-    for name in missing:
-        logger.warning(
-            "outbox: %s has no column %s (a table from an earlier release): %s until you "
-            "run: %s (or your migrations), then restart",
-            table.name,
-            name,
-            _WITHOUT[name],
-            add_column_sql(engine.dialect, table, name),
-        )
-    return frozenset(missing)
+    return _COLUMNS.absent(conn, table)
 
 
 def has_trace_context(conn: sa.Connection, table: sa.Table) -> bool:

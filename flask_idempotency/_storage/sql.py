@@ -11,8 +11,11 @@ and whether a statement changed its row is read from what it returned
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import secrets
+import threading
 import typing as t
+import weakref
 
 import sqlalchemy as sa
 from sqlalchemy.orm import scoped_session
@@ -183,3 +186,65 @@ def add_column_sql(dialect: sa.Dialect, table: sa.Table, name: str) -> str:
     quote = dialect.identifier_preparer
     kind = column.type.compile(dialect=dialect)
     return f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {quote.quote(column.name)} {kind}"
+
+
+class AddedColumns:
+    """Columns a release added to an existing table, which a table created by an
+    earlier release lacks: it works without them until they are added.
+
+    Which are absent is read once per engine (a column added later is used by
+    processes started after), with one WARNING per engine and column saying
+    what its absence costs (``costs``) and the statement that adds it."""
+
+    def __init__(
+        self, names: tuple[str, ...], costs: t.Callable[[str], str], prefix: str = ""
+    ) -> None:
+        #: The added columns, in the order they came.
+        self.names = names
+        self._costs = costs
+        self._prefix = prefix
+        self._absent: weakref.WeakKeyDictionary[sa.Engine, frozenset[str]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def lacking(self, conn: sa.Connection, table: sa.Table) -> tuple[str, ...]:
+        """Of :attr:`names`, those ``table`` lacks on ``conn``, read now; none
+        without the table (it is created whole)."""
+        try:
+            columns = sa.inspect(conn).get_columns(table.name, schema=table.schema)
+        except sa.exc.NoSuchTableError:
+            return ()
+        present = {c["name"].lower() for c in columns}
+        return tuple(name for name in self.names if name not in present)
+
+    def absent(self, conn: sa.Connection, table: sa.Table) -> frozenset[str]:
+        """The added columns ``table`` lacks behind ``conn``, read once per engine."""
+        engine = conn.engine
+        known = self._absent.get(engine)
+        if known is not None:
+            return known
+        missing = self.lacking(conn, table)
+        with self._lock:
+            if engine in self._absent:
+                return self._absent[engine]
+            self._absent[engine] = frozenset(missing)
+        for name in missing:
+            _logger.warning(
+                "%s%s has no column %s (a table from an earlier release): %s until you "
+                "run: %s (or your migrations), then restart",
+                self._prefix,
+                table.name,
+                name,
+                self._costs(name),
+                add_column_sql(engine.dialect, table, name),
+            )
+        return frozenset(missing)
+
+    def forget(self, engine: sa.Engine) -> None:
+        """Read the table's columns again at the next use on ``engine`` (tests)."""
+        with self._lock:
+            self._absent.pop(engine, None)
+
+
+_logger = logging.getLogger("flask_idempotency")
