@@ -269,19 +269,15 @@ def section(
     ]
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rounds", type=int, help="rounds (default 3; quick 1)")
     parser.add_argument("--duplicates", type=int, help="per variant per round (default 10,000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the variant order")
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.duplicates = args.duplicates or (300 if args.quick else 10_000)
-    return harness.run_section(
-        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
-    )
+    return {"rounds": (1, 3), "duplicates": (300, 10_000)}
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    return harness.main(NAME, __doc__, argv, options, measure, section)
 
 
 if __name__ == "__main__":

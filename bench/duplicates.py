@@ -21,26 +21,23 @@ one row per round's key (checked: the run fails otherwise).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import http.client
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import typing as t
 import uuid
-from pathlib import Path
 
 from flask import Flask
 
 from bench import harness
 from bench.harness import percentile, say
+
+if t.TYPE_CHECKING:
+    from bench.servers import Gunicorn
 
 NAME = "bench.duplicates"
 DB_ENV = "BENCH_DUP_DB"
@@ -50,7 +47,6 @@ WHAT = {
     "wait": "IDEMPOTENCY_WAIT 10 s (default): losers wait for the winner's commit, then replay",
     "fail-fast": "IDEMPOTENCY_WAIT 1 ms: losers stop waiting at once and answer 409",
 }
-_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
 
 
 def create_app() -> Flask:
@@ -61,85 +57,6 @@ def create_app() -> Flask:
 
     wait = dt.timedelta(milliseconds=int(os.environ[WAIT_ENV]))
     return testapp.create_app(os.environ[DB_ENV], IDEMPOTENCY_WAIT=wait)
-
-
-class Server:
-    """gunicorn serving :func:`create_app` with one variant's wait; gthread
-    workers with a thread per duplicate, so none queues in gunicorn."""
-
-    def __init__(self, url: str, wait_ms: int, threads: int) -> None:
-        self.url, self.wait_ms, self.threads = url, wait_ms, threads
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log = Path(tempfile.mkstemp(prefix="bench-dup-gunicorn-", suffix=".log")[1])
-
-    def start(self) -> Server:
-        from bench.servers import _quiet_options
-
-        env = {
-            **os.environ,
-            DB_ENV: self.url,
-            WAIT_ENV: str(self.wait_ms),
-            "PYTHONPATH": str(harness.ROOT),
-        }
-        with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gunicorn",
-                    "--workers",
-                    "2",
-                    "--worker-class",
-                    "gthread",
-                    "--threads",
-                    str(self.threads),
-                    "--bind",
-                    "127.0.0.1:0",
-                    "--timeout",
-                    "60",
-                    *_quiet_options(),
-                    "bench.duplicates:create_app()",
-                ],
-                cwd=harness.ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited:\n{self._log.read_text()}")
-            text = self._log.read_text(errors="replace")
-            match = _LISTENING.search(text)
-            if match and text.count("Booting worker") >= 2:
-                self.port = int(match.group(1))
-                return self
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gunicorn did not start:\n{text}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        from bench import procstats
-
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        workers = procstats.children_of({proc.pid})
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pid in workers:  # none outlives its master
-            if procstats.parent_of(pid) in (proc.pid, 1):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            self._log.unlink()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +117,7 @@ class Round:
     ledger_rows: int
 
 
-def one_round(url: str, server: Server, variant: str, n: int, view_ms: int) -> Round:
+def one_round(url: str, server: Gunicorn, variant: str, n: int, view_ms: int) -> Round:
     from tests.conftest import run_sql
 
     key = str(uuid.uuid4())
@@ -230,13 +147,23 @@ def one_round(url: str, server: Server, variant: str, n: int, view_ms: int) -> R
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, list[Round]]:
+    from bench.servers import Gunicorn  # not in the workers, which import this module
     from tests.conftest import reset_tables
     from tests.support import testapp
 
     testapp.create_app(url)  # puts the extension's tables on the metadata
     reset_tables(url)
+    # gthread workers with a thread per duplicate, so none queues in gunicorn.
     servers = {
-        name: Server(url, wait, threads=args.duplicates + 5) for name, wait in VARIANTS.items()
+        name: Gunicorn(
+            url,
+            2,
+            app=f"{NAME}:create_app()",
+            env={DB_ENV: url, WAIT_ENV: str(wait)},
+            threads=args.duplicates + 5,
+            health=None,
+        )
+        for name, wait in VARIANTS.items()
     }
     rounds: dict[str, list[Round]] = {name: [] for name in VARIANTS}
     try:
@@ -311,21 +238,17 @@ def section(
     ]
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rounds", type=int, help="rounds per variant (default 10; quick 2)")
     parser.add_argument("--duplicates", type=int, help="duplicates per round (default 50; quick 5)")
     parser.add_argument(
         "--view-ms", type=int, default=200, help="the view's time in its transaction"
     )
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 10)
-    args.duplicates = args.duplicates or (5 if args.quick else 50)
-    return harness.run_section(
-        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
-    )
+    return {"rounds": (2, 10), "duplicates": (5, 50)}
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    return harness.main(NAME, __doc__, argv, options, measure, section)
 
 
 if __name__ == "__main__":

@@ -215,10 +215,7 @@ def section(results: dict[str, t.Any], facts: harness.Facts, args: argparse.Name
     ]
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rounds", type=int, help="rounds (default 5; quick 1)")
     parser.add_argument(
         "--requests", type=int, help="requests per case, app and round (default 300; quick 5)"
@@ -226,10 +223,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--engines", default="sqlite,postgresql,psycopg", help="any of sqlite,postgresql,psycopg"
     )
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 5)
-    args.requests = args.requests or (5 if args.quick else 300)
-    return harness.run_section(NAME, argv, args, lambda cluster: measure(cluster, args), section)
+    return {"rounds": (1, 5), "requests": (5, 300)}
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    return harness.main(NAME, __doc__, argv, options, measure, section, cluster=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ facts, percentiles, their sections of ``BENCHMARKS.md``, and paced writers.
   (:class:`tests.support.private_servers.PgCluster`, pgserver's binaries),
   with ``fsync`` on as in production, stopped and deleted on every way out.
   Server settings are the run's to choose and ``pg_stat_*`` counts only the
-  run's own work.
+  run's own work. A section may run on the tests' PostgreSQL instead
+  (:func:`shared_server`: what ``bench.run`` uses, or ``--database-url``'s).
 * Each benchmark writes one section, between ``<!-- bench.NAME: start -->``
   and ``<!-- bench.NAME: end -->``: a rerun replaces only its own, and
   ``python -m bench.run`` (which rewrites the file) keeps them all
@@ -95,6 +96,8 @@ class Facts:
     command: str
     postgresql: str
     load_start: float
+    #: Which PostgreSQL: :func:`private_server`'s or :func:`shared_server`'s words.
+    server: str = ""
     load_end: float = math.nan
     date: str = dataclasses.field(
         default_factory=lambda: dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -104,19 +107,25 @@ class Facts:
         self.load_end = load_average()
 
     def lines(self) -> list[str]:
-        from bench.run import _cpu_model
-
-        settings = ", ".join(f"{k}={v}" for k, v in SERVER_SETTINGS.items())
         return [
             f"* command: `{self.command}`",
             f"* date: {self.date}; commit {git_commit()}",
-            f"* CPUs: {os.cpu_count()} ({_cpu_model()}); Python {platform.python_version()}; "
-            f"PostgreSQL {self.postgresql} (a private cluster from pgserver's binaries: "
-            f"{settings}, other settings default)",
+            f"* CPUs: {os.cpu_count()} ({cpu_model()}); Python {platform.python_version()}"
+            # A section that uses no PostgreSQL (bench.compiled) names none.
+            + (f"; PostgreSQL {self.postgresql} ({self.server})" if self.postgresql else ""),
             f"* load average (1 min) at the start {self.load_start:.2f}, at the end "
             f"{self.load_end:.2f} (a machine shared with other work: compare the ratios "
             "measured side by side in this run, not absolute figures)",
         ]
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for a run's facts."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 #: What runs in a benchmark: a change elsewhere (the results it writes, the docs)
@@ -149,11 +158,12 @@ def git_commit() -> str:
     return (head or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
-def facts(module: str, argv: t.Sequence[str], url: str) -> Facts:
+def facts(module: str, argv: t.Sequence[str], url: str, server: str) -> Facts:
     return Facts(
         command=" ".join([f"python -m {module}", *argv]),
         postgresql=server_version(url),
         load_start=load_average(),
+        server=server,
     )
 
 
@@ -236,20 +246,70 @@ def kept_sections(path: Path) -> str:
     return ""
 
 
+#: Where a section's PostgreSQL comes from, given the parsed options: a
+#: context manager for the cluster (``url(driver)``) and what the facts call it.
+Server = t.Callable[[argparse.Namespace], t.ContextManager[tuple[t.Any, str]]]
+
+
+@contextlib.contextmanager
+def private_server(args: argparse.Namespace) -> t.Iterator[tuple[t.Any, str]]:
+    """A cluster of the run's own (:func:`private_postgres`): the default."""
+    settings = ", ".join(f"{k}={v}" for k, v in SERVER_SETTINGS.items())
+    where = f"a private cluster from pgserver's binaries: {settings}, other settings default"
+    with private_postgres() as cluster:
+        yield cluster, where
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPostgres:
+    """A PostgreSQL the run does not own, as a cluster: :meth:`url` through a driver."""
+
+    base: str
+
+    def url(self, driver: str | None = None) -> str:
+        """The URL as given (``driver`` ``None``), or through ``"psycopg2"`` or
+        ``"psycopg"`` (psycopg 3)."""
+        if driver is None:
+            return self.base
+        from tests.conftest import PG_DRIVERS
+
+        url = sa.make_url(self.base).set(drivername=PG_DRIVERS[driver])
+        return url.render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def shared_server(args: argparse.Namespace) -> t.Iterator[tuple[SharedPostgres, str]]:
+    """The PostgreSQL the tests use, as ``bench.run`` does (embedded, or
+    ``IDEMPOTENCY_TEST_POSTGRES_URL`` in a schema of its own, dropped at the
+    end), or the one ``args.database_url`` names where the benchmark has that
+    option and it is given."""
+    if getattr(args, "database_url", None):
+        yield SharedPostgres(args.database_url), "--database-url"
+        return
+    from bench.servers import Postgres, stop_postgres
+
+    try:
+        server = Postgres.start()
+        yield SharedPostgres(server.url), server.source
+    finally:
+        stop_postgres()
+
+
 def run_section(
     name: str,
     argv: t.Sequence[str],
     args: argparse.Namespace,
     measure: t.Callable[[t.Any], t.Any],
     section: t.Callable[[t.Any, Facts, argparse.Namespace], t.Sequence[str]],
+    server: Server = private_server,
 ) -> int:
-    """A benchmark's whole run, after its options: ``measure(cluster)`` on a
-    private cluster (:func:`private_postgres`) between the run's facts, then
-    section ``name`` of ``args.out`` written from ``section(results, facts,
-    args)`` and printed. SIGTERM stops everything started, as Ctrl-C does."""
+    """A benchmark's whole run, after its options: ``measure(cluster)`` on
+    ``server``'s PostgreSQL (a private cluster unless said) between the run's
+    facts, then section ``name`` of ``args.out`` written from ``section(results,
+    facts, args)`` and printed. SIGTERM stops everything started, as Ctrl-C does."""
     exit_on_sigterm()
-    with private_postgres() as cluster:
-        run_facts = facts(name, argv, cluster.url())
+    with server(args) as (cluster, where):
+        run_facts = facts(name, argv, cluster.url(), where)
         results = measure(cluster)
         run_facts.end()
     text = write_section(args.out, name, section(results, run_facts, args))
@@ -261,6 +321,70 @@ def run_section(
 def common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the file to write")
+
+
+#: Options whose default depends on ``--quick``: each option's (quick, full) default.
+Sizes = t.Mapping[str, tuple[t.Any, t.Any]]
+
+
+def main(
+    name: str,
+    doc: str,
+    argv: t.Sequence[str] | None,
+    options: t.Callable[[argparse.ArgumentParser], Sizes],
+    measure: t.Callable[[t.Any, argparse.Namespace], t.Any],
+    section: t.Callable[[t.Any, Facts, argparse.Namespace], t.Sequence[str]],
+    *,
+    cluster: bool = False,
+    check: t.Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
+    server: Server = private_server,
+) -> int:
+    """A benchmark's command, ``python -m NAME``: ``--quick``, ``--out`` and
+    what ``options`` adds to the parser (an option it names in its
+    :data:`Sizes` and not given takes its quick or full default); ``check``
+    may refuse or complete the options; then :func:`run_section` on
+    ``server`` (:func:`private_server` or :func:`shared_server`), with
+    ``measure(url, args)`` given its URL (``cluster``: the cluster itself,
+    whose ``url(driver)`` names a driver)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=doc.split("\n\n")[0])
+    common_options(parser)
+    sizes = options(parser)
+    args = parser.parse_args(argv)
+    for option, (quick, full) in sizes.items():
+        setattr(args, option, getattr(args, option) or (quick if args.quick else full))
+    if check is not None:
+        check(parser, args)
+    return run_section(
+        name, argv, args, lambda c: measure(c if cluster else c.url(), args), section, server
+    )
+
+
+# -- expired records ---------------------------------------------------------------
+
+#: Expired records ``:first`` to ``:last`` in ``{table}`` (the record table, or a
+#: copy with its columns): 200-byte response bodies, expired an hour and more ago,
+#: oldest last (one millisecond apart), so a cleanup in order of expiry has work.
+_EXPIRED = """
+INSERT INTO {table}
+    (scope, key, request_hash, status, fencing_token, response_code, response_body,
+     body_omitted, created_at, completed_at, expires_at)
+SELECT 'bulk', md5(i::text), md5((-i)::text), 'completed', i, 201,
+       convert_to(repeat('x', 200), 'UTF8'), false,
+       now() - interval '2 days', now() - interval '2 days',
+       now() - interval '1 hour' - i * interval '1 millisecond'
+FROM generate_series(:first, :last) AS i
+"""
+
+
+def seed_expired(engine: sa.Engine, table: str, rows: int, chunk: int = 250_000) -> None:
+    """``rows`` expired records in ``table``, one transaction per ``chunk``."""
+    for first in range(1, rows + 1, chunk):
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(_EXPIRED.format(table=table)),
+                {"first": first, "last": min(rows, first + chunk - 1)},
+            )
 
 
 # -- writers -----------------------------------------------------------------------

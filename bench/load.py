@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
-import math
 import multiprocessing
 import multiprocessing.pool
 import re
@@ -26,6 +25,8 @@ import subprocess
 import time
 import typing as t
 from pathlib import Path
+
+from bench.harness import percentile
 
 KeyMode = t.Literal["new", "fixed", "none"]
 #: What every request sends (bench/keys.lua sends the same).
@@ -62,14 +63,6 @@ class LoadResult:
     def rate(self) -> float:
         """Requests answered per second of the run."""
         return self.requests / self.seconds if self.seconds > 0 else 0.0
-
-
-def percentile(sorted_values: t.Sequence[float], share: float) -> float:
-    """Nearest-rank percentile (``share`` in 0..1) of an ascending sequence."""
-    if not sorted_values:
-        return math.nan
-    rank = max(1, math.ceil(share * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 def send_once(target: Target, key: str | None) -> tuple[int, bytes]:

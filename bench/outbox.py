@@ -13,15 +13,22 @@ schema of its own, or ``--database-url``):
   default 1 s). The broker is RabbitMQ when one answers, else kombu's
   filesystem transport (whose consumer polls its folder every 5 ms).
 * **Throughput**: a backlog of events drained by one relay (``relay_once``
-  batches of 100 in this process), events per second, per broker: RabbitMQ
-  with publisher confirms (when reachable), kombu's filesystem and SQLAlchemy
-  (SQLite) transports, and no broker at all (an in-memory list: the
-  database's share).
+  batches in this process), events per second, per broker: RabbitMQ with
+  publisher confirms (when reachable) waited for one at a time (the relay's
+  per-event path) and pipelined (``KombuPublisher.publish_many``: a batch sent,
+  its confirms collected together) at batches of 100 and ``--batch``, kombu's
+  filesystem and SQLAlchemy (SQLite) transports, and no broker at all (in
+  memory, event by event and pipelined: the database's and the relay's share);
+  and RabbitMQ alone, the same publisher given events made in memory with no
+  database (the broker's ceiling on this machine: a relay cannot beat it).
+* **Relays sharing a backlog**: 1, 2 and 4 relay processes started together on
+  one backlog (their leases and ``SKIP LOCKED`` keep them apart), RabbitMQ
+  pipelined, events per second from the common start to the last one's end.
 
 Variants run interleaved in rounds, in a shuffled order each round; the
 figures are the medians over rounds of each round's p50/p99 (or events/s).
-Writes a section of ``BENCHMARKS.md`` between :data:`START` and :data:`END`
-(kept by ``python -m bench.run``).
+Writes section ``bench.outbox`` of ``BENCHMARKS.md`` (kept by ``python -m
+bench.run``).
 """
 
 from __future__ import annotations
@@ -29,10 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -50,15 +55,16 @@ import sqlalchemy as sa
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
+from bench import harness
+from bench.harness import percentile, say
 from flask_idempotency import Idempotency
 from flask_idempotency._messaging.outbox import add_event
 from flask_idempotency._storage.schema import outbox_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 TOPIC = "bench.tick"
-START = "<!-- bench.outbox: start -->"
-END = "<!-- bench.outbox: end -->"
+NAME = "bench.outbox"
 
 DB_ENV = "BENCH_OUTBOX_DB"
 BROKER_ENV = "BENCH_OUTBOX_BROKER"  # JSON: {"url", "exchange", "options"}
@@ -88,10 +94,30 @@ def make_app(database_url: str, publisher: t.Any, **config: t.Any) -> Flask:
     return app
 
 
-def kombu_publisher(broker: Broker) -> t.Any:
+ONE_AT_A_TIME = "RabbitMQ, one confirm at a time"
+PIPELINED = "RabbitMQ, pipelined confirms"
+#: The publisher alone, no database: what the broker (and the client) take on this machine.
+CEILING = "RabbitMQ alone (no database: the ceiling)"
+NONE = "none (in-memory list, one event at a time)"
+NONE_PIPELINED = "none (in-memory, pipelined)"
+RELAYS = (1, 2, 4)
+#: The targets of issue 29.
+TARGET_RATE = 10_000.0
+TARGET_LISTEN_P50_MS = 2.0
+
+
+def kombu_publisher(broker: Broker, *, one_at_a_time: bool = False) -> t.Any:
+    """The relay's publisher; ``one_at_a_time``: one that overrides ``publish``
+    alone, so the relay publishes event by event and waits for each confirm
+    (the path before pipelining, and any publisher without ``publish_many``)."""
     from flask_idempotency.publishers import KombuPublisher
 
-    return KombuPublisher(broker.url, exchange=broker.exchange, transport_options=broker.options)
+    class OneAtATime(KombuPublisher):
+        def publish(self, event: t.Any) -> None:
+            super().publish(event)
+
+    cls = OneAtATime if one_at_a_time else KombuPublisher
+    return cls(broker.url, exchange=broker.exchange, transport_options=broker.options)
 
 
 def create_app() -> Flask:
@@ -146,11 +172,33 @@ def writer_main(n: int, gap: float, tag: str, scheduler: bool) -> None:
     print(json.dumps(committed), flush=True)
 
 
-# -- the harness -------------------------------------------------------------
+def drainer_main(batch: int) -> None:
+    """One of several relays sharing a backlog: set up (app, connections), say
+    ``ready``, wait for the start time on stdin (this machine's clock), then run
+    batches until one takes nothing; print ``{"published", "ended"}`` as JSON."""
+    from flask_idempotency._messaging.relay import app_publisher, relay_batch
+
+    app = create_app()
+    with app.app_context():
+        db.session.execute(sa.text("SELECT 1"))  # the pool's first connection
+        db.session.rollback()
+        app_publisher(app)._ensure()  # type: ignore[union-attr]  # the broker's connection
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
+    time.sleep(max(0.0, start_at - time.time()))
+    published = 0
+    while True:
+        run = relay_batch(app, batch=batch)
+        published += run.published
+        if run.taken == 0:
+            break
+    ended = time.time()
+    with app.app_context():
+        db.engine.dispose()
+    print(json.dumps({"published": published, "ended": ended}), flush=True)
 
 
-def _say(text: str) -> None:
-    print(text, flush=True)
+# -- the benchmark -----------------------------------------------------------
 
 
 def rabbitmq_reachable() -> str | None:
@@ -302,11 +350,6 @@ def _env(url: str, broker: Broker, **config: t.Any) -> dict[str, str]:
     }
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def latency_round(
     url: str, broker: Broker, variant: Latency, n: int, gap: float, lost: list[int]
 ) -> list[float]:
@@ -384,17 +427,22 @@ def seed_backlog(url: str, n: int) -> None:
 
 
 def throughput_round(
-    url: str, name: str, publisher: t.Any, n: int, count: t.Callable[[], int] | None = None
+    url: str,
+    name: str,
+    publisher: t.Any,
+    n: int,
+    count: t.Callable[[], int] | None = None,
+    batch: int = 100,
 ) -> float:
-    """Drain a backlog of ``n`` with one relay (batches of 100); events per second.
-    ``count()``: the messages in the broker's queue, which must then be ``n``."""
+    """Drain a backlog of ``n`` with one relay (batches of ``batch``); events per
+    second. ``count()``: the messages in the broker's queue, which must then be ``n``."""
     from flask_idempotency._messaging.relay import relay_once
 
     seed_backlog(url, n)
     app = make_app(url, publisher)
     total = 0
     started = time.perf_counter()
-    while (got := relay_once(app, publisher, batch=100)) > 0:
+    while (got := relay_once(app, publisher, batch=batch)) > 0:
         total += got
     elapsed = time.perf_counter() - started
     with app.app_context():
@@ -404,6 +452,104 @@ def throughput_round(
     if count is not None and (queued := count()) != n:
         raise RuntimeError(f"{name}: {queued} of {n} messages in the broker's queue")
     return n / elapsed
+
+
+def pipelined_list() -> t.Any:
+    """The tests' in-memory publisher with ``publish_many`` too: the relay's
+    pipelined path with no broker (the database's and the relay's own share)."""
+    from flask_idempotency.publishers import ListPublisher
+
+    class PipelinedList(ListPublisher):
+        def publish_many(self, events: t.Sequence[t.Any]) -> list[BaseException | None]:
+            for event in events:
+                self.publish(event)
+            return [None] * len(events)
+
+    return PipelinedList()
+
+
+def ceiling_round(
+    name: str, publisher: t.Any, n: int, count: t.Callable[[], int], batch: int
+) -> float:
+    """``n`` events made in memory, published ``batch`` at a time through
+    ``publish_many`` with nothing else: messages per second the broker confirms."""
+    import datetime as dt
+
+    from flask_idempotency._messaging.outbox import OutboxEvent
+
+    now = dt.datetime.now(dt.timezone.utc)
+    events = [
+        OutboxEvent(
+            id=i,
+            event_id=f"ceiling-{i}",
+            topic=TOPIC,
+            payload={"i": i},
+            headers={},
+            created_at=now,
+            attempts=0,
+        )
+        for i in range(1, n + 1)
+    ]
+    started = time.perf_counter()
+    for at in range(0, n, batch):
+        if any(outcome is not None for outcome in publisher.publish_many(events[at : at + batch])):
+            raise RuntimeError(f"{name}: a publish failed")
+    elapsed = time.perf_counter() - started
+    if (queued := count()) != n:
+        raise RuntimeError(f"{name}: {queued} of {n} messages in the broker's queue")
+    return n / elapsed
+
+
+def relays_batch(args: argparse.Namespace) -> int:
+    """The batch of the relays sharing a backlog: small enough that four relays
+    take several batches each (``--batch`` at most)."""
+    return max(10, min(args.batch, args.backlog // (4 * max(RELAYS))))
+
+
+def relays_round(url: str, broker: Broker, relays: int, n: int, batch: int) -> float:
+    """Drain a backlog of ``n`` with ``relays`` relay processes started together
+    once all are set up (pipelined confirms, batches of ``batch``); events per
+    second from the common start to the last relay's end. Every event must
+    reach the queue."""
+    from flask_idempotency.publishers import KombuPublisher
+
+    seed_backlog(url, n)
+    declaring = KombuPublisher(broker.url, exchange=broker.exchange)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        with bound_queue(broker, declaring) as count:
+            for _ in range(relays):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "bench.outbox", "--drainer", str(batch)],
+                        env=_env(url, broker),
+                        cwd=ROOT,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            for proc in procs:  # each set up: imports, app, connections
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a relay process did not start")
+            start_at = time.time() + 0.1
+            results = []
+            for proc in procs:
+                out, _ = proc.communicate(f"{start_at}\n", timeout=n / 50 + 120)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"a relay process failed ({proc.returncode})")
+                results.append(json.loads(out.strip().splitlines()[-1]))
+            published = sum(r["published"] for r in results)
+            if published < n or count() < n:
+                raise RuntimeError(f"{relays} relays: {published} marked, {count()} queued of {n}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        declaring.close()
+    return n / (max(r["ended"] for r in results) - start_at)
 
 
 @contextlib.contextmanager
@@ -434,6 +580,7 @@ class Results:
     throughput: dict[str, list[float]]
     latency_broker: str
     notes: list[str]
+    relays: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
 
 def run(args: argparse.Namespace, url: str, folder: Path) -> Results:
@@ -447,7 +594,7 @@ def run(args: argparse.Namespace, url: str, folder: Path) -> Results:
     rabbit = Broker("RabbitMQ (confirms)", RABBITMQ, exchange, {}) if why_not is None else None
     if why_not is not None:
         notes.append(f"{why_not}: RabbitMQ figures are missing.")
-        _say(f"note: {why_not}")
+        say(f"note: {why_not}")
     fs = filesystem_broker(folder / "fs", exchange)
     latency_broker = rabbit or fs
     results = Results({v.name: [] for v in LATENCY}, {}, latency_broker.name, notes)
@@ -457,9 +604,9 @@ def run(args: argparse.Namespace, url: str, folder: Path) -> Results:
         for variant in rng.sample(LATENCY, len(LATENCY)):
             ms = latency_round(url, latency_broker, variant, args.events, args.gap, lost)
             results.latency[variant.name].append(ms)
-            _say(
+            say(
                 f"round {round_no}/{args.rounds} latency {variant.name:15} "
-                f"p50 {_percentile(ms, 0.5):8.1f} ms  p99 {_percentile(ms, 0.99):8.1f} ms"
+                f"p50 {percentile(ms, 0.5):8.1f} ms  p99 {percentile(ms, 0.99):8.1f} ms"
             )
 
     if lost:
@@ -474,40 +621,65 @@ def run(args: argparse.Namespace, url: str, folder: Path) -> Results:
         here = folder / f"round-{round_no}"
         chosen: list[tuple[str, Broker | None]] = []
         if rabbit is not None:
-            chosen.append((rabbit.name, rabbit))
+            chosen.append((ONE_AT_A_TIME, rabbit))
+            chosen.append((PIPELINED, rabbit))
+            chosen.append((pipelined_big, rabbit))
+            chosen.append((CEILING, rabbit))
+            chosen.append((ceiling_big, rabbit))
         chosen.append(("kombu filesystem", filesystem_broker(here / "fs", exchange)))
         sqla_url = f"sqla+sqlite:///{here / 'kombu.sqlite3'}"
         chosen.append(("kombu SQLAlchemy (SQLite)", Broker("sqla", sqla_url, exchange, {})))
-        chosen.append(("none (in-memory list)", None))
+        chosen.append((NONE, None))
+        chosen.append((none_pipelined, None))
+        chosen.append((none_big, None))
         return chosen
 
+    pipelined_big = f"{PIPELINED}, batches of {args.batch:,}"
+    ceiling_big = f"{CEILING}, batches of {args.batch:,}"
+    none_pipelined = f"{NONE_PIPELINED}, batches of 100"
+    none_big = f"{NONE_PIPELINED}, batches of {args.batch:,}"
+    big = (pipelined_big, ceiling_big, none_big)
     for name, _ in brokers(0):  # the table's order
         results.throughput[name] = []
     for round_no in range(1, args.rounds + 1):
         order = brokers(round_no)
         rng.shuffle(order)
         for name, broker in order:
+            batch = args.batch if name in big else 100
             if broker is None:
-                rate = throughput_round(url, name, ListPublisher(), args.backlog)
+                listed = ListPublisher() if name == NONE else pipelined_list()
+                rate = throughput_round(url, name, listed, args.backlog, batch=batch)
             else:
-                publisher = kombu_publisher(broker)
+                publisher = kombu_publisher(broker, one_at_a_time=name == ONE_AT_A_TIME)
                 try:
                     with bound_queue(broker, publisher) as count:
-                        rate = throughput_round(url, name, publisher, args.backlog, count)
+                        if name.startswith(CEILING):
+                            rate = ceiling_round(name, publisher, args.backlog, count, batch)
+                        else:
+                            rate = throughput_round(
+                                url, name, publisher, args.backlog, count, batch
+                            )
                 finally:
                     publisher.close()
             results.throughput[name].append(rate)
-            _say(f"round {round_no}/{args.rounds} throughput {name:28} {rate:8.0f} events/s")
+            say(f"round {round_no}/{args.rounds} throughput {name:40} {rate:8.0f} events/s")
+        if rabbit is None:
+            continue
+        for relays in rng.sample(RELAYS, len(RELAYS)):
+            rate = relays_round(url, rabbit, relays, args.backlog, relays_batch(args))
+            results.relays.setdefault(relays, []).append(rate)
+            shared = f"{relays} relays sharing a backlog"
+            say(f"round {round_no}/{args.rounds} {shared:40} {rate:8.0f} events/s")
     return results
 
 
-def section(results: Results, facts: dict[str, str], args: argparse.Namespace) -> str:
+def section(results: Results, facts: harness.Facts, args: argparse.Namespace) -> list[str]:
     rows = []
     medians: dict[str, tuple[float, float]] = {}
     for variant in LATENCY:
         rounds = results.latency[variant.name]
-        p50 = statistics.median(_percentile(r, 0.5) for r in rounds)
-        p99 = statistics.median(_percentile(r, 0.99) for r in rounds)
+        p50 = statistics.median(percentile(r, 0.5) for r in rounds)
+        p99 = statistics.median(percentile(r, 0.99) for r in rounds)
         medians[variant.name] = (p50, p99)
         rows.append(f"| {variant.name} | {p50:,.1f} | {p99:,.1f} | {variant.what} |")
     ratios = []
@@ -521,16 +693,13 @@ def section(results: Results, facts: dict[str, str], args: argparse.Namespace) -
         for name, rates in results.throughput.items()
     ]
     parts = [
-        START,
         "## The outbox relay (`python -m bench.outbox`)",
         "",
-        f"* command: `{facts['command']}`",
-        f"* date: {facts['date']}; commit {facts['commit']}",
-        f"* CPUs: {facts['cpus']} ({facts['cpu']}); Python {facts['python']}; "
-        f"PostgreSQL {facts['postgresql']}",
+        *facts.lines(),
         f"* {args.rounds} rounds; latency: {args.events} single-event commits, one every "
         f"{args.gap * 1000:g} ms, per variant per round, through {results.latency_broker}; "
         f"throughput: a backlog of {args.backlog:,} events per broker per round",
+        f"* relays sharing a backlog: batches of {relays_batch(args):,}, pipelined confirms",
         "",
         "Publish latency, commit to consumer (median over rounds of each round's p50 and p99):",
         "",
@@ -540,13 +709,29 @@ def section(results: Results, facts: dict[str, str], args: argparse.Namespace) -
         "",
         *ratios,
         "",
-        "Relay throughput, one relay draining the backlog in batches of 100:",
+        "Relay throughput, one relay draining the backlog in batches of 100 (unless said):",
         "",
         "| broker | events/s (median) | min | max |",
         "|---|---:|---:|---:|",
         *throughput,
         "",
     ]
+    if results.relays:
+        one = statistics.median(results.relays[1])
+        parts += [
+            "Relays sharing one backlog (RabbitMQ, pipelined confirms), from their common start",
+            "to the last one's end:",
+            "",
+            "| relays | events/s (median) | min | max | / one relay |",
+            "|---:|---:|---:|---:|---:|",
+            *(
+                f"| {n} | {statistics.median(r):,.0f} | {min(r):,.0f} | {max(r):,.0f} | "
+                f"{statistics.median(r) / one:.2f}x |"
+                for n, r in sorted(results.relays.items())
+            ),
+            "",
+        ]
+    parts += targets(results, medians, args)
     if results.notes:
         parts += [f"* {note}" for note in results.notes] + [""]
     parts += [
@@ -554,99 +739,86 @@ def section(results: Results, facts: dict[str, str], args: argparse.Namespace) -
         "consumer's clock on arrival (same machine). Polling alone waits about half the poll",
         "interval, plus the publishing of the events ahead in its batch; a wake-up costs one relay",
         "run (a job-lock update for the scheduler's job, a select, the publish, the marking).",
-        "Throughput is bound by the broker's confirm round trip per event on RabbitMQ (the relay",
-        "publishes one event at a time and waits for its confirm) and by the",
-        "transport's writes on the embedded ones; `none` is the database's share.",
-        END,
+        "One confirm at a time is bound by the broker's round trip per event; pipelined, the",
+        "relay sends a batch (up to 500 messages in one write) and collects its confirms",
+        "together, then marks it in one statement, so the database's statements and the",
+        "relay's CPU bound it. The embedded transports are bound by their writes; `none` is the",
+        "database's and the relay's share. RabbitMQ alone publishes events made in memory",
+        "through the same publisher and connection, with no database: the most a relay on this",
+        "machine can publish through this broker.",
     ]
-    return "\n".join(parts) + "\n"
+    return parts
 
 
-def splice(existing: str, text: str) -> str:
-    """``existing`` with its outbox section replaced by ``text`` (or ``text`` appended)."""
-    if START in existing and END in existing:
-        head, rest = existing.split(START, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        return head + text + tail
-    return existing.rstrip("\n") + "\n\n" + text
+def targets(
+    results: Results, medians: dict[str, tuple[float, float]], args: argparse.Namespace
+) -> list[str]:
+    """Issue 29's targets, met or not, on this run's figures."""
+    lines = ["Targets (issue 29):", ""]
 
+    def best(prefix: str) -> float | None:
+        rates = [
+            statistics.median(rates)
+            for name, rates in results.throughput.items()
+            if name.startswith(prefix) and rates
+        ]
+        return max(rates, default=None)
 
-def kept_section(path: Path) -> str:
-    """The outbox section of ``path`` (for ``bench.run``, which rewrites the file)."""
-    with contextlib.suppress(OSError):
-        existing = path.read_text()
-        if START in existing and END in existing:
-            return START + existing.split(START, 1)[1].split(END, 1)[0] + END + "\n"
-    return ""
-
-
-def _facts(argv: t.Sequence[str], url: str) -> dict[str, str]:
-    from bench.run import _cpu_model, _git_commit
-
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            version = str(conn.execute(sa.text("SHOW server_version")).scalar_one())
-    finally:
-        engine.dispose()
-    return {
-        "command": " ".join(["python -m bench.outbox", *argv]),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _git_commit(),
-        "cpus": str(os.cpu_count()),
-        "cpu": _cpu_model(),
-        "python": platform.python_version(),
-        "postgresql": version,
-    }
-
-
-def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.outbox", description=__doc__.split("\n\n")[0]
+    rate, ceiling = best(PIPELINED), best(CEILING)
+    if rate is not None:
+        verdict = "met" if rate >= TARGET_RATE else "not met"
+        lines.append(
+            f"* one relay, RabbitMQ with confirms >= {TARGET_RATE:,.0f} events/s: {verdict} "
+            f"({rate:,.0f})"
+        )
+        if ceiling is not None:
+            lines.append(
+                f"* RabbitMQ alone, the same publisher with no database: {ceiling:,.0f} messages/s;"
+                f" the relay publishes at {rate / ceiling:.2f} of it"
+            )
+    else:
+        lines.append("* one relay, RabbitMQ with confirms: not measured (no RabbitMQ)")
+    p50 = medians["cli-listen"][0]
+    verdict = "met" if p50 <= TARGET_LISTEN_P50_MS else "not met"
+    lines.append(
+        f"* LISTEN publish latency p50 <= {TARGET_LISTEN_P50_MS:g} ms: {verdict} ({p50:.1f} ms)"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness")
+    return [*lines, ""]
+
+
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rounds", type=int, help="rounds (default 3; quick 1)")
     parser.add_argument("--events", type=int, help="trickle events per variant (default 300)")
     parser.add_argument("--gap", type=float, default=0.02, help="seconds between commits")
     parser.add_argument("--backlog", type=int, help="backlog per broker (default 10,000)")
+    parser.add_argument(
+        "--batch", type=int, default=1000, help="the relay's batch for the pipelined figures"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the variant order")
     parser.add_argument("--no-rabbitmq", action="store_true", help="leave RabbitMQ out")
     parser.add_argument("--database-url", help="a PostgreSQL URL (default: as the tests)")
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    parser.add_argument("--writer", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    quick = args.quick
-    args.rounds = args.rounds or (1 if quick else 3)
-    args.events = args.events or (20 if quick else 300)
-    args.backlog = args.backlog or (200 if quick else 10_000)
-    return args
+    return {"rounds": (1, 3), "events": (20, 300), "backlog": (200, 10_000)}
+
+
+def measure(url: str, args: argparse.Namespace) -> Results:
+    with tempfile.TemporaryDirectory(prefix="bench-outbox-") as folder:
+        return run(args, url, Path(folder))
 
 
 def main(argv: t.Sequence[str] | None = None) -> int:
+    """The benchmark's command; ``--writer`` and ``--drainer`` are its own
+    processes (:func:`writer_main`, :func:`drainer_main`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.writer:
-        n, gap, tag, scheduler = args.writer
+    if argv[:1] == ["--writer"]:
+        n, gap, tag, scheduler = argv[1:]
         writer_main(int(n), float(gap), tag, scheduler == "1")
         return 0
-    from bench.servers import Postgres, stop_postgres
-
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with contextlib.ExitStack() as stack:
-        if args.database_url:
-            url = args.database_url
-        else:
-            stack.callback(stop_postgres)
-            url = Postgres.start().url
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-outbox-")))
-        facts = _facts(argv, url)
-        results = run(args, url, folder)
-        text = section(results, facts, args)
-    print(text)
-    existing = args.out.read_text() if args.out.exists() else ""
-    args.out.write_text(splice(existing, text))
-    _say(f"wrote {args.out}")
-    return 0
+    if argv[:1] == ["--drainer"]:
+        drainer_main(int(argv[1]))
+        return 0
+    return harness.main(
+        NAME, __doc__, argv, options, measure, section, server=harness.shared_server
+    )
 
 
 if __name__ == "__main__":

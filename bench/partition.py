@@ -56,6 +56,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from bench import netns
+from bench.harness import percentile
 from bench.partition_app import CONFIG_ENV, WORK_ENV
 from bench.partition_gunicorn import READY_HOST_ENV, READY_PORT_ENV
 from bench.servers import _quiet_options
@@ -372,18 +373,11 @@ class Clients:
                 host = self.lb.pick(avoid=host)
 
 
-def _percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
 def _seconds(values: list[float]) -> str:
     if not values:
         return "none"
     return (
-        f"median {statistics.median(values):.1f} s, p90 {_percentile(values, 90):.1f} s, "
+        f"median {statistics.median(values):.1f} s, p90 {percentile(values, 0.9):.1f} s, "
         f"max {max(values):.1f} s (n={len(values)})"
     )
 
@@ -560,44 +554,42 @@ def _report(
     return "\n".join(lines)
 
 
+#: The command's options: fields of :class:`Options` (``--client-timeout`` for
+#: ``client_timeout``), each defaulting to the field's default.
+_COMMAND = (
+    "hosts",
+    "workers",
+    "clients",
+    "warmup",
+    "cut",
+    "after",
+    "client_timeout",
+    "lb_interval",
+    "lb_timeout",
+    "ready_port",
+    "work",
+    "config",
+    "driver",
+)
+_KIND: dict[str, t.Any] = {"ready_port": int, "config": json.loads}
+_HELP = {"work": "seconds each view works in its transaction", "config": "app config, JSON"}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.partition", description=__doc__)
     defaults = Options()
-    parser.add_argument("--hosts", type=int, default=defaults.hosts)
-    parser.add_argument("--workers", type=int, default=defaults.workers)
-    parser.add_argument("--clients", type=int, default=defaults.clients)
-    parser.add_argument("--warmup", type=float, default=defaults.warmup)
-    parser.add_argument("--cut", type=float, default=defaults.cut)
-    parser.add_argument("--after", type=float, default=defaults.after)
-    parser.add_argument("--client-timeout", type=float, default=defaults.client_timeout)
-    parser.add_argument("--lb-interval", type=float, default=defaults.lb_interval)
-    parser.add_argument("--lb-timeout", type=float, default=defaults.lb_timeout)
-    parser.add_argument("--ready-port", type=int, default=None)
-    parser.add_argument(
-        "--work",
-        type=float,
-        default=defaults.work,
-        help="seconds each view works in its transaction",
-    )
-    parser.add_argument("--config", type=json.loads, default={}, help="app config, JSON")
-    parser.add_argument("--driver", choices=["psycopg2", "psycopg"], default=defaults.driver)
+    for name in _COMMAND:
+        default = getattr(defaults, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_KIND.get(name, type(default)),
+            default=default,
+            help=_HELP.get(name),
+            **({"choices": ["psycopg2", "psycopg"]} if name == "driver" else {}),
+        )
     parser.add_argument("--out", type=Path, default=None, help="append the report here")
     args = parser.parse_args(argv)
-    options = Options(
-        hosts=args.hosts,
-        workers=args.workers,
-        clients=args.clients,
-        warmup=args.warmup,
-        cut=args.cut,
-        after=args.after,
-        client_timeout=args.client_timeout,
-        lb_interval=args.lb_interval,
-        lb_timeout=args.lb_timeout,
-        ready_port=args.ready_port,
-        config=args.config,
-        work=args.work,
-        driver=args.driver,
-    )
+    options = Options(**{name: getattr(args, name) for name in _COMMAND})
     report = run(options)
     print(report)
     if args.out is not None:

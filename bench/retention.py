@@ -48,17 +48,6 @@ PARTED = "idempotency_keys_parted"
 EXPIRED_PART = "idempotency_keys_p_expired"
 PURGER = "bench-retention-purge"
 
-SEED = """
-INSERT INTO {table}
-    (scope, key, request_hash, status, fencing_token, response_code, response_body,
-     body_omitted, created_at, completed_at, expires_at)
-SELECT 'bulk', md5(i::text), md5((-i)::text), 'completed', i, 201,
-       convert_to(repeat('x', 200), 'UTF8'), false,
-       now() - interval '2 days', now() - interval '2 days',
-       now() - interval '1 hour' - i * interval '1 millisecond'
-FROM generate_series(:first, :last) AS i
-"""
-
 PARTITIONED = f"""
 CREATE TABLE {PARTED} (LIKE {PLAIN} INCLUDING DEFAULTS) PARTITION BY RANGE (expires_at);
 ALTER TABLE {PARTED} ADD CONSTRAINT {PARTED}_pk PRIMARY KEY (scope, key, expires_at);
@@ -107,12 +96,7 @@ def setup(url: str, rows: int, chunk: int = 250_000) -> None:
             for statement in PARTITIONED.format(boundary=boundary.isoformat()).split(";"):
                 conn.execute(sa.text(statement))
         for table in (PLAIN, PARTED):
-            for first in range(1, rows + 1, chunk):
-                with engine.begin() as conn:
-                    conn.execute(
-                        sa.text(SEED.format(table=table)),
-                        {"first": first, "last": min(rows, first + chunk - 1)},
-                    )
+            harness.seed_expired(engine, table, rows, chunk)
             say(f"seeded {rows:,} expired records in {table}")
     finally:
         engine.dispose()
@@ -420,10 +404,7 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, t.Any]:
     return results
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rows", type=int, help="expired records per table (default 1,000,000)")
     parser.add_argument("--writers", type=int, default=3, help="writer processes")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between a writer's claims")
@@ -431,15 +412,17 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser.add_argument("--cleanups", type=int, help="rounds of both cleanups (default 3; quick 1)")
     parser.add_argument("--rounds", type=int, help="rounds of the guard's price (default 5)")
     parser.add_argument("--claims", type=int, help="claims per kind per round (default 300)")
-    args = parser.parse_args(argv)
-    args.rows = args.rows or (5_000 if args.quick else 1_000_000)
-    args.quiet = args.quiet or (1.0 if args.quick else 10.0)
-    args.cleanups = args.cleanups or (1 if args.quick else 3)
-    args.rounds = args.rounds or (1 if args.quick else 5)
-    args.claims = args.claims or (30 if args.quick else 300)
-    return harness.run_section(
-        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
-    )
+    return {
+        "rows": (5_000, 1_000_000),
+        "quiet": (1.0, 10.0),
+        "cleanups": (1, 3),
+        "rounds": (1, 5),
+        "claims": (30, 300),
+    }
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    return harness.main(NAME, __doc__, argv, options, measure, section)
 
 
 if __name__ == "__main__":

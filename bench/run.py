@@ -27,16 +27,14 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import typing as t
 import uuid
 from pathlib import Path
 
-from bench import probes, procstats, report
+from bench import harness, probes, procstats, report
 from bench.app import OPTIMISTIC_MISSING, reset_database
 from bench.load import Generator, LoadError, PythonLoad, Target, Wrk, send_once
 from bench.procstats import CpuMeter
@@ -113,10 +111,6 @@ def parse_args(argv: t.Sequence[str]) -> argparse.Namespace:
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _on_sigterm(signum: int, frame: t.Any) -> t.NoReturn:
-    raise SystemExit(128 + signum)
 
 
 def make_generator(choice: str) -> Generator:
@@ -213,30 +207,6 @@ def run_engine(
     return result
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def facts(
     argv: t.Sequence[str],
     args: argparse.Namespace,
@@ -248,13 +218,13 @@ def facts(
         command=shlex.join(["python", "-m", "bench.run", *argv]),
         date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         cpus=os.cpu_count() or 0,
-        cpu_model=_cpu_model(),
+        cpu_model=harness.cpu_model(),
         python=platform.python_version(),
         postgresql=(f"{postgres.version} ({postgres.source})" if postgres else "not run"),
         sqlite=sqlite3.sqlite_version,
         gunicorn=importlib.metadata.version("gunicorn"),
         load=getattr(load, "version", load.name),
-        commit=_git_commit(),
+        commit=harness.git_commit(),
         rounds=args.rounds,
         duration=args.duration,
         drivers=_drivers(),
@@ -289,7 +259,7 @@ def _drivers() -> str:
 def main(argv: t.Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    harness.exit_on_sigterm()
     try:
         with contextlib.ExitStack() as stack:
             return _main(argv, args, stack)
@@ -338,9 +308,7 @@ def _main(argv: list[str], args: argparse.Namespace, stack: contextlib.ExitStack
     text = report.markdown(facts(argv, args, postgres, load, load_before), results, memory, notes)
     # The sections other commands write (python -m bench.outbox, bench.run_more)
     # are kept.
-    from bench.harness import kept_sections
-
-    if kept := kept_sections(args.out):
+    if kept := harness.kept_sections(args.out):
         text += "\n" + kept
     args.out.write_text(text)
     _say(f"wrote {args.out}")

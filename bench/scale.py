@@ -258,22 +258,21 @@ def section(r: dict[str, t.Any], facts: harness.Facts, args: argparse.Namespace)
     ]
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--small", type=int, help="records in the small table (default 10,000)")
     parser.add_argument("--large", type=int, help="records in the large table (default 10,000,000)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 10; quick 2)")
     parser.add_argument("--claims", type=int, help="claims per table per round (default 500)")
-    args = parser.parse_args(argv)
-    args.small = args.small or (1_000 if args.quick else 10_000)
-    args.large = args.large or (20_000 if args.quick else 10_000_000)
-    args.rounds = args.rounds or (2 if args.quick else 10)
-    args.claims = args.claims or (50 if args.quick else 500)
-    return harness.run_section(
-        NAME, argv, args, lambda cluster: measure(cluster.url(), args), section
-    )
+    return {
+        "small": (1_000, 10_000),
+        "large": (20_000, 10_000_000),
+        "rounds": (2, 10),
+        "claims": (50, 500),
+    }
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    return harness.main(NAME, __doc__, argv, options, measure, section)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,24 @@ def _quiet_options() -> list[str]:
     return ["--no-control-socket"] if "control_socket_disable" in settings else []
 
 
+def terminate(proc: subprocess.Popen[t.Any], within: float) -> None:
+    """SIGTERM to ``proc`` (a graceful stop), SIGKILL if it still runs after
+    ``within`` seconds; returns once it is gone."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(within)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Gunicorn:
     """``gunicorn -w N 'bench.app:create_app()'`` (sync workers) on 127.0.0.1;
     another ``app`` (a factory call, as gunicorn spells it) and more of the
-    workers' environment (``env``) where given."""
+    workers' environment (``env``) where given. ``threads``: gthread workers
+    with that many threads each. Started once every worker runs and ``health``
+    (a path) answers 200 (``None``: an app without one)."""
 
     def __init__(
         self,
@@ -49,11 +63,14 @@ class Gunicorn:
         *,
         app: str = "bench.app:create_app()",
         env: t.Mapping[str, str] | None = None,
+        threads: int | None = None,
+        health: str | None = "/healthz",
     ) -> None:
         self.database_url = database_url
         self.workers = workers
         self.app = app
         self.env = dict(env or {})
+        self.threads, self.health = threads, health
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="bench-gunicorn-", suffix=".log")[1])
@@ -84,8 +101,11 @@ class Gunicorn:
                     "gunicorn",
                     "--workers",
                     str(self.workers),
-                    "--worker-class",
-                    "sync",
+                    *(
+                        ["--worker-class", "gthread", "--threads", str(self.threads)]
+                        if self.threads
+                        else ["--worker-class", "sync"]
+                    ),
                     "--bind",
                     "127.0.0.1:0",
                     "--timeout",
@@ -113,11 +133,12 @@ class Gunicorn:
                 raise RuntimeError(f"gunicorn did not start in {timeout} s:\n{self.log_text()}")
             time.sleep(0.1)
 
-    @staticmethod
-    def _healthy(match: re.Match[str]) -> bool:
+    def _healthy(self, match: re.Match[str]) -> bool:
+        if self.health is None:
+            return True
         conn = http.client.HTTPConnection("127.0.0.1", int(match.group(1)), timeout=5)
         try:
-            conn.request("GET", "/healthz")
+            conn.request("GET", self.health)
             return conn.getresponse().status == 200
         except OSError:
             return False
@@ -130,14 +151,8 @@ class Gunicorn:
         if proc is None:
             return
         workers = procstats.children_of({proc.pid})
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pid in workers:
+        terminate(proc, 15)
+        for pid in workers:  # none outlives its master
             if procstats.parent_of(pid) in (proc.pid, 1):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

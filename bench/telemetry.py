@@ -578,10 +578,7 @@ def section(results: Results, facts: harness.Facts, args: argparse.Namespace) ->
     return body
 
 
-def main(argv: t.Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.split("\n\n")[0])
-    harness.common_options(parser)
+def options(parser: argparse.ArgumentParser) -> harness.Sizes:
     parser.add_argument("--rounds", type=int, help="rounds (default 8; quick 1)")
     parser.add_argument(
         "--duration", type=float, help="seconds per case per round (default 3; quick 1)"
@@ -604,46 +601,55 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     parser.add_argument("--load", choices=("auto", "wrk", "python"), default="auto")
     parser.add_argument("--seed", type=int, default=24, help="seed of the order in each round")
     parser.add_argument("--note", action="append", default=[], help="a line for the run's facts")
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 8)
-    args.duration = args.duration or (1.0 if args.quick else 3.0)
-    args.warm = args.warm or (1.0 if args.quick else 2.0)
-    engines = [e for e in args.engines.split(",") if e]
-    chosen = [v for v in args.variants.split(",") if v]
-    if set(engines) - set(ENGINES) or not engines:
+    return {"rounds": (1, 8), "duration": (1.0, 3.0), "warm": (1.0, 2.0)}
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses unknown engines and variants; sets ``args.chosen`` (the engines),
+    ``args.servers`` (the variants that can run here), ``args.notes`` (with why
+    the others cannot) and ``args.generator`` (the load)."""
+    args.chosen = [e for e in args.engines.split(",") if e]
+    variants = [v for v in args.variants.split(",") if v]
+    if set(args.chosen) - set(ENGINES) or not args.chosen:
         parser.error(f"--engines: choose from {', '.join(ENGINES)}")
-    if set(chosen) - set(VARIANTS) or API not in chosen:
+    if set(variants) - set(VARIANTS) or API not in variants:
         parser.error(f"--variants: choose from {', '.join(VARIANTS)}, with {API} (the baseline)")
-    notes = list(args.note)
-    servers = []
-    for variant in chosen:
+    args.notes, args.servers = list(args.note), []
+    for variant in variants:
         if why := missing(variant):
-            notes.append(f"`{variant}` not run: {why}.")
+            args.notes.append(f"`{variant}` not run: {why}.")
             say(f"note: {variant} not run: {why}")
         else:
-            servers.append(variant)
-    load = make_generator(args.load)
+            args.servers.append(variant)
+    args.generator = make_generator(args.load)
 
-    def run_all(cluster: t.Any) -> Results:
-        scratch = Path(tempfile.mkdtemp(prefix="bench-telemetry-sqlite-"))
-        try:
-            urls = {
-                "postgresql": cluster.url("psycopg2"),
-                "psycopg": cluster.url("psycopg"),
-                "sqlite": f"sqlite:///{scratch / 'bench.sqlite3'}",
-            }
-            postmaster = cluster.proc.pid if cluster.proc else None
-            runs = {}
-            for engine in engines:
-                on_pg = postmaster if engine != "sqlite" else None
-                runs[engine] = run_engine(engine, urls[engine], on_pg, servers, load, args)
-            return Results(runs, getattr(load, "version", load.name), notes)
-        finally:
-            load.close()
-            shutil.rmtree(scratch, ignore_errors=True)
 
+def run_all(cluster: t.Any, args: argparse.Namespace) -> Results:
+    """Every engine chosen: PostgreSQL's on the private ``cluster``."""
+    load = args.generator
+    scratch = Path(tempfile.mkdtemp(prefix="bench-telemetry-sqlite-"))
     try:
-        return harness.run_section(NAME, argv, args, run_all, section)
+        urls = {
+            "postgresql": cluster.url("psycopg2"),
+            "psycopg": cluster.url("psycopg"),
+            "sqlite": f"sqlite:///{scratch / 'bench.sqlite3'}",
+        }
+        postmaster = cluster.proc.pid if cluster.proc else None
+        runs = {}
+        for engine in args.chosen:
+            on_pg = postmaster if engine != "sqlite" else None
+            runs[engine] = run_engine(engine, urls[engine], on_pg, args.servers, load, args)
+        return Results(runs, getattr(load, "version", load.name), args.notes)
+    finally:
+        load.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    try:
+        return harness.main(
+            NAME, __doc__, argv, options, run_all, section, cluster=True, check=check
+        )
     except LoadError as exc:
         say(f"FAILED: {exc}")
         return 1

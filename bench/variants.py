@@ -121,25 +121,30 @@ class Ratio:
     #: Only on these engines, or on every engine when None.
     engines: tuple[str, ...] | None = None
 
+    def runs_on(self, engine: str) -> bool:
+        return self.engines is None or engine in self.engines
+
     def met(self, value: float) -> bool | None:
         if self.target is None:
             return None
         return value > self.target if self.strict else value >= self.target
 
 
+# The targets are issue 29's: within a few percent of the hand-written floor,
+# and the optimistic mode (one round trip fewer) above it.
 RATIOS = (
     Ratio("ext", "floor", 0.97),
     Ratio("ext-nowait", "floor"),
-    Ratio("ext-optimistic", "floor"),
+    Ratio("ext-optimistic", "floor", 1.0, strict=True),
     Ratio("floor", "plain"),
     Ratio("ext", "plain", 0.75, engines=("sqlite",)),
     Ratio("ext", "plain", engines=POSTGRES_ENGINES),
     Ratio("ext-nowait", "plain"),
     Ratio("ext-optimistic", "plain"),
-    Ratio("ext-replay", "floor-replay", 0.95),
+    Ratio("ext-replay", "floor-replay", 0.97),
     Ratio("ext-replay", "ext", 1.0, strict=True),
     Ratio("floor-replay", "floor"),
-    Ratio("no-key", "plain", 0.97),
+    Ratio("no-key", "plain", 0.99),
     Ratio("ext-pipeline", "ext", engines=("psycopg",)),
     Ratio("ext-serial", "ext", engines=("psycopg",)),
     Ratio("ext-generic", "ext", engines=("psycopg",)),

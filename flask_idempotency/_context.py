@@ -70,6 +70,8 @@ class AppState:
     custom_clock: bool = False
     #: Each route's settings (the app's, with the route's overrides), built once.
     route_settings: dict[t.Any, Settings] = dataclasses.field(default_factory=dict)
+    #: Each route's view as this app calls it (``app.ensure_sync``), made once.
+    route_views: dict[t.Any, t.Callable[..., t.Any]] = dataclasses.field(default_factory=dict)
 
     def now(self, conn: sa.Connection) -> dt.datetime:
         """The time that coordinates processes, as the jobs and the operator's

@@ -59,7 +59,7 @@ from ._cli import (
 )
 from ._context import resolve_app
 from ._maintenance import runner
-from ._maintenance.jobs import purge_expired, recover_abandoned
+from ._maintenance.jobs import PURGE_PAUSE, purge_expired, recover_abandoned
 from ._messaging.admin import purge_published, retry_parked
 from ._storage import OVERRIDABLE, Hold, release_verdict
 from ._storage import outbox as outbox_sql
@@ -130,10 +130,17 @@ def create_tables() -> None:
     help="Records deleted per transaction (default IDEMPOTENCY_PURGE_BATCH).",
 )
 @click.option("--dry-run", is_flag=True, help="Count the expired records; delete nothing.")
-def purge(batch_size: int | None, dry_run: bool) -> None:
+@click.option(
+    "--pause",
+    type=Finite(min=0, max=100),
+    default=PURGE_PAUSE,
+    show_default=True,
+    help="Pause after each batch, as a multiple of the time it took (0: flat out).",
+)
+def purge(batch_size: int | None, dry_run: bool, pause: float) -> None:
     """Delete expired records in small batches, each its own transaction."""
     _cli.require_tables(_cli.current_state().store.table)
-    report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run)
+    report = purge_expired(resolve_app(), batch_size=batch_size, dry_run=dry_run, pause=pause)
     if dry_run:
         _cli.report(f"{report.deleted} expired record(s) would be deleted")
     else:

@@ -39,7 +39,8 @@ logger = logging.getLogger("flask_idempotency")
 
 
 def printable(text: str) -> bool:
-    return all(" " <= ch <= "~" for ch in text)
+    # " " to "~": the ASCII characters str.isprintable() accepts.
+    return text.isascii() and text.isprintable()
 
 
 def sha256_hex(text: str) -> str:

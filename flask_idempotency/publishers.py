@@ -17,6 +17,7 @@ import logging
 import threading
 import typing as t
 
+from ._confirms import UNSETTLED, ConfirmChannel, Message, Round, Unsent, amqp_message, out_of_time
 from .errors import BrokerUnavailable, StalledMessage
 
 if t.TYPE_CHECKING:
@@ -38,13 +39,9 @@ logger = logging.getLogger("flask_idempotency")
 MESSAGE_CODES = frozenset({311, 406, 501, 502, 503, 505})
 
 #: kombu transports by the name OpenTelemetry's ``messaging.system`` gives their broker.
-_SYSTEMS = {
-    "amqp": "rabbitmq",
-    "amqps": "rabbitmq",
-    "pyamqp": "rabbitmq",
-    "librabbitmq": "rabbitmq",
-    "sqs": "aws_sqs",
-}
+_SYSTEMS = {"sqs": "aws_sqs"} | dict.fromkeys(
+    ("amqp", "amqps", "pyamqp", "librabbitmq"), "rabbitmq"
+)
 
 #: AMQP reply codes of a refused login or vhost (at connect): 402 invalid
 #: path, 403 access refused, 530 not allowed.
@@ -173,6 +170,7 @@ class KombuPublisher:
         self.ssl = ssl
         self._connection: t.Any = None
         self._producer: t.Any = None
+        self._confirms: ConfirmChannel | None = None  # publish_many's channel
         self._lock = threading.Lock()
         self._blocked = False  # the broker said the connection is blocked (an alarm)
         self._stalled: tuple[str, int] = ("", 0)  # (event id, cut-offs in a row)
@@ -223,62 +221,165 @@ class KombuPublisher:
 
     def publish(self, event: OutboxEvent) -> None:
         with self._lock:
+            self._publish_one(event)
+
+    def publish_many(self, events: t.Sequence[OutboxEvent]) -> list[BaseException | None]:
+        """Publish ``events`` together; each one's outcome, in order: ``None``
+        once the broker confirmed it, else what :meth:`publish` would have
+        raised for it (a :class:`~flask_idempotency.relay.BrokerUnavailable`
+        for every event not confirmed when the broker went away).
+
+        On AMQP every message is sent first and the confirms are collected
+        together (pipelined publisher confirms, over py-amqp, the client
+        kombu's AMQP transport uses), one broker round trip for the lot
+        instead of one each. ``timeout`` bounds each send and the wait for all
+        the confirms. A nack is that message's failure, and the connection is
+        kept. A round cut short (the connection lost, a timeout, the broker
+        closing the connection over a message) re-publishes its unconfirmed
+        events one at a time as :meth:`publish` does (which tells the broker's
+        failures from a message's; they may reach the broker twice) while the
+        relay's batch has time. Other transports publish one event at a time."""
+        with self._lock:
+            if not self._pipelines():
+                return self._one_by_one(events, [None] * len(events), range(len(events)))
+            messages: list[Message] = []
+            outcomes: list[BaseException | None] = [None] * len(events)
+            sendable: list[int] = []
             try:
-                producer = self._ensure()
+                self._ensure()
             except Exception as exc:
-                # Nothing of this event's was sent: connecting, logging in or
-                # declaring failed, which no event can cause. One attempt per
-                # run (the relay ends the batch), never counted toward parking.
-                self._drop()
-                self._stalled = ("", 0)  # the broker is away: not a stall
-                code = getattr(exc, "reply_code", None)
-                if code in _LOGIN_CODES:
-                    logger.error(
-                        "outbox publisher: the broker refused the connection (%s: %s); "
-                        "check the URL's credentials, vhost and permissions. The events "
-                        "wait, none counts it as a failure",
-                        type(exc).__name__,
-                        exc,
-                    )
-                raise BrokerUnavailable(
-                    f"cannot connect to the broker: {type(exc).__name__}: {exc}"
+                unavailable = self._cannot_connect(exc)
+                return [unavailable] * len(events)
+            for i, event in enumerate(events):
+                try:
+                    messages.append(amqp_message(event, self.exchange.name))
+                except Exception as exc:  # it cannot be encoded: its own failure
+                    outcomes[i] = exc
+                    self._forget_stall(event)
+                else:
+                    sendable.append(i)
+            if not sendable:
+                return outcomes
+            try:
+                done = self._confirming().send(messages, self.timeout)
+            except Exception as exc:  # opening its channel failed: as a cut-short round
+                done = Round([UNSETTLED] * len(messages), exc)
+            except BaseException:
+                self._drop()  # interrupted mid-round: the channel's numbering is lost
+                raise
+            for i, outcome in zip(sendable, done.outcomes, strict=True):
+                if outcome is not UNSETTLED:
+                    outcomes[i] = t.cast("BaseException | None", outcome)
+                    self._forget_stall(events[i])
+            if done.error is None:
+                return outcomes
+            logger.debug("outbox publisher: pipelined round cut short: %r", done.error)
+            self._drop()  # its numbering of deliveries is no longer known
+            return self._one_by_one(events, outcomes, [sendable[i] for i in done.unsettled])
+
+    def _one_by_one(
+        self,
+        events: t.Sequence[OutboxEvent],
+        outcomes: list[BaseException | None],
+        indexes: t.Iterable[int],
+    ) -> list[BaseException | None]:
+        """Publish ``events[i]`` for each of ``indexes`` as :meth:`publish`
+        does, into ``outcomes``; the first :class:`BrokerUnavailable` (or
+        :class:`Unsent`, once the relay's batch is out of time) is the outcome
+        of every one not yet tried."""
+        pending, late = list(indexes), out_of_time.get()
+        for n, i in enumerate(pending):
+            try:
+                if late is not None and late():
+                    raise Unsent("not tried: the relay's batch ran out of time")
+                self._publish_one(events[i])
+            except BrokerUnavailable as exc:
+                for j in pending[n:]:
+                    outcomes[j] = exc
+                break
+            except Exception as exc:
+                outcomes[i] = exc
+        return outcomes
+
+    def _pipelines(self) -> bool:
+        """Whether this transport confirms through py-amqp (``amqp``, ``pyamqp``,
+        ``amqps`` with ``confirm_publish``)."""
+        scheme = self.url.split("://", 1)[0]
+        return scheme in ("amqp", "pyamqp", "amqps") and bool(
+            self.transport_options.get("confirm_publish")
+        )
+
+    def _confirming(self) -> ConfirmChannel:
+        """The connection's channel in confirm mode, opened on first use."""
+        if self._confirms is None:
+            self._confirms = ConfirmChannel(self._connection.connection, self.timeout)
+        return self._confirms
+
+    def _cannot_connect(self, exc: Exception) -> BrokerUnavailable:
+        """Connecting, logging in or declaring failed, which no event can cause:
+        one attempt per run (the relay ends the batch), never counted toward
+        parking."""
+        self._drop()
+        self._stalled = ("", 0)  # the broker is away: not a stall
+        code = getattr(exc, "reply_code", None)
+        if code in _LOGIN_CODES:
+            logger.error(
+                "outbox publisher: the broker refused the connection (%s: %s); "
+                "check the URL's credentials, vhost and permissions. The events "
+                "wait, none counts it as a failure",
+                type(exc).__name__,
+                exc,
+            )
+        unavailable = BrokerUnavailable(
+            f"cannot connect to the broker: {type(exc).__name__}: {exc}"
+        )
+        unavailable.__cause__ = exc
+        return unavailable
+
+    def _publish_one(self, event: OutboxEvent) -> None:
+        try:
+            producer = self._ensure()
+        except Exception as exc:
+            raise self._cannot_connect(exc) from exc
+        try:
+            producer.publish(
+                event.payload,
+                exchange=self.exchange,
+                routing_key=event.topic,
+                serializer="json",
+                headers=dict(event.headers),
+                message_id=event.event_id,
+                delivery_mode=2,
+                retry=False,
+                timeout=self.timeout,
+                confirm_timeout=self.timeout,
+            )
+        except Exception as exc:
+            if _refused(exc):
+                # The broker answered: the connection and channel are fine.
+                self._forget_stall(event)
+                raise
+            unavailable = self._unreachable(exc)
+            blocked = self._blocked
+            self._drop()
+            if not unavailable:
+                self._forget_stall(event)
+                raise
+            stalls = self._stalled[1] + 1 if self._stalled[0] == event.event_id else 1
+            if blocked:
+                stalls = 0  # the broker said why: an alarm, not this message
+            self._stalled = (event.event_id, stalls)
+            if stalls > self.STALLS:
+                raise StalledMessage(
+                    f"not confirmed {stalls} times in a row while the broker accepted "
+                    f"connections (counted as the event's failure): "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
-            try:
-                producer.publish(
-                    event.payload,
-                    exchange=self.exchange,
-                    routing_key=event.topic,
-                    serializer="json",
-                    headers=dict(event.headers),
-                    message_id=event.event_id,
-                    delivery_mode=2,
-                    retry=False,
-                    timeout=self.timeout,
-                    confirm_timeout=self.timeout,
-                )
-            except Exception as exc:
-                if _refused(exc):
-                    # The broker answered: the connection and channel are fine.
-                    self._forget_stall(event)
-                    raise
-                unavailable = self._unreachable(exc)
-                blocked = self._blocked
-                self._drop()
-                if not unavailable:
-                    self._forget_stall(event)
-                    raise
-                stalls = self._stalled[1] + 1 if self._stalled[0] == event.event_id else 1
-                if blocked:
-                    stalls = 0  # the broker said why: an alarm, not this message
-                self._stalled = (event.event_id, stalls)
-                if stalls > self.STALLS:
-                    raise StalledMessage(
-                        f"not confirmed {stalls} times in a row while the broker accepted "
-                        f"connections (counted as the event's failure): "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-            self._forget_stall(event)
+            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:  # a frame may be half sent, a confirm left unread
+            self._drop()
+            raise
+        self._forget_stall(event)
 
     def _forget_stall(self, event: OutboxEvent) -> None:
         """``event``'s publish got an answer: its count of cut-offs starts again.
@@ -306,9 +407,7 @@ class KombuPublisher:
         if connection is None:
             return False
         try:
-            errors = tuple(connection.recoverable_connection_errors) + tuple(
-                connection.connection_errors
-            )
+            errors = (*connection.recoverable_connection_errors, *connection.connection_errors)
         except Exception:  # the transport could not even be loaded
             return False
         return isinstance(exc, errors)
@@ -317,6 +416,7 @@ class KombuPublisher:
         """Forget a failed connection without talking to the broker: a graceful
         close would wait for an answer from a broker that may not give one."""
         connection, self._connection, self._producer = self._connection, None, None
+        self._confirms = None
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken
                 connection.collect(socket_timeout=0.1)
@@ -324,6 +424,7 @@ class KombuPublisher:
     def close(self) -> None:
         """Close the connection (the next publish opens a new one)."""
         connection, self._connection, self._producer = self._connection, None, None
+        self._confirms = None
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken
                 connection.release()

@@ -4,7 +4,8 @@
 broker is talked to:
 
 1. take: in one short transaction, select the pending rows (unpublished, not
-   parked, due) ``ORDER BY id LIMIT batch`` and lease them: ``next_attempt_at``
+   parked, due) in id order, ``LIMIT batch``, read from the pending index for
+   the batch's rows alone, and lease them: ``next_attempt_at``
    is set to now + ``IDEMPOTENCY_OUTBOX_LEASE``, so they are not due for anyone
    else, and the transaction commits. "Now", for leases and backoffs, is the
    database's clock (read from the database server), the one
@@ -20,7 +21,12 @@ broker is talked to:
    end: ``published_at``; a failed publish
    at once: ``attempts + 1``, ``last_error`` and an exponential backoff
    (``next_attempt_at``), parked (``failed_at``) at
-   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``;
+   ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``. A publisher with ``publish_many``
+   (:class:`~flask_idempotency.publishers.KombuPublisher`: pipelined publisher
+   confirms) is handed up to :data:`PIPELINE` (500) events at a time instead;
+   each such run's published events are marked in one statement when it
+   returns, its failures recorded in one transaction, and an event still
+   counts as published only on its own confirm;
 3. give back what it did not try (``next_attempt_at`` cleared: due at once)
    when the broker is unreachable (:class:`BrokerUnavailable` ends the batch)
    or when half the lease has passed (the batch stops there, so it never
@@ -41,7 +47,8 @@ connection closed by the server is run once more on a new one.
 Delivery is at least once. A relay that dies, or loses its database, after the
 broker took an event and before the event's mark committed leaves the row
 leased and unpublished (at most those published in its last 50 ms of
-publishing, and the one in flight); once the lease runs out, the next run
+publishing, and the one in flight, or the run being published together); once
+the lease runs out, the next run
 publishes it again. No order of "publish" and "mark" avoids that without a
 transaction spanning the broker and the database; consumers deduplicate on
 ``event_id``.

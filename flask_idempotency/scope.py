@@ -16,7 +16,9 @@ import logging
 import typing as t
 import weakref
 
-from flask import Flask, current_app, g, request, session
+from flask import Flask, Request, current_app, g, request, session
+from werkzeug.datastructures import EnvironHeaders
+from werkzeug.wrappers import Request as WerkzeugRequest
 
 from ._context import resolve_app
 from .keys import printable, sha256_hex
@@ -112,12 +114,13 @@ def _identity(kind: str, value: str) -> str:
     return f"{kind}-sha256:{sha256_hex(value)}"
 
 
-def _flask_login_user() -> str | None:
-    """The authenticated Flask-Login user's id, when the app uses Flask-Login."""
+def _flask_login_user(app: Flask | None = None) -> str | None:
+    """The authenticated Flask-Login user's id, when the app (default: the
+    current one) uses Flask-Login."""
     # Flask-Login is optional: it is imported only for an app that has a
     # LoginManager (LoginManager.init_app sets app.login_manager), so the
     # package never needs it installed.
-    if getattr(current_app, "login_manager", None) is None:
+    if getattr(app or current_app, "login_manager", None) is None:
         return None
     flask_login = importlib.import_module("flask_login")
     user = flask_login.current_user
@@ -186,8 +189,11 @@ def _warn_once(endpoint: str, reason: str, message: str, *args: object) -> None:
 
     ``message`` takes the endpoint as its first ``%r``, then ``args``.
     """
-    seen = _warned.setdefault(resolve_app(), set())
-    if (endpoint, reason) in seen:
+    app = resolve_app()
+    seen = _warned.get(app)
+    if seen is None:
+        seen = _warned.setdefault(app, set())
+    elif (endpoint, reason) in seen:  # every later request of such a caller
         return
     seen.add((endpoint, reason))
     logger.warning(message + " Logged once per endpoint.", endpoint, *args)
@@ -234,18 +240,30 @@ def _header_identity(endpoint: str, header: str) -> str:
     return identity
 
 
-def _session_cookie() -> tuple[str, str | None]:
-    """The session cookie's name (``SESSION_COOKIE_NAME``) and value, if sent."""
-    name = current_app.config.get("SESSION_COOKIE_NAME") or "session"
-    return name, request.cookies.get(name) or None
+def _session_cookie(app: Flask | None = None) -> tuple[str, str | None]:
+    """The session cookie's name (``SESSION_COOKIE_NAME``) and value, if sent;
+    ``app``: the current one, where the caller has it already."""
+    name = (app or current_app).config.get("SESSION_COOKIE_NAME") or "session"
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    if "HTTP_COOKIE" not in req.environ and _werkzeug_cookies(req):
+        return name, None  # no cookie at all: nothing to parse
+    return name, req.cookies.get(name) or None
 
 
-def _form_owner() -> str | None:
+def _werkzeug_cookies(req: Request) -> bool:
+    """Whether ``req.cookies`` is werkzeug's parse of the Cookie header: no hook
+    assigned it and no request class replaced it (their cookies count, as they
+    always did: a changed scope would make a retry miss its record)."""
+    return "cookies" not in vars(req) and type(req).cookies is WerkzeugRequest.cookies
+
+
+def _form_owner(cookie: tuple[str, str | None] | None = None) -> str | None:
     """The owner id a rendered form stored in the session: read only when the
     request sent the session cookie (or this very request rendered a form), so
-    that no other request touches the session (which would add ``Vary: Cookie``)."""
-    _, cookie = _session_cookie()
-    if cookie is None and not request.environ.get(_FORM_OWNER_SET):
+    that no other request touches the session (which would add ``Vary: Cookie``).
+    ``cookie``: :func:`_session_cookie`, when the caller read it already."""
+    _, value = cookie or _session_cookie()
+    if value is None and not request.environ.get(_FORM_OWNER_SET):
         return None
     owner = session.get(FORM_OWNER_SESSION_KEY)
     return owner if isinstance(owner, str) and owner else None
@@ -294,20 +312,27 @@ def default_scope() -> str:
     an identity (a cookie scope changes with the cookie, and callers without
     either share one scope).
     """
-    endpoint = request.endpoint or request.path
-    user_id = _flask_login_user()
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    app = resolve_app()
+    endpoint = req.endpoint or req.path
+    user_id = _flask_login_user(app)
+    headers = req.headers
+    if type(headers) is EnvironHeaders and headers.environ is req.environ:
+        authorization = req.environ.get("HTTP_AUTHORIZATION", "")
+    else:  # headers a hook or a request class gave: theirs count, as they always did
+        authorization = headers.get("Authorization", "")
     if user_id is not None:
         identity = _identity("user", user_id)
     elif (httpauth_user := _httpauth_user()) is not None:
         identity = _identity("httpauth", httpauth_user)
-    elif request.headers.get("Authorization", "").strip():
-        identity = _header_identity(endpoint, request.headers["Authorization"])
-    elif (owner := _form_owner()) is not None:
+    elif authorization.strip():
+        identity = _header_identity(endpoint, authorization)
+    elif (owner := _form_owner(sent := _session_cookie(app))) is not None:
         # A random id the signed session holds (forms): unlike the cookie's own
         # value, it stays the same when the session is saved again.
         identity = _identity("form-session", owner)
     else:
-        cookie_name, cookie = _session_cookie()
+        cookie_name, cookie = sent
         if cookie is None:
             _warn_once(
                 endpoint,

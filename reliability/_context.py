@@ -6,8 +6,6 @@ import dataclasses
 import sys
 import typing as t
 
-import sqlalchemy as sa
-
 from reliability import _harness as h
 
 
@@ -22,14 +20,7 @@ class Context:
 
     def database(self, name: str) -> str:
         """A new database ``name`` in the cluster (dropped first if there); its URL."""
-        admin = sa.create_engine(self.cluster.url(), isolation_level="AUTOCOMMIT")
-        try:
-            with admin.connect() as conn:
-                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-        finally:
-            admin.dispose()
-        return str(self.cluster.url(self.driver, name))
+        return h.new_database(self.cluster, name, self.driver)
 
     def restart_database(self, mode: str) -> None:
         """Halt the cluster (``fast`` or ``immediate``) and start it again."""

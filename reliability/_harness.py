@@ -317,6 +317,19 @@ def reset_tables(url: str) -> None:
         app_module.db.engine.dispose()
 
 
+def new_database(cluster: t.Any, name: str, driver: str = "psycopg2") -> str:
+    """A new database ``name`` in ``cluster`` (a ``PgCluster``; dropped first if
+    there); its URL through ``driver``."""
+    admin = sa.create_engine(cluster.url(), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return str(cluster.url(driver, name))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -326,6 +339,18 @@ def free_port() -> int:
 def gunicorn_options() -> list[str]:
     settings = importlib.import_module("gunicorn.config").Config().settings
     return ["--no-control-socket"] if "control_socket_disable" in settings else []
+
+
+def stop_group(proc: subprocess.Popen[bytes], within: float = 10) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with
+    ``start_new_session``), SIGKILL to what is left of it after ``within`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(within)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 class Gunicorn:
@@ -424,15 +449,8 @@ class Gunicorn:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc is not None:
+            stop_group(proc)
 
     def __enter__(self) -> Gunicorn:
         return self.start()

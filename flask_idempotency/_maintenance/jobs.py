@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import math
 import typing as t
+from time import monotonic, sleep
 
 import sqlalchemy as sa
 from flask import Flask
@@ -23,6 +26,7 @@ from .._storage import (
     release_verdict,
 )
 from .._storage import outbox as outbox_sql
+from .._storage.dialects import dialect_of
 from .._storage.locks import JobLocks
 from .reconcile import reconcile_record
 
@@ -68,21 +72,36 @@ class PurgeReport:
         return text
 
 
+#: Cleanup's default pause after each full batch, as a multiple of the time the
+#: batch took: 1.0 works half the time. Measured (bench/cleanup.py, BENCHMARKS.md):
+#: the writers meanwhile wait on no lock of the cleanup's (it skips locked rows, and
+#: theirs are new), they wait for the cores and the WAL its batches keep busy.
+PURGE_PAUSE = 1.0
+
+
 def _in_batches(
-    delete: t.Callable[[], int], size: int, keep_going: KeepGoing
+    delete: t.Callable[[], int], size: int, keep_going: KeepGoing, pause: float
 ) -> tuple[int, int, bool]:
     """Run ``delete`` (one batch in its own transaction; the number it deleted)
     until a batch comes back short or ``keep_going()`` says stop: rows deleted,
-    batches, and whether to go on."""
+    batches, and whether to go on. After each full batch, sleep ``pause`` times
+    as long as it took."""
     deleted = batches = 0
     while True:
+        started = monotonic()
         count = delete()
+        took = monotonic() - started
         batches += 1
         deleted += count
         if count < size:
             return deleted, batches, True
         if not keep_going():
             return deleted, batches, False
+        # The batch's own duration measures the load it competes with: a busy
+        # database (cores, WAL, disk) slows the batch and lengthens its pause,
+        # so the cleanup yields the more the busier the writers are.
+        if pause:
+            sleep(took * pause)
 
 
 def purge_expired(
@@ -91,6 +110,7 @@ def purge_expired(
     batch_size: int | None = None,
     dry_run: bool = False,
     keep_going: KeepGoing = _always,
+    pause: float = PURGE_PAUSE,
 ) -> PurgeReport:
     """Delete expired records in batches, each its own short transaction.
 
@@ -106,9 +126,18 @@ def purge_expired(
     (:func:`flask_idempotency.relay.purge_published`; pending and parked
     events stay), each when its table exists. A ``batch_size`` below 1 raises
     :class:`ValueError` (before anything is deleted).
+
+    After each full batch the cleanup pauses ``pause`` times as long as the
+    batch took (by default as long: it works at most half the time, and
+    yields more the slower a busy database makes its batches), so that the
+    requests writing meanwhile keep their latency; ``pause=0`` deletes flat
+    out (a maintenance window). A negative, infinite or NaN ``pause`` raises
+    :class:`ValueError` (before anything is deleted).
     """
     if batch_size is not None:
         positive("batch_size", batch_size)
+    if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause < math.inf:
+        raise ValueError(f"pause must be a finite number of at least 0, not {pause!r}")
     app = resolve_app(app)
     report = PurgeReport()
     with app.app_context():
@@ -142,28 +171,38 @@ def purge_expired(
         # still holds those of the records deleted so far until vacuum.
         after: list[dt.datetime | None] = [None]
 
-        def records() -> int:
+        @contextlib.contextmanager
+        def own_batch() -> t.Iterator[sa.Connection]:
+            # A batch's own transaction, committed without waiting for its flush
+            # where the engine allows it (Dialect.defer_flush): here, not in the
+            # batch's statements, which a caller may run in a transaction of its
+            # own whose other writes must stay durable.
             with engine.begin() as conn:
+                dialect_of(conn).defer_flush(conn)
+                yield conn
+
+        def records() -> int:
+            with own_batch() as conn:
                 batch = state.store.purge_batch(conn, state.now(conn), size, after=after[0])
             after[0] = batch.last
             return batch.rows
 
         def inbox_ids() -> int:
-            with engine.begin() as conn:
+            with own_batch() as conn:
                 return inbox.purge_batch(conn, state.now(conn), size)
 
         def published() -> int:
-            with engine.begin() as conn:
+            with own_batch() as conn:
                 return outbox_sql.purge_published_batch(conn, outbox, outbox_cutoff(conn), size)
 
-        report.deleted, report.batches, going = _in_batches(records, size, keep_going)
+        report.deleted, report.batches, going = _in_batches(records, size, keep_going, pause)
         if has_inbox and going:
             report.inbox_deleted, report.inbox_batches, going = _in_batches(
-                inbox_ids, size, keep_going
+                inbox_ids, size, keep_going, pause
             )
         if has_outbox and going:
             report.outbox_deleted, report.outbox_batches, going = _in_batches(
-                published, size, keep_going
+                published, size, keep_going, pause
             )
     if report.deleted or report.inbox_deleted or report.outbox_deleted:
         logger.info("cleanup: %s", report)

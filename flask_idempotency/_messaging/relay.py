@@ -1,7 +1,7 @@
 """The relay's batch: take and lease, publish, mark, give back (the algorithm
 :mod:`flask_idempotency.relay` documents), and the publisher it publishes through.
 
-Its statements are in ``_storage.outbox`` (``Leases``); how a relay waits between
+Its statements are in ``_storage.leases`` (``Leases``); how a relay waits between
 batches is :mod:`.listener`, the operator functions :mod:`.admin`.
 """
 
@@ -19,16 +19,18 @@ from flask import Flask
 
 from .. import _telemetry as telemetry
 from .. import signals
+from .._confirms import Unsent, out_of_time
 from .._context import app_state
 from .._failures import SealBroken
-from .._storage import outbox as outbox_sql
 from .._storage import outbox_table
+from .._storage.leases import Leases
 from .._storage.schema import _text, as_utc
 from .._storage.seal import Keyring
-from .._telemetry import propagation
-from ..errors import BrokerUnavailable, StalledMessage
-from ..publishers import MESSAGE_CODES
+from ..errors import BrokerUnavailable
 from .outbox import OutboxEvent, keyring
+from .publishing import BrokerReports, PublishMany, publish_many_of, publish_one, publish_together
+from .publishing import error_type as error_type
+from .publishing import messaging_system as messaging_system
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -51,6 +53,15 @@ class Publisher(t.Protocol):
     When the event was emitted under a trace, ``headers`` also carries the
     W3C trace context (``traceparent``, ``tracestate``): put the headers on
     the message, so the consumer continues the trace.
+
+    A publisher may also have ``publish_many(events)``, returning each event's
+    outcome in order: ``None`` once it is handed over, else the exception
+    ``publish`` would have raised for it (:class:`BrokerUnavailable` for each
+    event not handed over because the broker went away). The relay then hands
+    it up to 500 events at a time instead of calling ``publish`` per event,
+    unless the publisher's ``publish`` is overridden where ``publish_many`` is
+    not (a subclass's hook around each publish keeps running). A raised
+    exception is every event's failure.
     """
 
     def publish(self, event: OutboxEvent) -> None: ...
@@ -131,7 +142,7 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
             if publisher is None:
                 raise RuntimeError("no outbox publisher: set IDEMPOTENCY_PUBLISHER")
         settings = state.settings
-        leases = outbox_sql.Leases(
+        leases = Leases(
             state.db.engine,
             outbox_table(state.db.metadata),
             state.clock,
@@ -169,38 +180,11 @@ def relay_batch(app: Flask, publisher: Publisher | None = None, *, batch: int = 
 MARK_EVERY = 0.05
 
 
-class _BrokerReports:
-    """An unreachable broker is logged once per outage at WARNING (a relay runs
-    every few seconds: an outage of minutes would log a line per run), the runs
-    that find it still away at DEBUG, and its return at INFO with their count."""
+_BROKER = BrokerReports()
 
-    def __init__(self) -> None:
-        # By publisher (an app's own): two brokers are two outages.
-        self._failed_runs: dict[int, int] = {}
-
-    def down(self, publisher: Publisher, ev: OutboxEvent, exc: BaseException) -> None:
-        runs = self._failed_runs[id(publisher)] = self._failed_runs.get(id(publisher), 0) + 1
-        level = logging.WARNING if runs == 1 else logging.DEBUG
-        logger.log(
-            level,
-            "outbox event %s (%s) not published: %r (the broker is unreachable; repeats of "
-            "this are logged at DEBUG until it answers again)",
-            ev.id,
-            ev.topic,
-            exc,
-        )
-
-    def up(self, publisher: Publisher) -> None:
-        runs = self._failed_runs.pop(id(publisher), 0)
-        if runs:
-            logger.info(
-                "the broker answers again: outbox events are published (%d relay runs "
-                "found it unreachable)",
-                runs,
-            )
-
-
-_BROKER = _BrokerReports()
+#: The most events handed to a publisher's ``publish_many`` at once; each such
+#: run of events is marked in one statement once the publisher returns.
+PIPELINE = 500
 
 #: Seconds on a clock that only goes forward: how long a batch has been publishing.
 #: (A test may replace it; the lease itself is on the database's clock.)
@@ -221,47 +205,6 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:4000]
 
 
-def messaging_system(publisher: Publisher) -> str:
-    """The metrics' ``messaging.system``: the publisher's ``messaging_system``
-    (:class:`~flask_idempotency.publishers.KombuPublisher` names its broker),
-    else ``"other"``."""
-    system = getattr(publisher, "messaging_system", None)
-    return system if isinstance(system, str) and system else "other"
-
-
-def error_type(exc: BaseException) -> str:
-    """The metrics' ``error.type`` of a failed publish, one of a few reasons."""
-    if isinstance(exc, BrokerUnavailable):
-        return "broker_unavailable"
-    if isinstance(exc, (StalledMessage, TimeoutError)):
-        return "timeout"
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    if "MessageNacked" in names or getattr(exc, "reply_code", None) in MESSAGE_CODES:
-        return "rejected"  # the broker refused this message (a nack, a message it closed on)
-    if names & {"EncodeError", "SerializerError"} or isinstance(exc, (TypeError, ValueError)):
-        return "serialization"
-    return "other"
-
-
-def _publish(publisher: Publisher, ev: OutboxEvent, system: str) -> None:
-    """``publisher.publish(ev)``, timed to its return (the broker's confirm) and
-    counted, under a PRODUCER span whose parent is the trace context the event
-    was emitted under; that span's context is added to the headers (the app's
-    own headers win a name they share). Neither the span nor the recording can
-    fail the publish or run it twice: both are guarded in ``_telemetry`` (a
-    span that cannot start publishes untraced, one that cannot end is dropped)."""
-    with propagation.publishing(ev.trace_context, destination=ev.topic) as carried:
-        if carried:
-            ev = dataclasses.replace(ev, headers={**carried, **ev.headers})
-        started = time.perf_counter()
-        try:
-            publisher.publish(ev)
-        except Exception as exc:
-            telemetry.published(system, time.perf_counter() - started, error_type(exc))
-            raise
-        telemetry.published(system, time.perf_counter() - started, None)
-
-
 class _Batch:
     """One batch: take and lease, publish and mark each, give back the rest.
 
@@ -277,7 +220,7 @@ class _Batch:
 
     def __init__(
         self,
-        leases: outbox_sql.Leases,
+        leases: Leases,
         lease: dt.timedelta,
         max_attempts: int,
         ring: Keyring | None = None,
@@ -310,6 +253,7 @@ class _Batch:
         outcome.taken = len(events)
         telemetry.batch_taken(len(events))
         system = messaging_system(publisher)
+        many = publish_many_of(publisher)
         # Half the lease, on this process's own clock: the rest of the lease is
         # the margin for the publish under way when it runs out.
         stop_at = _elapsed_clock() + self.lease.total_seconds() / 2
@@ -318,17 +262,33 @@ class _Batch:
         tried = 0  # events[:tried] were published, failed, or given back
         finished = False
         try:
-            for ev in events:
+            while tried < len(events):
                 if _elapsed_clock() >= stop_at:
                     outcome.released = len(events) - tried
                     break
+                if many is not None:
+                    chunk = events[tried : tried + PIPELINE]
+                    late = out_of_time.set(lambda: _elapsed_clock() >= stop_at)
+                    try:
+                        ended = self._together(
+                            publisher, many, chunk, system, leased_until, outcome
+                        )
+                    finally:
+                        out_of_time.reset(late)
+                    tried += len(chunk)
+                    if ended:
+                        if not outcome.unavailable:  # out of time: the later chunks untried too
+                            outcome.released += len(events) - tried
+                        break
+                    continue
+                ev = events[tried]
                 broken = self.unopened.get(ev.id)
                 if broken is not None:
                     tried += 1
                     self._unopened(ev, broken, leased_until, outcome)
                     continue
                 try:
-                    _publish(publisher, ev, system)
+                    publish_one(publisher, ev, system)
                 except BrokerUnavailable as exc:
                     _BROKER.down(publisher, ev, exc)
                     tried += 1
@@ -360,8 +320,8 @@ class _Batch:
                 # Interrupted (any exception, KeyboardInterrupt, SystemExit, a
                 # failed mark): mark what the broker took, and make the rest due
                 # again at once rather than at the end of the lease, if the
-                # database still answers. The event being published then may
-                # have reached the broker: it is sent again (at least once).
+                # database still answers. The events being published then may
+                # have reached the broker: they are sent again (at least once).
                 with contextlib.suppress(Exception):
                     self._flush(unmarked, outcome)
                 with contextlib.suppress(Exception):
@@ -369,6 +329,79 @@ class _Batch:
                     if rest:
                         self.leases.give_back(rest, leased_until, None)
         return outcome
+
+    def _together(
+        self,
+        publisher: Publisher,
+        many: PublishMany,
+        chunk: list[OutboxEvent],
+        system: str,
+        leased_until: dt.datetime,
+        outcome: _Outcome,
+    ) -> bool:
+        """Publish ``chunk`` through ``publish_many``, then mark its published
+        events in one statement and record its failures in one transaction;
+        whether the batch ends here (the broker was away, or the batch ran out
+        of time: the events not published are given back)."""
+        failures: list[tuple[OutboxEvent, str, bool]] = []  # (event, error, park at once)
+        sendable = []
+        for ev in chunk:
+            broken = self.unopened.get(ev.id)
+            if broken is None:
+                sendable.append(ev)
+                continue
+            logger.error("outbox event %s (%s) not published: %s", ev.id, ev.topic, broken)
+            at_once = self.ring is not None and self.ring.has(broken.key_id)
+            failures.append((ev, _error_text(broken), at_once))
+        results = publish_together(many, sendable, system) if sendable else []
+        published: list[OutboxEvent] = []
+        away: list[tuple[OutboxEvent, BaseException]] = []
+        unsent: list[int] = []
+        for ev, result in zip(sendable, results, strict=True):
+            if result is None:
+                published.append(ev)
+            elif isinstance(result, Unsent):
+                unsent.append(ev.id)
+            elif isinstance(result, BrokerUnavailable):
+                away.append((ev, result))
+            else:
+                logger.warning("outbox event %s (%s) not published: %r", ev.id, ev.topic, result)
+                failures.append((ev, _error_text(result), False))
+        if published:
+            _BROKER.up(publisher)
+        self._flush(published, outcome)
+        self._fail_all(failures, leased_until, outcome)
+        if away:
+            (first, exc), rest = away[0], [ev.id for ev, _ in away[1:]]
+            _BROKER.down(publisher, first, exc)
+            self.leases.give_back([first.id], leased_until, _error_text(exc))
+            if rest:
+                self.leases.give_back(rest, leased_until, None)
+            outcome.unavailable = True
+        if unsent:
+            self.leases.give_back(unsent, leased_until, None)
+            outcome.released += len(unsent)
+        return bool(away or unsent)
+
+    def _fail_all(
+        self,
+        failures: list[tuple[OutboxEvent, str, bool]],
+        leased_until: dt.datetime,
+        outcome: _Outcome,
+    ) -> None:
+        """:meth:`_fail` for each of ``failures``, in one transaction."""
+        if not failures:
+            return
+        steps = []
+        for ev, error, at_once in failures:
+            attempts = ev.attempts + 1
+            park = at_once or attempts >= self.max_attempts
+            steps.append((ev.id, attempts, error, backoff(attempts), park))
+        written = self.leases.fail_many(steps, leased_until)
+        for (ev, error, _), step, done in zip(failures, steps, written, strict=True):
+            outcome.failed += 1
+            if step[-1] and done:
+                outcome.parked.append((ev, error))
 
     def _flush(self, unmarked: list[OutboxEvent], outcome: _Outcome) -> None:
         """Mark ``unmarked`` published (one short transaction), and empty it."""

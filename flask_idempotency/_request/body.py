@@ -25,7 +25,7 @@ import json
 import re
 import typing as t
 
-from flask import request
+from flask import Request, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.http import parse_set_header
 
@@ -37,9 +37,12 @@ from ..errors import (
     UnsupportedMediaTypeError,
 )
 
-#: Set in the WSGI environ once the body was read and checked, so the check
-#: (which may read from the server's stream) runs once per request.
-_CHECKED_KEY = "flask_idempotency.body_checked"
+#: The body's bytes, kept on the request object once read and checked, so the
+#: check (which may read from the server's stream) runs once per request and
+#: every later read is one attribute lookup. On the request, not in its WSGI
+#: environ: a middleware that serves a second request from a copy of the
+#: environ (a batch, a sub-request) must not have it judged by the first body.
+_CHECKED_ATTR = "_flask_idempotency_body"
 
 # A JSON escape of a UTF-16 surrogate, and the UTF-8 bytes of a raw surrogate
 # (which ``json.loads`` lets through, as it decodes with "surrogatepass").
@@ -48,10 +51,8 @@ _RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _too_large() -> PayloadTooLargeError:
-    return PayloadTooLargeError(
-        f"The body is larger than this server accepts ({request.max_content_length} bytes)."
-    )
+def _too_large(limit: int | None) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"The body is larger than this server accepts ({limit} bytes).")
 
 
 def _is_chunked(environ: t.Mapping[str, t.Any]) -> bool:
@@ -64,9 +65,15 @@ def read_body() -> bytes:
     Over ``MAX_CONTENT_LENGTH`` answers 413; unreadable answers 400; a chunked
     body the server does not terminate answers 411 (see the module docstring).
     """
-    environ = request.environ
-    if environ.get(_CHECKED_KEY):
-        return request.get_data(cache=True)
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    checked = req.__dict__.get(_CHECKED_ATTR)
+    if checked is not None:
+        return t.cast(bytes, checked)
+    return _read_checked(req, req.environ)
+
+
+def _read_checked(request: Request, environ: dict[str, t.Any]) -> bytes:
+    """:func:`read_body`'s first read: from the server, whole or refused."""
     streamed = request.content_length is None
     terminated = "wsgi.input_terminated" in environ
     if streamed and not terminated and _is_chunked(environ):
@@ -81,21 +88,25 @@ def read_body() -> bytes:
         # silently: only one more byte from the server tells whole from cut.
         cut = streamed and terminated and limit is not None and len(data) >= limit
         if cut and environ["wsgi.input"].read(1):
-            raise _too_large()
+            raise _too_large(limit)
     except RequestEntityTooLarge:
-        raise _too_large() from None
+        raise _too_large(limit) from None
     except ProblemError:
         raise
     except Exception as exc:  # whatever the server's input raises: the body is not whole
         raise MalformedBodyError(
             f"The request body could not be read whole: {type(exc).__name__}: {exc}"
         ) from exc
-    environ[_CHECKED_KEY] = True
+    setattr(request, _CHECKED_ATTR, data)
     return data
 
 
 def _reject_constant(name: str) -> t.NoReturn:
     raise ValueError(f"{name} is not valid JSON")
+
+
+#: The strict parser: ``NaN``, ``Infinity`` and ``-Infinity`` are refused.
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def _has_lone_surrogate(value: t.Any) -> bool:
@@ -122,18 +133,21 @@ def _has_lone_surrogate(value: t.Any) -> bool:
 
 def parse_json(data: bytes) -> t.Any:
     """Parse ``data`` as strict JSON; anything else answers 400 (``MalformedBodyError``)."""
+    encoding = json.detect_encoding(data)
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
+        # What json.loads does with bytes, with one decoder built at import.
+        value = _STRICT.decode(data.decode(encoding, "surrogatepass"))
     except RecursionError:
         raise MalformedBodyError("The JSON body is nested too deeply.") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError is one
         raise MalformedBodyError(f"The body is not valid JSON: {exc}") from exc
     # Only bodies that could hold a surrogate are walked: an escape in the
-    # D800-DFFF range, raw surrogate bytes, or a UTF-16/32 encoding.
+    # D800-DFFF range, raw surrogate bytes, or a UTF-16/32 encoding. The
+    # substring tests skip both searches for almost every body.
     suspect = (
-        _SURROGATE_ESCAPE.search(data) is not None
-        or _RAW_SURROGATE.search(data) is not None
-        or json.detect_encoding(data) not in ("utf-8", "utf-8-sig")
+        (b"\\u" in data and _SURROGATE_ESCAPE.search(data) is not None)
+        or (b"\xed" in data and _RAW_SURROGATE.search(data) is not None)
+        or encoding not in ("utf-8", "utf-8-sig")
     )
     if suspect and _has_lone_surrogate(value):
         raise MalformedBodyError(

@@ -159,6 +159,14 @@ def dataclass_fields(value: t.Any) -> dict[str, t.Any]:
 
 def canonical_json(value: t.Any) -> bytes:
     """Canonical JSON bytes of ``value``: sorted keys, compact, UTF-8."""
-    return json.dumps(
-        plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8")
+    return _CANONICAL.encode(plain(value)).encode("utf-8")
+
+
+#: ``value`` as ``json.dumps`` writes a str (ASCII, escaped): the C escaper called
+#: directly. The heads of a fingerprint and of a digest are written with it, the
+#: text ``json.dumps`` makes of them, without its encoder's set-up per call.
+json_string: t.Callable[[str], str] = json.encoder.encode_basestring_ascii
+
+#: ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``,
+#: with one encoder built at import (dumps builds one per call when given options).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)

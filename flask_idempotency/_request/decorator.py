@@ -162,12 +162,17 @@ def protect(view: F, route: RouteOptions) -> F:
     @functools.wraps(view)
     def wrapper(*args: t.Any, **kwargs: t.Any) -> Response:
         # ``args``: the instance, where the view is a method of a MethodView.
-        state = app_state()
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        state = app_state(app)
         settings = state.route_settings.get(route)
         if settings is None:  # an app this Idempotency object did not register
             settings = state.route_settings[route] = route.settings_for(state.settings)
-        rule = request.url_rule
-        observed = telemetry.request(rule.rule if rule is not None else "", request.method)
+        call = state.route_views.get(route)
+        if call is None:  # the app's first request to this view
+            call = state.route_views[route] = app.ensure_sync(view)
+        req = request._get_current_object()  # type: ignore[attr-defined]
+        rule = req.url_rule
+        observed = telemetry.request(rule.rule if rule is not None else "", req.method)
         flow = Flow(
             scoped=state.db.session,
             store=state.store,
@@ -176,7 +181,6 @@ def protect(view: F, route: RouteOptions) -> F:
             route=route,
             telemetry=observed,
         )
-        call = current_app.ensure_sync(view)
         try:
             response = flow.run(functools.partial(call, *args) if args else call, kwargs)
             response = answer.render_stored(response)

@@ -50,26 +50,28 @@ import functools
 import hashlib
 import hmac
 import inspect
-import json
+import operator
 import typing as t
 
 from flask import request
 from marshmallow import Schema, ValidationError, fields
 
 from ..errors import MalformedBodyError, ValidationProblem
+from .body import parse_json, read_json_body
 
 # read_body and stored_request_body are re-exported: the request flow reads the
 # body, and the request it stores for recovery, through this module.
 from .body import read_body as read_body
-from .body import read_json_body
 from .canonical import UnknownValueError as UnknownValueError
 from .canonical import canonical_json as canonical_json
+from .canonical import json_string
 from .forms import FORM_MIMETYPES, form_fields
 from .forms import consumed as form_consumed
 from .forms import stored_request_body as stored_request_body
 from .paths import Path, _split_paths, _without
 from .paths import exclude_paths as exclude_paths
 from .paths import without_fields as without_fields
+from .wsgi import parses_environ
 
 SchemaArg = Schema | type[Schema] | None
 
@@ -252,9 +254,10 @@ def load_payload(schema: Schema | None) -> t.Any:
     """
     if schema is not None:
         return _load(schema, read_json_body())
-    if request.is_json and read_body():
-        return read_json_body()
-    return read_body()
+    body = read_body()
+    if body and request.is_json:
+        return parse_json(body)
+    return body
 
 
 @functools.lru_cache(maxsize=16)
@@ -283,9 +286,12 @@ def compute(
     Query arguments are sorted by name only: each name keeps its values in the
     order given. ``mimetype`` is the body's media type (``None`` without a body).
     """
-    ordered = sorted(query, key=lambda pair: pair[0])
+    ordered = sorted(query, key=operator.itemgetter(0)) if query else []
     # A JSON array ends where it ends: no part can run into the next one.
-    head = json.dumps([method.upper(), path, ordered, mimetype], separators=(",", ":"))
+    # json.dumps([method, path, ordered, mimetype], separators=(",", ":")).
+    args = ",".join(f"[{json_string(k)},{json_string(v)}]" for k, v in ordered)
+    kind = "null" if mimetype is None else json_string(mimetype)
+    head = f"[{json_string(method.upper())},{json_string(path)},[{args}],{kind}]"
     digest: hmac.HMAC | hashlib._Hash
     if key is None:
         digest = hashlib.sha256(head.encode("ascii"))
@@ -314,7 +320,8 @@ def _normalized(value: t.Any, exclude: t.Sequence[Path]) -> bytes:
         raise MalformedBodyError(f"The body holds a value that cannot be compared: {exc}") from exc
 
 
-@dataclasses.dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field by object.__setattr__ (slow).
+@dataclasses.dataclass(slots=True)
 class NormalizedRequest:
     """The current request, normalized once: everything its fingerprint counts
     but the path, so the hash for another path costs one SHA-256 of these bytes
@@ -381,6 +388,7 @@ def _normalize(
     bound: bytes = b"",
 ) -> NormalizedRequest:
     paths = exclude_paths(exclude)
+    req = request._get_current_object()  # type: ignore[attr-defined]
     if schema is not None:
         try:
             normalized = _normalized(sent_only(schema, raw, payload, paths), paths)
@@ -391,7 +399,7 @@ def _normalize(
             raise
     elif not isinstance(payload, bytes):
         normalized = _normalized(payload, paths)
-    elif request.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
+    elif req.mimetype in FORM_MIMETYPES and (payload or form_consumed()):
         form = form_fields()
         if form is not None and form_ignored:
             form = {name: v for name, v in form.items() if name not in form_ignored}
@@ -399,10 +407,13 @@ def _normalize(
         normalized = payload if form is None else b"form:" + _normalized(form, paths)
     else:
         normalized = payload
-    query = tuple((k, v) for k, values in request.args.lists() for v in values)
-    mimetype = request.mimetype if normalized else None
+    # No query string: werkzeug's parse skipped (not args a hook or class gave).
+    parsed = req.environ.get("QUERY_STRING") or not parses_environ(req, "args")
+    pairs = req.args.lists() if parsed else ()
+    query = tuple((k, v) for k, values in pairs for v in values)
+    mimetype = req.mimetype if normalized else None
     return NormalizedRequest(
-        request.method,
+        req.method,
         query,
         normalized,
         mimetype,

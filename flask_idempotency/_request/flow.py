@@ -49,6 +49,7 @@ from .route import RouteOptions
 from .rules import request_digest, rules_version
 from .session_guard import NoCommitGuard
 from .steps import RECOVERY_ENVIRON_KEY, RecoveryRun
+from .wsgi import request_header_values
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -114,7 +115,10 @@ class Flow:
 
     def run(self, view: t.Callable[..., t.Any], kwargs: dict[str, t.Any]) -> Response:
         settings, route = self.settings, self.route
-        if not settings.protects(request.method):
+        # The request proxy resolved once: each attribute read through it
+        # costs a context lookup.
+        req = request._get_current_object()  # type: ignore[attr-defined]
+        if not settings.protects(req.method):
             # GET, HEAD, OPTIONS, TRACE (and any method not configured): no key
             # is read, no body parsed, nothing recorded (nor counted).
             self.telemetry.ignore()
@@ -127,9 +131,6 @@ class Flow:
             )
             return self._run_unprotected(view, kwargs)
         key, form_token = request_key(settings)
-        sent = request.headers.get(settings.header) if key is not None else None
-        if sent is not None:  # every answer echoes a key the header brought
-            answer.keyed(settings.header, sent)
         if key is None:
             if settings.required:
                 raise MissingKeyError(f"This endpoint requires an {settings.header} header.")
@@ -138,8 +139,12 @@ class Flow:
                 RequestState(payload=load_payload(route.schema), key=None, scope=None, flow=self)
             )
             return self._run_unprotected(view, kwargs)
+        environ = req.environ
+        sent = request_header_values(req, settings.header)
+        if sent:  # every answer echoes a key the header brought
+            answer.keyed(settings.header, sent[0])
 
-        recovery = request.environ.get(RECOVERY_ENVIRON_KEY)
+        recovery = environ.get(RECOVERY_ENVIRON_KEY)
         if not isinstance(recovery, RecoveryRun):
             recovery = None
         else:  # the recovery job's re-run, not a client's request: the job counts it
@@ -155,7 +160,7 @@ class Flow:
             settings.fingerprint_key,
             self.bound,
         )
-        fingerprint = self.normalized.fingerprint(request.path)
+        fingerprint = self.normalized.fingerprint(req.path)
         if recovery is not None and recovery.request_hash is not None:
             # The record's own request (kept without the redacted fields, or
             # fingerprinted under the rules of an earlier deploy): judged as its own.

@@ -60,6 +60,7 @@ from .body import read_body
 from .forms import consumed, is_form
 from .route import RouteOptions
 from .steps import RECOVERY_ENVIRON_KEY
+from .wsgi import request_header_values
 
 if t.TYPE_CHECKING:
     from .._config import Settings
@@ -404,14 +405,16 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
     The header wins over the form field; a header holding a form token (a
     page's ``fetch()``) is verified as one. ``(None, None)``: no key.
     """
-    values = request.headers.getlist(settings.header)
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    environ = req.environ
+    values = request_header_values(req, settings.header)
     raw: str | None
     if len(values) == 1 and looks_like_token(values[0]):
         raw = values[0]
     elif values:
         # The recovery job re-sends a record's key, which its first request may
         # have brought in a form token (never checked against the key format).
-        recovery = RECOVERY_ENVIRON_KEY in request.environ
+        recovery = RECOVERY_ENVIRON_KEY in environ
         key = key_from_values(
             values,
             settings.header,
@@ -424,7 +427,7 @@ def request_key(settings: Settings) -> tuple[str | None, FormToken | None]:
     if raw is None:
         return None, None
     # Problems of this request answer a browser with a page (errors.ProblemError).
-    request.environ[_pages.FORM_REQUEST] = True
+    environ[_pages.FORM_REQUEST] = True
     token = decode(raw, settings)
     return token.key, token
 

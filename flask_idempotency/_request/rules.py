@@ -29,9 +29,9 @@ from .._secrets import FINGERPRINT_KEY, fingerprint_keys
 from .._storage import Record
 from ..errors import RulesChangedError
 from . import canonical
-from .canonical import canonical_json
+from .canonical import canonical_json, json_string
 from .fingerprint import exclude_paths, hook_tags, keyed_hmac, read_body
-from .forms import form_fields, is_form
+from .forms import FORM_MIMETYPES, form_fields
 from .route import RouteOptions
 
 #: Hex digits of a rules version (and of the fingerprint key's identity).
@@ -249,25 +249,30 @@ def request_digest(key: bytes | None, bound: bytes) -> str:
     # A form counts as its parsed fields whether or not something parsed it
     # before the extension (a version with CSRFProtect, one without: the same
     # bytes must agree across them).
-    form = form_fields() if is_form() else None
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    form = form_fields() if req.mimetype in FORM_MIMETYPES else None
     if form is not None:
-        body, content_type = b"form:" + canonical_json(form), request.mimetype
+        body, content_type = b"form:" + canonical_json(form), req.mimetype
     else:  # a form that does not parse counts as its bytes, like any other body
-        body, content_type = read_body(), request.content_type or ""
-    head = [
-        "request",
-        request.method.upper(),
-        request.path,
-        request.query_string.decode("latin-1"),
-        content_type,
-    ]
+        body, content_type = read_body(), req.content_type or ""
+    # json.dumps(["request", method, path, query, content type], separators=(",", ":")).
+    head = (
+        '["request",'
+        + ",".join(
+            map(
+                json_string,
+                (req.method.upper(), req.path, req.query_string.decode("latin-1"), content_type),
+            )
+        )
+        + "]"
+    )
     digest: hmac.HMAC | hashlib._Hash
     if key is None:
         digest = hashlib.sha256()
     else:
         digest = keyed_hmac(key).copy()
         digest.update(bound)
-    digest.update(json.dumps(head, separators=(",", ":")).encode("utf-8"))
+    digest.update(head.encode("utf-8"))
     digest.update(b"\x00")
     digest.update(body)
     return digest.hexdigest()

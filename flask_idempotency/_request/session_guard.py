@@ -22,6 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .._storage import drivers
+
 GUARD_KEY = "flask_idempotency.claim_guard"
 
 
@@ -169,18 +171,23 @@ def _connection_commit(connection: sa.Connection) -> None:
     )
 
 
-def _sql_commit(connection: sa.Connection, cursor: t.Any, statement: str, *args: t.Any) -> None:
+def _sql_commit(
+    connection: sa.Connection, cursor: t.Any, statement: str, parameters: t.Any, *args: t.Any
+) -> tuple[str, t.Any]:
     """``COMMIT`` (or PostgreSQL's ``END``) sent as SQL text on the watched session's
-    connection: refused, for the same reason as :func:`_connection_commit`."""
+    connection: refused, for the same reason as :func:`_connection_commit`.
+    (Registered with ``retval=True``, so that SQLAlchemy keeps it as it is and the
+    store's direct path knows it: the record's own statements are never a COMMIT.)"""
     watcher = _watching.get()
     if watcher is None or connection not in watcher._connections:
-        return
+        return statement, parameters
     head = statement.lstrip()[:6].upper()
     if head.startswith(("COMMIT", "END")):
         raise RuntimeError(
             "the view sent COMMIT as SQL; commit through the session "
             "(db.session.commit()) so the idempotency record commits with it"
         )
+    return statement, parameters
 
 
 def _after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
@@ -203,5 +210,6 @@ def listen(session_factory: t.Any) -> None:
     event.listen(session_factory, "after_soft_rollback", _after_soft_rollback)
     if not event.contains(sa.Engine, "commit", _connection_commit):
         event.listen(sa.Engine, "commit", _connection_commit)
-        event.listen(sa.Engine, "before_cursor_execute", _sql_commit)
+        event.listen(sa.Engine, "before_cursor_execute", _sql_commit, retval=True)
+        drivers.quiet(_sql_commit)
     _watched.add(session_factory)

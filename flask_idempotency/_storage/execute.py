@@ -130,8 +130,15 @@ class Statements:
             stmt = self._returning_form(stmt)
         path = drivers.fast_path(connection) if params else None
         if path is None:
-            return changed_one(connection, stmt, params)
+            ran = drivers.direct(connection, stmt, params)
+            if ran is None:
+                return changed_one(connection, stmt, params)
+            rows, count = ran
+            return bool(rows) if stmt._returning else count == 1
         sql, constants = self._compiled.statement(connection, stmt, params)
+        if drivers.unobserved(connection):
+            rows, count = path.run(connection, sql, {**constants, **params})
+            return bool(rows) if stmt._returning else count == 1
         result = connection.exec_driver_sql(sql, {**constants, **params})
         if stmt._returning:
             return result.first() is not None

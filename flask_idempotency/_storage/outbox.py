@@ -1,4 +1,5 @@
-"""The outbox's statements: the emit's insert, the relay's lease, the operator queries.
+"""The outbox's statements: the emit's insert, the operator queries (the relay's
+take, lease and marks are in :mod:`.leases`).
 
 What differs per engine is asked of its dialect object (:mod:`.dialects`):
 
@@ -7,10 +8,7 @@ What differs per engine is asked of its dialect object (:mod:`.dialects`):
   RETURNING id`` on PostgreSQL and SQLite (a returned id: this insert wrote
   the row), ``ON DUPLICATE KEY UPDATE`` a no-op on MySQL/MariaDB, where the
   existing row is always read back, with a locking read that sees the latest
-  committed row whatever the snapshot;
-* the relay's take is ``FOR UPDATE SKIP LOCKED`` on PostgreSQL and
-  MySQL/MariaDB (under READ COMMITTED on MySQL/MariaDB); on SQLite it first
-  takes the database's write lock.
+  committed row whatever the snapshot.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from .notify import NOTIFY
 from .schema import ERASED_PAYLOAD, OWNER_KEY, OWNER_SCOPE
 from .seal import open_event_text as open_event_text
 from .seal import seal_event as seal_event
-from .sql import AddedColumns, database_now
+from .sql import AddedColumns
 from .sql import add_column_sql as add_column_sql
 
 _R = t.TypeVar("_R")
@@ -131,179 +129,6 @@ def for_session(session: t.Any) -> OutboxDialect:
 @functools.cache
 def _for_dialect(name: str) -> OutboxDialect:
     return OutboxDialect(dialect_for(name))
-
-
-class Leases:
-    """The relay's statements, each in a short transaction of its own: take and
-    lease a batch, mark published, back off or park, give back.
-
-    "Now", for leases and backoffs, is the database's clock, which every relay
-    on every host reads, unless ``database_clock`` is false (an app given its
-    own clock, as tests do): then ``clock``.
-    """
-
-    def __init__(
-        self,
-        engine: sa.Engine,
-        table: sa.Table,
-        clock: t.Callable[[], dt.datetime],
-        *,
-        database_clock: bool,
-    ) -> None:
-        self.engine, self.table, self.clock = engine, table, clock
-        self.database_clock = database_clock
-        self.dialect = dialect_for(engine.dialect.name)
-
-    def _now(self, conn: sa.Connection) -> dt.datetime:
-        return database_now(conn) if self.database_clock else self.clock()
-
-    def _pending(self, conn: sa.Connection, now: dt.datetime) -> sa.Select[t.Any]:
-        c = self.table.c
-        columns: list[t.Any] = [self.table]
-        absent = absent_columns(conn, self.table)
-        if absent:  # an outbox from an earlier release
-            columns = [column for column in c if column.name not in absent]
-        return (
-            sa.select(*columns)
-            .where(
-                c.published_at.is_(None),
-                c.failed_at.is_(None),
-                sa.or_(c.next_attempt_at.is_(None), c.next_attempt_at <= now),
-            )
-            .order_by(c.id)
-        )
-
-    def take(
-        self, batch: int, lease: dt.timedelta, make: t.Callable[[t.Any], _E]
-    ) -> tuple[dt.datetime, list[_E]]:
-        """Lease up to ``batch`` pending rows in id order, in a transaction of
-        their own; the lease's end and the rows, each made into ``make(row)``
-        (in the transaction: a row ``make`` refuses leases nothing).
-
-        Run once more on a new connection when the pooled one turns out closed
-        by the server (an idle timeout between runs, a restart)."""
-        try:
-            return self._take_once(batch, lease, make)
-        except sa.exc.DBAPIError as exc:
-            if not exc.connection_invalidated:
-                raise
-        return self._take_once(batch, lease, make)
-
-    def _take_once(
-        self, batch: int, lease: dt.timedelta, make: t.Callable[[t.Any], _E]
-    ) -> tuple[dt.datetime, list[_E]]:
-        dialect = self.dialect
-        with self.engine.connect() as conn:
-            if dialect.take_isolation is not None:
-                # Where the default would lock more than the rows taken (MySQL's
-                # gap locks): every emit would wait for this take.
-                conn = conn.execution_options(isolation_level=dialect.take_isolation)
-            with conn.begin():
-                # SQLite: its write lock first, so a second relay waits here
-                # instead of reading the same rows.
-                dialect.lock_writers(conn, self.table, "attempts")
-                now = self._now(conn)
-                leased_until = now + lease
-                query = dialect.skip_locked_take(self._pending(conn, now).limit(batch))
-                rows = list(conn.execute(query))
-                taken = [make(row) for row in rows]
-                if rows:
-                    conn.execute(
-                        sa.update(self.table)
-                        .where(self.table.c.id.in_([int(row.id) for row in rows]))
-                        .values(next_attempt_at=leased_until)
-                    )
-        return leased_until, taken
-
-    def _write(self, step: t.Callable[..., _R], *args: t.Any) -> _R:
-        """``step(conn, *args)`` in a short transaction of its own.
-
-        Run once more on a new connection when the first one turns out closed
-        by the server while it waited in the pool during a publish (an idle
-        timeout, a restart): the statements here may run twice.
-        """
-        try:
-            with self.engine.begin() as conn:
-                return step(conn, *args)
-        except sa.exc.DBAPIError as exc:
-            if not exc.connection_invalidated:
-                raise
-        with self.engine.begin() as conn:
-            return step(conn, *args)
-
-    def _mine(self, ids: list[int], leased_until: dt.datetime) -> sa.ColumnElement[bool]:
-        """The rows are still this batch's: unpublished, their lease the one it took."""
-        c = self.table.c
-        return sa.and_(c.id.in_(ids), c.published_at.is_(None), c.next_attempt_at == leased_until)
-
-    def mark_published(self, ids: list[int]) -> None:
-        """Mark the rows ``ids`` published (at the app's clock)."""
-        self._write(self._published, ids)
-
-    def _published(self, conn: sa.Connection, ids: list[int]) -> None:
-        # Not fenced by the lease: the broker has them, whoever holds the rows now.
-        c = self.table.c
-        conn.execute(
-            sa.update(self.table)
-            .where(c.id.in_(ids), c.published_at.is_(None))
-            .values(published_at=self.clock())
-        )
-
-    def fail(
-        self,
-        row_id: int,
-        leased_until: dt.datetime,
-        *,
-        attempts: int,
-        error: str,
-        delay: dt.timedelta,
-        park: bool,
-    ) -> bool:
-        """Record a failed publish of the leased row ``row_id``: ``attempts``,
-        ``error`` and due again ``delay`` from now, parked too when ``park``;
-        whether the row was still this batch's (and so was written)."""
-        return self._write(self._fail, row_id, leased_until, attempts, error, delay, park)
-
-    def _fail(
-        self,
-        conn: sa.Connection,
-        row_id: int,
-        leased_until: dt.datetime,
-        attempts: int,
-        error: str,
-        delay: dt.timedelta,
-        park: bool,
-    ) -> bool:
-        now = self._now(conn)
-        values: dict[str, t.Any] = {
-            "attempts": attempts,
-            "last_error": error,
-            "next_attempt_at": now + delay,
-        }
-        if park:
-            values["failed_at"] = now
-        table = self.table
-        result = conn.execute(
-            sa.update(table).where(self._mine([row_id], leased_until)).values(**values)
-        )
-        return bool(result.rowcount == 1)
-
-    def give_back(self, ids: list[int], leased_until: dt.datetime, error: str | None) -> None:
-        """Make leased rows due at once, their attempts unchanged (``error``, when
-        given, kept as their ``last_error``)."""
-        self._write(self._give_back, ids, leased_until, error)
-
-    def _give_back(
-        self,
-        conn: sa.Connection,
-        ids: list[int],
-        leased_until: dt.datetime,
-        error: str | None,
-    ) -> None:
-        values: dict[str, t.Any] = {"next_attempt_at": None}
-        if error is not None:
-            values["last_error"] = error
-        conn.execute(sa.update(self.table).where(self._mine(ids, leased_until)).values(**values))
 
 
 # -- operator queries ---------------------------------------------------------------

@@ -179,6 +179,21 @@ def refuse_autocommit(connection: sa.Connection) -> None:
         )
 
 
+def refuse_changed_rows(connection: sa.Connection) -> None:
+    """Refuse a connection whose ``UPDATE`` row counts are the rows changed,
+    not matched (:meth:`.Dialect.counts_changed_rows`): a fenced update that
+    writes the values already there (a lease renewed to the same end) would
+    read as lost, and the request answer 409 with its work committed."""
+    if dialect_for(connection.dialect.name).counts_changed_rows(connection):
+        raise RuntimeError(
+            "Flask-Idempotency needs UPDATE row counts of matched rows: the engine's "
+            "PyMySQL connections were opened without CLIENT.FOUND_ROWS (a client_flag "
+            "in connect_args replaces the one SQLAlchemy builds, which has it). Pass "
+            "connect_args={'client_flag': CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS} "
+            "(pymysql.constants.CLIENT), or the flags you need | CLIENT.FOUND_ROWS."
+        )
+
+
 def add_column_sql(dialect: sa.Dialect, table: sa.Table, name: str) -> str:
     """The statement that adds the column ``name`` to ``table`` on ``dialect``,
     as the table declares it (nullable): a table from an earlier release."""

@@ -52,6 +52,7 @@ from .sql import (
     expired,
     lease_over,
     refuse_autocommit,
+    refuse_changed_rows,
     text_param,
 )
 
@@ -168,7 +169,7 @@ class Store(HeldRecord, OperatorQueries):
             dialect.bound_idle(executor, self.claim_idle)
         if wait is not None:
             previous = dialect.set_wait(executor, wait)
-        failed = False
+        failed = interrupted = False
         try:
             yield
         except sa_exc.DBAPIError as exc:
@@ -176,12 +177,19 @@ class Store(HeldRecord, OperatorQueries):
             if dberrors.stopped_waiting(exc):
                 raise self._wait_exceeded(exc) from exc
             raise
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit, GreenletExit: SQLAlchemy discarded
+            # the connection if a statement was running, so putting the bound
+            # back fails there; the interruption is what goes on.
+            interrupted = not isinstance(exc, Exception)
+            raise
         finally:
             if wait is not None:
                 try:
                     dialect.restore_wait(executor, previous, failed=failed)
-                except (sa_exc.DBAPIError, sa_exc.PendingRollbackError):
-                    if not failed:
+                except Exception as exc:
+                    known = isinstance(exc, sa_exc.DBAPIError | sa_exc.PendingRollbackError)
+                    if not (interrupted or (failed and known)):
                         raise
                     # The failure took the connection with it: the pool discards
                     # it, and the original error is the one to report (a
@@ -294,10 +302,14 @@ class Store(HeldRecord, OperatorQueries):
             stmt = loads.whole_locking if locking else loads.whole
         else:
             stmt = loads.head_locking if locking else loads.head
-        row = executor.execute(stmt, {"w_scope": scope, "w_key": key}).first()
+        params = {"w_scope": scope, "w_key": key}
+        read = self._record_or_unreadable if unreadable_ok else self._record
+        ran = drivers.direct(self._connection(executor), stmt, params)
+        if ran is not None:
+            return read(ran[0][0]) if ran[0] else None
+        row = executor.execute(stmt, params).first()
         if row is None:
             return None
-        read = self._record_or_unreadable if unreadable_ok else self._record
         return read(row._mapping)
 
     def claim(
@@ -316,7 +328,10 @@ class Store(HeldRecord, OperatorQueries):
         insert, restoring the wait's bound and reading the record travel as one
         batch of statements, parameters bound on the client (PostgreSQL runs
         them in order, in the transaction; :mod:`.drivers.psycopg` says why not
-        psycopg 3's pipeline mode). Elsewhere it is the same statements one by one.
+        psycopg 3's pipeline mode). So it is on PyMySQL with multi-statement
+        strings, and on MariaDB without them one for a new key and two for a taken
+        one (:mod:`.drivers.pymysql`).
+        Elsewhere it is the same statements one by one.
 
         A ``record`` whose sealed columns do not open comes with
         :attr:`.Record.unreadable` set, never raising: the caller judges it by
@@ -327,7 +342,8 @@ class Store(HeldRecord, OperatorQueries):
         self.check_size(session, values)
         connection = session.connection(bind_arguments={"clause": self.table})
         refuse_autocommit(connection)
-        path = drivers.fast_path(connection)
+        refuse_changed_rows(connection)
+        path = drivers.fast_path(connection, claim=True)
         if path is None:
             with self.bounded_wait(session, wait):
                 won, record = self._insert(session, values)
@@ -342,16 +358,17 @@ class Store(HeldRecord, OperatorQueries):
                     stored_request=False,
                     unreadable_ok=True,
                 )
-        idle = self.claim_idle
+        idle, name = self.claim_idle, connection.dialect.name
+        loads = self._loads_for(connection)
         statements = self._compiled.claim(
             connection.dialect,
-            self._insert_for(connection.dialect.name),
-            self._loads_for(connection).head,
+            self._insert_for(name),
+            loads.head_locking if dialect_for(name).locking_reads else loads.head,
             bounded=wait is not None,
             idle_bounded=idle is not None,
             values=values,
         )
-        params = drivers.claim_params(values, wait=wait, idle=idle)
+        params = drivers.claim_params(values, wait=wait, idle=idle, dialect=name)
         try:
             found = path.send_batch(connection, statements, params)
         except sa_exc.DBAPIError as exc:

@@ -85,7 +85,7 @@ def _make_instruments() -> None:
 def published(system: str, seconds: float, error: str | None) -> None:
     """One publish by the relay: to the broker's confirm, or failed for ``error``
     (``broker_unavailable``, ``rejected``, ``timeout``, ``serialization``, ``other``)."""
-    if _metrics is None:
+    if _metrics is None or not _metrics.recording():  # the API's stand-ins record nothing
         return
     instruments = _metrics.instruments()
     if error is None:
@@ -103,7 +103,7 @@ def published(system: str, seconds: float, error: str | None) -> None:
 @quietly(nothing)
 def batch_taken(size: int) -> None:
     """A relay batch took ``size`` events (empty batches are not recorded)."""
-    if _metrics is None or size <= 0:
+    if _metrics is None or size <= 0 or not _metrics.recording():
         return
     _metrics.instruments().batch_size.record(size)
 

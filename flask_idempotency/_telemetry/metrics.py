@@ -173,6 +173,29 @@ def instruments() -> Instruments:
     return made
 
 
+def _stand_ins() -> tuple[type[t.Any], ...]:
+    """The API's stand-ins before (and instead of) an app's provider: what is
+    recorded on them goes nowhere. Named by class, not by what the global
+    provider is at import: a process that sets its SDK provider before importing
+    the extension (gunicorn's config, a telemetry bootstrap) must not have its
+    own provider taken for a stand-in. The proxy's class is private to the API;
+    without it the proxy counts as recording (slower, never wrong)."""
+    try:
+        from opentelemetry.metrics._internal import _ProxyMeterProvider
+    except ImportError:  # pragma: no cover - depends on the API's layout
+        return (metrics.NoOpMeterProvider,)
+    return (_ProxyMeterProvider, metrics.NoOpMeterProvider)
+
+
+_STAND_INS = _stand_ins()
+
+
+def recording() -> bool:
+    """Whether a meter provider is in force whose instruments record: one handed
+    in, or an SDK's set as the global one (not the API's proxy or no-op)."""
+    return _provider is not None or not isinstance(metrics.get_meter_provider(), _STAND_INS)
+
+
 def use_provider(provider: metrics.MeterProvider | None) -> None:
     """Record through ``provider`` from now on (``None``: the global one again).
     For tests: the SDK lets a process set its global provider only once."""

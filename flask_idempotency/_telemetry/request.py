@@ -169,12 +169,13 @@ class Timed:
 
     def __enter__(self) -> Timed:
         request = self._request
-        if request.spans is not None:
+        spans = request.spans
+        if request.tracing and spans is not None:
             try:
                 if request.parent is None:
-                    request.parent = request.spans.parent()
+                    request.parent = spans.parent()
                 replay = self.kind == "replay"
-                self._phase = request.spans.Phase(
+                self._phase = spans.Phase(
                     _NAMES[self.kind],
                     request.parent,
                     request.route,
@@ -235,6 +236,7 @@ class RequestTelemetry:
         "route",
         "spans",
         "stored_size",
+        "tracing",
         "wait_ns",
         "waited",
     )
@@ -244,8 +246,12 @@ class RequestTelemetry:
     ) -> None:
         self.route = route
         self.method = method
-        self._metrics = metrics
+        # Only where a provider records: the API's stand-ins would take the
+        # calls and keep nothing, at the cost of making them (:func:`.spans.recording`).
+        self._metrics = metrics if metrics is not None and metrics.recording() else None
         self.spans = spans
+        #: Whether the request's phases are traced as spans.
+        self.tracing = spans is not None and bool(spans.recording())
         self.parent: t.Any = None
         self._started = time.perf_counter_ns()
         #: The app's clock when the request first tried to claim (or, on an

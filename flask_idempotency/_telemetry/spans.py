@@ -45,6 +45,22 @@ def tracer() -> trace.Tracer:
     return found
 
 
+# The API's stand-ins before (and instead of) an app's provider: their spans
+# record nothing. A provider set later is seen at the next request.
+_STAND_INS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+
+def stand_in() -> bool:
+    """Whether the global tracer provider is one of the API's stand-ins."""
+    return isinstance(trace.get_tracer_provider(), _STAND_INS)
+
+
+def recording() -> bool:
+    """Whether a tracer provider is in force whose spans record: one handed in,
+    or an SDK's set as the global one (not the API's proxy or no-op)."""
+    return _provider is not None or not stand_in()
+
+
 def use_provider(provider: trace.TracerProvider | None) -> None:
     """Trace through ``provider`` from now on (``None``: the global one). Tests."""
     global _tracer, _provider

@@ -126,15 +126,8 @@ class Process:
             self._watcher.join(10)
         with self._lock:
             proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc is not None:
+            h.stop_group(proc)
 
     def tail(self, chars: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-chars:]

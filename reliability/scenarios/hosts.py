@@ -412,17 +412,6 @@ class Fault:
             self.hosts.servers[FAULTED].start()
 
 
-def _database(cluster: t.Any, name: str) -> str:
-    admin = sa.create_engine(cluster.url(), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    finally:
-        admin.dispose()
-    return str(cluster.url("psycopg2", name))
-
-
 def _one(
     ctx: Context, topology: Topology, cluster: t.Any, index: int, kind: str, label: str
 ) -> h.Result:
@@ -433,7 +422,7 @@ def _one(
             result.skipped = missing
             return result
     warmup, duration, after = ctx.scale.pick((5.0, 30.0, 15.0), (3.0, 12.0, 6.0))
-    url = _database(cluster, f"hosts_{index}")
+    url = h.new_database(cluster, f"hosts_{index}")
     h.reset_tables(url)
     hosts = Hosts(topology, url)
     balancer: Balancer | None = None

@@ -3,6 +3,7 @@ events, a keyed order, and the ``flask idempotency relay`` command on it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import typing as t
@@ -27,6 +28,17 @@ def reset(url: str) -> None:
     join the metadata at init_app, which a test may not have run yet)."""
     tables = (record_table, outbox_table, inbox_table, job_lock_table)
     recreate_tables(outbox_app.db.metadata, url, tables)
+
+
+@contextlib.contextmanager
+def fresh_app(url: str, clock: t.Any, **config: t.Any) -> t.Iterator[Flask]:
+    """The outbox app on ``url`` (``config`` its settings), its tables fresh; its
+    engine's connections closed afterwards: an ``app`` fixture's body."""
+    app = outbox_app.create_app(url, clock=clock, **config)
+    reset(url)
+    yield app
+    with app.app_context():
+        outbox_app.db.engine.dispose()
 
 
 def rows(app: Flask) -> list[dict[str, t.Any]]:

@@ -342,6 +342,9 @@ OUT_OF_RANGE = [
     ("relay", "--poll", "1e308"),
     ("relay", "--poll", "nan"),
     ("purge", "--batch-size", "99999999999999999999"),
+    ("purge", "--pause", "nan"),
+    ("purge", "--pause", "inf"),
+    ("purge", "--pause", "-1"),
     ("list", "--limit", "99999999999999999999"),
     ("list", "--scope-prefix", "a\x00b"),
 ]

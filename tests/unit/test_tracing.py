@@ -21,7 +21,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
@@ -35,7 +35,7 @@ from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
 from tests.support.live import ROOT
-from tests.support.outbox import post, relay_command, reset, rows
+from tests.support.outbox import fresh_app, post, relay_command, reset, rows
 from tests.support.tracing import (
     named,
     parent_id,
@@ -208,11 +208,8 @@ def test_with_no_current_span_the_attempts_continue_the_callers_own_traceparent(
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(database_url, clock=clock)
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    with fresh_app(database_url, clock) as app:
+        yield app
 
 
 def test_an_event_stores_the_context_of_the_request_that_emitted_it(app: Flask) -> None:
@@ -374,6 +371,36 @@ def test_a_stored_context_is_carried_by_a_relay_without_an_sdk(app: Flask) -> No
             context.trace_id,
             context.span_id,
         )
+
+
+def test_a_relay_without_an_sdk_publishes_under_the_stored_context(app: Flask) -> None:
+    """No SDK in the relay's process: no span is made, but the publisher still
+    runs under the context the event was emitted in (a broker instrumentation
+    or the app's own publisher reads or injects the current context), not the
+    relay's, even where the relay itself runs under another (a request's)."""
+    with (
+        sdk_tracing() as (provider, _),
+        provider.get_tracer("test").start_as_current_span("request") as request_span,
+    ):
+        assert post(app, key="k1").status_code == 201
+    seen: list[tuple[int, dict[str, str]]] = []
+
+    class Reading(ListPublisher):
+        def publish(self, event: t.Any) -> None:
+            injected: dict[str, str] = {}
+            propagate.inject(injected)
+            seen.append((trace.get_current_span().get_span_context().trace_id, injected))
+            super().publish(event)
+
+    caller = trace.NonRecordingSpan(
+        trace.SpanContext(0x1111, 0x2222, is_remote=True, trace_flags=trace.TraceFlags(1))
+    )
+    with without_sdk(), trace.use_span(caller):
+        assert relay_once(app, Reading()) == 1
+    [(trace_id, injected)] = seen
+    stored = request_span.get_span_context()
+    assert trace_id == stored.trace_id
+    assert parse_traceparent(injected["traceparent"]) == (stored.trace_id, stored.span_id)
 
 
 def test_the_broker_message_carries_the_context_and_the_inbox_continues_it(

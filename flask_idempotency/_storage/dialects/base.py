@@ -167,6 +167,13 @@ class Dialect:
         deleted = conn.execute(sa.delete(table).where(pair.in_(keys), *conditions)).rowcount
         return Deleted(int(deleted), largest)
 
+    def defer_flush(self, conn: sa.Connection) -> None:
+        """Let this transaction's commit return before its log is on disk, where
+        the engine allows it per transaction (PostgreSQL): for cleanup's
+        batches, whose loss in a crash only leaves expired rows to delete again.
+        Only in a transaction that is the cleanup's own (never in a caller's,
+        whose other writes would lose their durability with it)."""
+
     def lock_writers(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
         """Take the database's one write lock now, where the engine has one for
         all writers (SQLite), so that a second transaction doing the same waits
@@ -193,6 +200,20 @@ class Dialect:
         statement: SQLite ``VACUUM`` (the whole file), PostgreSQL ``VACUUM FULL``
         (an exclusive lock while it runs), MariaDB/MySQL ``OPTIMIZE TABLE``."""
         raise NotImplementedError(f"no vacuum offered for {conn.dialect.name}")
+
+    def among(self, column: sa.ColumnElement[t.Any], name: str) -> sa.ColumnElement[bool]:
+        """``column IN (ids)``, the ids a list given as the parameter ``name``
+        when the statement runs: one bound parameter per id (PostgreSQL: one
+        array, so that a batch of a thousand ids is one short statement whose
+        text does not change with its size)."""
+        return column.in_(sa.bindparam(name, expanding=True))
+
+    def pending_order(self, table: sa.Table) -> list[sa.ColumnElement[t.Any]]:
+        """The ORDER BY of the relay's take of pending outbox rows (both
+        ``published_at`` and ``failed_at`` NULL): id order, which the pending
+        index (``published_at, failed_at, id``) gives for the batch's rows alone
+        on MariaDB/MySQL and SQLite when asked by id."""
+        return [table.c.id]
 
     def skip_locked_take(self, query: sa.Select[t.Any]) -> sa.Select[t.Any]:
         """``query``, choosing a queue's batch that concurrent takers split
@@ -239,6 +260,21 @@ class Dialect:
         already says) or has none (SQLite: one lock for the whole database)."""
         return None
 
+    def claim_batch(
+        self, dialect: sa.Dialect, insert: str, read: str, *, bounded: bool, idle_bounded: bool
+    ) -> list[str]:
+        """The claim as a driver fast path sends it (:mod:`..drivers`): the
+        ``insert`` and the ``read`` of the record (driver SQL, ``%(name)s``
+        parameters), with the statements that bound the insert's wait
+        (``%(wait)s``, :meth:`batch_wait`) and, where the engine has one, the
+        transaction's idle time (``%(idle)s``). The record is the first row of
+        the last statement that returns rows. Only engines with a fast path."""
+        raise NotImplementedError(self.name)
+
+    def batch_wait(self, wait: dt.timedelta) -> t.Any:
+        """``wait`` as :meth:`claim_batch`'s ``%(wait)s``."""
+        raise NotImplementedError(self.name)
+
     def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
         """Bound how long the next statements wait on another transaction's locks;
         what :meth:`restore_wait` needs to put the connection's own bound back."""
@@ -260,6 +296,12 @@ class Dialect:
     def autocommits(self, connection: sa.Connection) -> bool:
         """Whether the driver's connection commits each statement on its own in a
         way SQLAlchemy's isolation level does not show."""
+        return False
+
+    def counts_changed_rows(self, connection: sa.Connection) -> bool:
+        """Whether the driver's connection reports rows changed, not rows
+        matched, for an ``UPDATE`` (a row count :func:`.sql.changed_one` reads
+        where the engine has no ``RETURNING``)."""
         return False
 
     def statement_limit(self, executor: Executor) -> int | None:

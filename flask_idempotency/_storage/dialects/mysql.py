@@ -9,7 +9,9 @@
   and ``lock_wait_timeout`` (a lock on the table: ``LOCK TABLES``, a
   migration's ``ALTER TABLE``), in whole seconds. The variables are per
   connection, not per transaction: they are restored even after a failure, or
-  the pooled connection would keep our bound.
+  the pooled connection would keep our bound. On MariaDB the claim's batch
+  (:meth:`MySQL.claim_batch`) bounds each statement with ``SET STATEMENT ...
+  FOR``, which the server undoes after the statement whatever its outcome.
 * The record is read with a locking read, so that a REPEATABLE READ snapshot
   taken earlier in the transaction cannot hide the winner's row.
 * Scope and key columns are VARBINARY (the default collations fold case and
@@ -40,20 +42,38 @@ from .base import Dialect, Executor, Verdict, millis, write_nothing
 # Both bounds: innodb_lock_wait_timeout for row locks, lock_wait_timeout for
 # metadata and table locks (LOCK TABLES, a migration's ALTER TABLE), whose
 # default is a day. Either gives up with ER_LOCK_WAIT_TIMEOUT (1205).
-_SET_WAIT = sa.text(
+_SET_WAIT_SQL = (
     "SET @flask_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, "
     "@flask_idempotency_table_wait = @@SESSION.lock_wait_timeout, "
-    "SESSION innodb_lock_wait_timeout = :v, SESSION lock_wait_timeout = :v"
+    "SESSION innodb_lock_wait_timeout = {v}, SESSION lock_wait_timeout = {v}"
 )
-_RESTORE_WAIT = sa.text(
+#: Puts back what the wait's bound replaced; sent on its own by a fast path
+#: whose batch failed before it got there.
+RESTORE_WAIT_SQL = (
     "SET SESSION innodb_lock_wait_timeout = @flask_idempotency_wait, "
     "SESSION lock_wait_timeout = @flask_idempotency_table_wait"
 )
+_SET_WAIT = sa.text(_SET_WAIT_SQL.format(v=":v"))
+_RESTORE_WAIT = sa.text(RESTORE_WAIT_SQL)
+#: MariaDB's bound on one statement: set before it, put back after it by the
+#: server, failed or not (MariaDB 10.1.2; MySQL has no such statement, and its
+#: ``SET_VAR`` hint does not take ``innodb_lock_wait_timeout``).
+_FOR_ONE_STATEMENT = (
+    "SET STATEMENT innodb_lock_wait_timeout = %(wait)s, lock_wait_timeout = %(wait)s FOR "
+)
+#: PyMySQL's ``CLIENT.FOUND_ROWS`` (``pymysql.constants.CLIENT``): an
+#: ``UPDATE``'s row count is the rows it matched, not those it changed.
+_FOUND_ROWS = 1 << 1
 _NOW = sa.text("SELECT UTC_TIMESTAMP(6)")
 _PACKET_LIMIT = sa.text("SELECT @@max_allowed_packet")
 #: How long the no-wait probe of a record waits for a lock on its table, where
 #: ``NOWAIT`` does not cover one (MySQL): the least the server takes.
 _PROBE_WAIT = dt.timedelta(seconds=1)
+
+
+def _seconds(wait: dt.timedelta) -> int:
+    """The variables take whole seconds, at least 1 (0 would not wait at all)."""
+    return max(1, math.ceil(millis(wait) / 1000))
 
 
 class MySQL(Dialect):
@@ -128,12 +148,47 @@ class MySQL(Dialect):
         finally:
             self.restore_wait(conn, None, failed=False)
 
+    def claim_batch(
+        self, dialect: sa.Dialect, insert: str, read: str, *, bounded: bool, idle_bounded: bool
+    ) -> list[str]:
+        """The ``INSERT IGNORE`` and the locking read of the record, each bounded
+        on its own with ``SET STATEMENT`` on MariaDB: nothing to put back, even
+        after a failure, so the statements may also travel one by one where the
+        driver's connection takes no multi-statement string. There the insert
+        returns its fencing token (``RETURNING``, MariaDB 10.5), only when it
+        wrote the row: a new key's claim ends with it (one round trip), a
+        taken key's goes on to the read (two). On MySQL the bound is set
+        before and put back after the read (:data:`RESTORE_WAIT_SQL`, which
+        the fast path sends itself should the batch fail before it). No idle
+        bound: the server has none."""
+        if not getattr(dialect, "is_mariadb", False):
+            if not bounded:
+                return [insert, read]
+            return [_SET_WAIT_SQL.format(v="%(wait)s"), insert, read, RESTORE_WAIT_SQL]
+        if dialect.insert_returning:
+            insert += " RETURNING fencing_token"
+        if not bounded:
+            return [insert, read]
+        return [_FOR_ONE_STATEMENT + insert, _FOR_ONE_STATEMENT + read]
+
+    def batch_wait(self, wait: dt.timedelta) -> t.Any:
+        return _seconds(wait)
+
     def set_wait(self, executor: Executor, wait: dt.timedelta) -> t.Any:
-        executor.execute(_SET_WAIT, {"v": max(1, math.ceil(millis(wait) / 1000))})
+        executor.execute(_SET_WAIT, {"v": _seconds(wait)})
         return None  # the previous value waits in a user variable of the session
 
     def restore_wait(self, executor: Executor, previous: t.Any, *, failed: bool) -> None:
         executor.execute(_RESTORE_WAIT)
+
+    def counts_changed_rows(self, connection: sa.Connection) -> bool:
+        """A PyMySQL connection opened without ``CLIENT.FOUND_ROWS``, which
+        SQLAlchemy adds to the ``client_flag`` it builds from the URL, but which
+        ``connect_args={"client_flag": ...}`` replaces (as when asking for
+        multi-statement strings, :mod:`..drivers.pymysql`). (mysqlclient's
+        connection does not say: taken as SQLAlchemy opened it.)"""
+        flag = getattr(connection.connection.driver_connection, "client_flag", None)
+        return isinstance(flag, int) and not flag & _FOUND_ROWS
 
     def statement_limit(self, executor: Executor) -> int | None:
         return int(executor.execute(_PACKET_LIMIT).scalar_one())

@@ -7,7 +7,8 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..dialects.postgresql import batch_bounds, interval
+from ..dialects import dialect_for
+from ..dialects.postgresql import interval
 
 
 class Compiled:
@@ -19,7 +20,7 @@ class Compiled:
     def __init__(self, table: sa.Table) -> None:
         self.table = table
         self._sql: dict[tuple[int, str, tuple[str, ...]], tuple[t.Any, str, dict[str, t.Any]]] = {}
-        self._claims: dict[tuple[str, bool, bool, tuple[str, ...]], list[str]] = {}
+        self._claims: dict[tuple[str, str, bool, bool, bool, tuple[str, ...]], list[str]] = {}
 
     def statement(
         self, connection: sa.Connection, stmt: t.Any, params: dict[str, t.Any]
@@ -48,27 +49,25 @@ class Compiled:
         idle_bounded: bool,
         values: dict[str, t.Any],
     ) -> list[str]:
-        """The claim's statements for one batch (PostgreSQL's: the only engine with
-        a fast path): the bounds (if any), the ``insert`` of ``values``, the
-        wait's bound restored, the ``read`` of the record; compiled once per
-        shape (bounded or not, idle-bounded or not, the columns that have a
-        value).
-
-        The read comes last, so its row is what the batch returns: its own
-        statement, it sees the row our insert made, or the one it yielded to.
-        """
+        """The claim's statements for one batch, as the engine's dialect puts
+        them together (:meth:`.Dialect.claim_batch`): the ``insert`` of
+        ``values``, the ``read`` of the record, the bounds; compiled once per
+        shape (engine, bounded or not, idle-bounded or not, the columns that
+        have a value)."""
         # Columns left out of the INSERT are NULL: fewer parameters to send.
         columns = tuple(name for name, value in values.items() if value is not None)
-        cache_key = (dialect.driver, bounded, idle_bounded, columns)
+        mariadb = bool(getattr(dialect, "is_mariadb", False))
+        cache_key = (dialect.name, dialect.driver, mariadb, bounded, idle_bounded, columns)
         statements = self._claims.get(cache_key)
         if statements is not None:
             return statements
-        before, after = batch_bounds(bounded, idle_bounded)
-        parts = [] if before is None else [before]
-        parts.append(self._checked(insert, dialect, list(columns)))
-        if after is not None:
-            parts.append(after)
-        parts.append(self._checked(read, dialect, None))
+        parts = dialect_for(dialect.name).claim_batch(
+            dialect,
+            self._checked(insert, dialect, list(columns)),
+            self._checked(read, dialect, None),
+            bounded=bounded,
+            idle_bounded=idle_bounded,
+        )
         self._claims[cache_key] = parts
         return parts
 
@@ -83,13 +82,18 @@ class Compiled:
 
 
 def claim_params(
-    values: dict[str, t.Any], *, wait: dt.timedelta | None, idle: dt.timedelta | None
+    values: dict[str, t.Any],
+    *,
+    wait: dt.timedelta | None,
+    idle: dt.timedelta | None,
+    dialect: str = "postgresql",
 ) -> dict[str, t.Any]:
     """The parameters of :meth:`Compiled.claim`'s batch: the record's ``values``,
-    the key it reads back, the bounds (``"1500ms"``)."""
+    the key it reads back, the bounds (as ``dialect``'s batch takes the wait's:
+    ``"1500ms"`` on PostgreSQL; the idle bound's, PostgreSQL's only, ``"500ms"``)."""
     params = {**values, "w_scope": values["scope"], "w_key": values["key"]}
     if wait is not None:
-        params["wait"] = interval(wait)
+        params["wait"] = dialect_for(dialect).batch_wait(wait)
     if idle is not None:
         params["idle"] = interval(idle)
     return params

@@ -5,9 +5,10 @@ from __future__ import annotations
 import typing as t
 
 import sqlalchemy as sa
-from sqlalchemy import exc as sa_exc
 
-from .base import FastPath
+from .base import FastPath, as_sqlalchemy_error, row_of
+
+__all__ = ["Psycopg", "as_sqlalchemy_error"]
 
 
 class Psycopg(FastPath):
@@ -46,35 +47,6 @@ class Psycopg(FastPath):
                 cursor.execute(";\n".join(statements), params)
                 while cursor.nextset():  # the read is the last statement
                     pass
-                row = cursor.fetchone()
-                if row is None:
-                    return None
-                return {
-                    column.name: value
-                    for column, value in zip(cursor.description, row, strict=True)
-                }
+                return row_of(cursor)
         except dbapi.Error as exc:
             raise as_sqlalchemy_error(connection, statements, params, exc) from exc
-
-
-def as_sqlalchemy_error(
-    connection: sa.Connection, statements: list[str], params: dict[str, t.Any], exc: t.Any
-) -> sa_exc.DBAPIError:
-    """The driver's error as SQLAlchemy would raise it: a ``DBAPIError`` wrapping it,
-    the connection invalidated when the driver says it is gone."""
-    dialect = connection.dialect
-    gone = dialect.is_disconnect(exc, connection.connection.driver_connection, None)
-    if gone:
-        connection.invalidate(exc)
-    return t.cast(
-        sa_exc.DBAPIError,
-        sa_exc.DBAPIError.instance(
-            ";\n".join(statements),
-            params,
-            exc,
-            dialect.loaded_dbapi.Error,
-            hide_parameters=connection.engine.hide_parameters,
-            connection_invalidated=gone,
-            dialect=dialect,
-        ),
-    )

@@ -6,7 +6,7 @@ import typing as t
 
 import sqlalchemy as sa
 
-from .base import FastPath
+from .base import FastPath, as_sqlalchemy_error, begun, row_of, unobserved
 
 
 class Psycopg2(FastPath):
@@ -17,5 +17,14 @@ class Psycopg2(FastPath):
     ) -> dict[str, t.Any] | None:
         # psycopg2 quotes the values into the text and sends it as one query; its
         # cursor holds the last statement's rows.
-        row = connection.exec_driver_sql(";\n".join(statements), params).first()
-        return dict(row._mapping) if row is not None else None
+        sql = ";\n".join(statements)
+        if not unobserved(connection):
+            row = connection.exec_driver_sql(sql, params).first()
+            return dict(row._mapping) if row is not None else None
+        raw = begun(connection)
+        try:
+            with raw.cursor() as cursor:
+                cursor.execute(sql, params)
+                return row_of(cursor)
+        except connection.dialect.loaded_dbapi.Error as exc:
+            raise as_sqlalchemy_error(connection, statements, params, exc) from exc

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
+from flask_idempotency._maintenance import jobs as jobs_module
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from tests.conftest import Clock, insert_records, ledger_count, record_rows, reset_tables
@@ -48,6 +49,69 @@ def test_purge_works_in_batches_and_keeps_live_records(app: Flask, clock: Clock)
     assert report.deleted == 31  # 25 + 5 + the stuck one: all past expiry now
     assert report.batches == 4
     assert keys(app) == {"new0", "new1", "new2"}
+
+
+def test_purge_pauses_after_each_full_batch_as_long_as_it_took_times_pause(
+    app: Flask, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writers meanwhile wait on the cores and the WAL the batches keep
+    busy, not on a lock (BENCHMARKS.md): the cleanup yields after each full
+    batch, the longer the longer the batch took; none after the last, short
+    one; ``pause=0`` never waits, and the CLI passes ``--pause`` on."""
+    slept: list[float] = []
+    monkeypatch.setattr(jobs_module, "sleep", slept.append)
+    took = iter(range(100))  # each batch "takes" 1 s of the monotonic clock
+    monkeypatch.setattr(jobs_module, "monotonic", lambda: float(next(took)))
+    make_records(app, clock, 25, expired=True, prefix="e")
+    clock.advance(hours=25)
+    report = purge_expired(app, batch_size=10)
+    assert (report.deleted, report.batches) == (25, 3)
+    assert slept == [jobs_module.PURGE_PAUSE, jobs_module.PURGE_PAUSE]
+    slept.clear()
+    make_records(app, clock, 25, expired=True, prefix="f")
+    clock.advance(hours=25)
+    assert purge_expired(app, batch_size=10, pause=2.5).deleted == 25
+    assert slept == [2.5, 2.5]
+    slept.clear()
+    make_records(app, clock, 25, expired=True, prefix="g")
+    clock.advance(hours=25)
+    assert purge_expired(app, batch_size=10, pause=0).deleted == 25
+    assert slept == []
+    make_records(app, clock, 25, expired=True, prefix="h")
+    clock.advance(hours=25)
+    result = cli(app, "purge", "--batch-size", "10", "--pause", "0.5")
+    assert "deleted 25 expired record(s) in 3 batch(es)" in result.output, result.output
+    assert slept == [0.5, 0.5]
+
+
+def test_each_cleanup_batch_commits_without_waiting_for_its_flush_on_postgresql(
+    app: Flask, clock: Clock
+) -> None:
+    """Records', inbox ids' and published events' batches alike: their own
+    transactions only (``SET LOCAL``), the pooled connections keep the
+    server's setting."""
+    if not app.config["SQLALCHEMY_DATABASE_URI"].startswith("postgresql"):
+        pytest.skip("only PostgreSQL sets it per transaction")
+    make_records(app, clock, 25, expired=True, prefix="e")
+    clock.advance(hours=25)
+    seen: list[str] = []
+
+    def before_delete(conn: t.Any, cursor: t.Any, statement: str, *args: t.Any) -> None:
+        if statement.lstrip().upper().startswith("DELETE"):
+            cursor.execute("SHOW synchronous_commit")
+            seen.append(cursor.fetchone()[0])
+
+    with app.app_context():
+        engine = testapp.db.engine
+        sa.event.listen(engine, "before_cursor_execute", before_delete)
+        try:
+            assert purge_expired(app, batch_size=10, pause=0).deleted == 25
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", before_delete)
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar_one() == "on"
+    assert len(seen) >= 3
+    assert set(seen) == {"off"}
 
 
 def test_purge_resumes_where_each_batch_ended_and_misses_no_tie(app: Flask, clock: Clock) -> None:

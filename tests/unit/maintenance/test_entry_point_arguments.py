@@ -37,6 +37,9 @@ def bounded(fn: t.Callable[[], t.Any]) -> t.Any:
 CALLS: dict[str, t.Callable[[Flask], t.Any]] = {
     "purge_expired batch_size=-1": lambda app: purge_expired(app, batch_size=-1),
     "purge_expired batch_size=0": lambda app: purge_expired(app, batch_size=0),
+    "purge_expired pause=-1": lambda app: purge_expired(app, pause=-1),
+    "purge_expired pause=nan": lambda app: purge_expired(app, pause=float("nan")),
+    "purge_expired pause=inf": lambda app: purge_expired(app, pause=float("inf")),
     "recover_abandoned limit=-1": lambda app: recover_abandoned(app, limit=-1),
     "recover_abandoned limit=0": lambda app: recover_abandoned(app, limit=0),
     "purge_published batch=0": lambda app: purge_published(app, batch=0),

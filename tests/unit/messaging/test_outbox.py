@@ -35,18 +35,15 @@ from flask_idempotency.keys import derive_scoped_key
 from flask_idempotency.publishers import KombuPublisher, ListPublisher
 from tests.conftest import Clock, run_sql
 from tests.support import outbox_app, pgbouncer
-from tests.support.outbox import post, relay_command, reset, rows
+from tests.support.outbox import fresh_app, post, relay_command, reset, rows
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3)
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    with fresh_app(database_url, clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3) as app:
+        yield app
 
 
 def orders(app: Flask) -> int:

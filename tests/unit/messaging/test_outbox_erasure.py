@@ -20,16 +20,13 @@ from flask_idempotency._storage.schema import ERASED, ERASED_PAYLOAD, outbox_tab
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
-from tests.support.outbox import post, reset, rows
+from tests.support.outbox import fresh_app, post, rows
 
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(database_url, clock=clock)
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    with fresh_app(database_url, clock) as app:
+        yield app
 
 
 def text(value: t.Any) -> t.Any:

@@ -19,23 +19,20 @@ from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
-from tests.support.outbox import reset
+from tests.support.outbox import fresh_app
 
 HOUR = dt.timedelta(hours=1)
 
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(
+    with fresh_app(
         database_url,
-        clock=clock,
+        clock,
         IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=1,  # one failure parks
         IDEMPOTENCY_OUTBOX_RETENTION=HOUR,
-    )
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    ) as app:
+        yield app
 
 
 def add(app: Flask, *event_ids: str) -> None:

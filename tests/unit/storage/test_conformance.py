@@ -244,6 +244,23 @@ def test_purge_deletes_expired_records_and_nothing_else(impl: Impl) -> None:
     assert set(impl.rows()) == {still_leased["key"], live["key"]}
 
 
+def test_a_purge_batch_in_a_callers_transaction_leaves_its_durability_alone(impl: Impl) -> None:
+    """Cleanup's own batches commit without waiting for their flush on
+    PostgreSQL (tests/unit/maintenance/test_cleanup.py); the batch's
+    statements, run in a transaction of the caller's (whose other writes may
+    be a business's), leave ``synchronous_commit`` as the caller had it."""
+    if impl.dialect is not PostgreSQL:
+        pytest.skip("only PostgreSQL sets it per transaction")
+    now = now_ms()
+    claimed(impl, record_values(new_key(), now - 48 * HOUR, lease=-HOUR))
+    show = sa.text("SHOW synchronous_commit")
+    with impl.engine.connect() as conn:
+        assert impl.store.purge_batch(conn, now, limit=10).rows == 1
+        assert conn.execute(show).scalar_one() == "on"
+        conn.commit()
+    assert impl.rows() == {}
+
+
 def test_purge_batches_resume_at_the_last_expiry_without_skipping_ties(impl: Impl) -> None:
     """Each batch reports the latest ``expires_at`` it deleted; the next, given it
     as ``after``, starts there (``>=``), so records sharing that time that the
@@ -366,6 +383,43 @@ def test_a_duplicate_waits_no_longer_than_the_bound_which_is_then_put_back(impl:
             second.rollback()
     finally:
         other.dispose()
+
+
+def test_an_interruption_inside_a_bounded_wait_comes_out_as_itself(impl: Impl) -> None:
+    """KeyboardInterrupt (SystemExit: gunicorn's worker timeout) mid-statement:
+    SQLAlchemy discards the connection, so the bound cannot be put back; the
+    interruption still comes out, not the refusal of the statement that would
+    have put it back."""
+    if impl.dialect is Dialect:
+        pytest.skip("an engine without a module has no bound of ours")
+    with Session(impl.engine) as session:
+        session.connection()
+
+        def interrupted() -> None:
+            with impl.store.bounded_wait(session, dt.timedelta(seconds=2)):
+                # What SQLAlchemy does when an exit exception interrupts a statement.
+                session.connection().invalidate()
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            interrupted()
+        session.rollback()
+        assert session.execute(sa.text("SELECT 1")).scalar_one() == 1
+
+
+def test_a_fenced_update_of_the_values_already_there_counts_as_held(impl: Impl) -> None:
+    """A lease renewed to the end it has (a clock that did not move): the row
+    is matched, so still held, on every engine (MySQL's drivers as SQLAlchemy
+    opens them, and as docs/performance.md says to ask for multi-statement
+    strings: FOUND_ROWS, matched rows)."""
+    now = now_ms()
+    values = record_values(new_key(), now)
+    with Session(impl.engine) as session:
+        assert impl.store.claim(session, values, None) == (True, None)
+        token, until = values["fencing_token"], now + HOUR
+        for _ in range(2):
+            assert impl.store.renew_lease(session, SCOPE, values["key"], token, until)
+        session.commit()
 
 
 def test_a_claim_bounds_how_long_its_transaction_may_sit_idle(impl: Impl) -> None:

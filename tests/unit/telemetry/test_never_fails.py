@@ -29,7 +29,7 @@ from flask_idempotency.client import IdempotentSession
 from flask_idempotency.publishers import ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
-from tests.support.outbox import post, reset, rows
+from tests.support.outbox import fresh_app, post, reset, rows
 from tests.support.tracing import sdk_tracing
 
 TRACEPARENT = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
@@ -111,11 +111,8 @@ def broken_metrics(request: pytest.FixtureRequest) -> t.Iterator[str]:
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3)
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    with fresh_app(database_url, clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3) as app:
+        yield app
 
 
 def emit_publish_and_deliver(app: Flask) -> None:

@@ -11,17 +11,18 @@ import typing as t
 import pytest
 from flask import Flask
 
+from flask_idempotency._confirms import Unsent
 from flask_idempotency._maintenance.jobs import purge_expired
 from flask_idempotency._maintenance.runner import run_relay
 from flask_idempotency._maintenance.scheduler import JobScheduler
 from flask_idempotency._messaging import inbox
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
-from flask_idempotency._messaging.relay import error_type, relay_once
+from flask_idempotency._messaging.relay import error_type, relay_batch, relay_once
 from flask_idempotency.errors import BrokerUnavailable, StalledMessage
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
-from tests.support.outbox import post, reset
+from tests.support.outbox import fresh_app, post, reset
 
 from .conftest import Otel
 
@@ -30,11 +31,8 @@ PUBLISH = {"messaging.system": "other", "messaging.operation.name": "publish"}
 
 @pytest.fixture
 def app(database_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(database_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3)
-    reset(database_url)
-    yield app
-    with app.app_context():
-        outbox_app.db.engine.dispose()
+    with fresh_app(database_url, clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=3) as app:
+        yield app
 
 
 def add(app: Flask, *event_ids: str) -> None:
@@ -73,6 +71,29 @@ def test_each_publish_is_counted_and_timed_with_its_failure_reason(otel: Otel, a
     assert timed == sent
     [batches] = otel.series("idempotency.relay.batch.size", points)
     assert (batches.value, batches.total) == (2, 5 + 1)  # "bad" backs off: "e" alone
+
+
+def test_events_a_batch_gave_back_untried_are_not_counted_as_publishes(
+    otel: Otel, app: Flask
+) -> None:
+    """A pipelined batch that ran out of time gives back the events it did not
+    try (``Unsent``): no publish to count, and not an outage."""
+    add(app, "a", "b", "c")
+
+    class Late:
+        def publish(self, event: OutboxEvent) -> None:
+            raise AssertionError("published together")
+
+        def publish_many(self, events: t.Sequence[OutboxEvent]) -> list[BaseException | None]:
+            return [None] + [Unsent("out of time")] * (len(events) - 1)
+
+    run = relay_batch(app, Late())
+    assert (run.published, run.released, run.broker_unavailable) == (1, 2, False)
+    sent = [
+        (p.attributes.get("error.type"), p.value)
+        for p in otel.series("messaging.client.sent.messages")
+    ]
+    assert sent == [(None, 1)]
 
 
 def test_an_empty_batch_is_not_a_batch_size(otel: Otel, app: Flask) -> None:

@@ -94,7 +94,10 @@ LATE_SDK = textwrap.dedent(
     from tests.support import testapp
 
     # The app first (gunicorn's master, --preload), the SDK after (post_fork).
-    app = testapp.create_app(sys.argv[1], IDEMPOTENCY_SCOPE=lambda: "s")
+    # A generous ready timeout: a busy machine's slow first read is not the point here.
+    app = testapp.create_app(
+        sys.argv[1], IDEMPOTENCY_SCOPE=lambda: "s", IDEMPOTENCY_READY_TIMEOUT=30
+    )
     with app.app_context():
         testapp.db.create_all()
 
