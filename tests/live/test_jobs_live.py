@@ -190,11 +190,13 @@ def test_scheduler_processes_run_each_job_about_once_per_interval(db: str) -> No
     for process, (_out, err) in zip(schedulers, outputs, strict=True):
         assert process.returncode == 0, err
         assert "Traceback" not in err
-    runs = run_sql(db, "SELECT job, pid, started FROM job_runs ORDER BY started")
+    runs = run_sql(db, "SELECT job, pid, started, acquired FROM job_runs ORDER BY acquired")
     run_sql(db, "DROP TABLE job_runs")
     for job, interval in every.items():
-        starts = [r.started for r in runs if r.job == job and start <= r.started <= end]
+        ran = [r for r in runs if r.job == job and start <= r.started <= end]
         expected = (end - start) / interval
-        assert 0.5 * expected <= len(starts) <= 1.5 * expected, (job, len(starts), expected)
-        gaps = [b - a for a, b in itertools.pairwise(starts)]
-        assert min(gaps) >= 0.75 * interval, (job, min(gaps))
+        assert 0.5 * expected <= len(ran) <= 1.5 * expected, (job, len(ran), expected)
+        # Spaced by the start each run's lock recorded (the time a loaded machine
+        # takes from there to job_started is no part of the rule).
+        gaps = [b.acquired - a.acquired for a, b in itertools.pairwise(ran)]
+        assert min(gaps) >= 0.9 * interval - 1e-3, (job, min(gaps))

@@ -215,9 +215,12 @@ def test_two_retries_race_to_reclaim_one_wins(
     statuses = collections.Counter(r.status for r in replies)
     winners = [r for r in replies if r.status == 201 and not r.replayed]
     assert len(winners) == 1, statuses
-    assert statuses[409] == 5, statuses
     # The losers lost the reclaim itself: they never ran the view (which would
-    # end in lease-lost), they were told the key is in progress.
+    # end in lease-lost), they were told the key is in progress; one that a
+    # loaded machine sent after the winner's 0.5 s view ended gets its answer.
+    late = [r for r in replies if r.status == 201 and r.replayed]
+    assert statuses[409] + len(late) == 5, statuses
+    assert statuses[409] >= 1, statuses
     for reply in replies:
         if reply.status == 409:
             assert reply.json()["type"].endswith("request-in-progress"), reply.body
@@ -255,9 +258,11 @@ def test_recovery_job_completes_an_abandoned_request(
     crash(start(servers, pg_url, config), "between-steps", key)
     app = testapp.create_app(pg_url, **config)
     runner = app.test_cli_runner()
-    early = runner.invoke(args=["idempotency", "recover"])
-    assert early.exit_code == 0
-    assert "completed 0" in early.output  # the lease is still live: not abandoned yet
+    left = (the_record(pg_url)["locked_until"] - dt.datetime.now(dt.timezone.utc)).total_seconds()
+    if left > 0.5:  # a loaded machine may start the app after the short lease ended
+        early = runner.invoke(args=["idempotency", "recover"])
+        assert early.exit_code == 0
+        assert "completed 0" in early.output  # the lease is still live: not abandoned yet
     wait_for_lease_end(pg_url)
     result = runner.invoke(args=["idempotency", "recover"])
     assert result.exit_code == 0, result.output

@@ -3,12 +3,14 @@
 Reads the database from ``IDEMPOTENCY_TEST_APP_DB`` and extra config (JSON,
 durations in seconds) from ``IDEMPOTENCY_TEST_APP_CONFIG``. With
 ``IDEMPOTENCY_TEST_JOB_RUNS`` set, every scheduled job run is written to the
-``job_runs`` table (pid, job, start, end), and each run is stretched by that many
-seconds so that runs in two processes would overlap if the lock let them.
+``job_runs`` table (pid, job, start, end, and the ``last_started_at`` its lock
+was acquired with), and each run is stretched by that many seconds so that runs
+in two processes would overlap if the lock let them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import threading
@@ -19,6 +21,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
+from flask_idempotency.models import job_lock_table
 from tests.support import testapp
 
 job_runs = sa.Table(
@@ -29,10 +32,18 @@ job_runs = sa.Table(
     sa.Column("job", sa.String(50)),
     sa.Column("started", sa.Float),
     sa.Column("finished", sa.Float),
+    #: The lock's ``last_started_at`` as this run set it on acquiring: what
+    #: spaces the runs, free of the delay before ``job_started`` is sent.
+    sa.Column("acquired", sa.Float),
 )
 
-_started: dict[tuple[int, str], float] = {}
+_started: dict[tuple[int, str], tuple[float, float]] = {}
 _lock = threading.Lock()
+
+
+def utc(value: dt.datetime) -> dt.datetime:
+    """A datetime as read back: naive ones (SQLite, MariaDB) are UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
 
 
 def create_app() -> Flask:
@@ -43,18 +54,31 @@ def create_app() -> Flask:
     if stretch is not None:
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
 
+        locks = job_lock_table(sa.MetaData())
+
         def on_start(sender: t.Any, **kw: t.Any) -> None:
+            now = time.time()
+            with engine.connect() as conn:
+                acquired = conn.execute(
+                    sa.select(locks.c.last_started_at).where(
+                        locks.c.name == kw["name"], locks.c.holder == kw["holder"]
+                    )
+                ).scalar_one()
             with _lock:
-                _started[(os.getpid(), kw["name"])] = time.time()
+                _started[(os.getpid(), kw["name"])] = (now, utc(acquired).timestamp())
             time.sleep(float(stretch))
 
         def on_finish(sender: t.Any, **kw: t.Any) -> None:
             with _lock:
-                started = _started.pop((os.getpid(), kw["name"]))
+                started, acquired = _started.pop((os.getpid(), kw["name"]))
             with engine.begin() as conn:
                 conn.execute(
                     sa.insert(job_runs).values(
-                        pid=os.getpid(), job=kw["name"], started=started, finished=time.time()
+                        pid=os.getpid(),
+                        job=kw["name"],
+                        started=started,
+                        finished=time.time(),
+                        acquired=acquired,
                     )
                 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 import time
 import typing as t
 
@@ -179,14 +180,22 @@ def slow_app(
     return app, gates
 
 
-def first_then_waiting_duplicate(app: Flask, gates: Gates) -> tuple[t.Any, t.Any]:
+def first_then_waiting_duplicate(
+    app: Flask, gates: Gates, dup_started: threading.Event | None = None
+) -> tuple[t.Any, t.Any]:
     """The first request holds its claim; a duplicate arrives and waits on it
-    (after the app's before_request hooks ran); then the first goes on. The
-    two answers, first's and the duplicate's."""
+    (after the app's before_request hooks ran; ``dup_started``, when given, is
+    set by such a hook); then the first goes on. The two answers, first's and
+    the duplicate's."""
     first = send(app, "/held", {}, **{"X-Who": "first"})
     try:
         assert gates.arrived("first")
         dup = send(app, "/held", {}, **{"X-Who": "dup"})
+        # A slow machine may take longer than the sleep to start the duplicate
+        # (a new thread, a second connection): where the outcome depends on
+        # it, the hook tells.
+        if dup_started is not None:
+            assert dup_started.wait(30)
         time.sleep(0.5)  # the duplicate has started, and now waits on the claim
     finally:
         gates.open("first")
@@ -324,11 +333,15 @@ def test_serialization_failure_under_repeatable_read_is_a_409(pg_url: str) -> No
         SQLALCHEMY_ENGINE_OPTIONS={"isolation_level": "REPEATABLE READ"},
     )
 
+    snapshot_taken = threading.Event()
+
     @app.before_request
     def load_user() -> None:
         testapp.db.session.execute(sa.text("SELECT 1 FROM ledger")).all()
+        if request.headers.get("X-Who") == "dup":
+            snapshot_taken.set()  # its snapshot is older than the first's commit
 
-    first, answer = first_then_waiting_duplicate(app, gates)
+    first, answer = first_then_waiting_duplicate(app, gates, snapshot_taken)
     assert first.status_code == 201
     assert_problem(answer, 409)
     retry = send(app, "/held", {}, **{"X-Who": "dup"}).result()
