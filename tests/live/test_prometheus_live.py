@@ -227,37 +227,44 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         prometheus.wait_for("sum(testapp_responses_total)", sent)
         # The extension's: exactly what was sent, by outcome, summed over workers.
         prometheus.wait_for("sum(idempotency_requests_total)", sent)
-        by_outcome = {
-            row["metric"]["idempotency_outcome"]: float(row["value"][1])
-            for row in prometheus.query("sum by (idempotency_outcome) (idempotency_requests_total)")
-        }
-        assert by_outcome == expected
-        refusals = {
-            row["metric"].get("idempotency_key_refusal"): float(row["value"][1])
-            for row in prometheus.query(
-                "sum by (idempotency_key_refusal)"
-                ' (idempotency_requests_total{idempotency_outcome="key_refused"})'
-            )
-        }
-        assert refusals == {"missing": 2, "too_long": 1}
-        by_route = {
-            (row["metric"]["http_route"], row["metric"]["idempotency_outcome"]): float(
-                row["value"][1]
-            )
-            for row in prometheus.query(
-                "sum by (http_route, idempotency_outcome) (idempotency_requests_total)"
-            )
-        }
-        assert by_route == {
-            ("/slow", "executed"): WORKERS,
-            ("/charges", "executed"): 10,
-            ("/charges", "replayed"): 6,
-            ("/charges", "mismatch"): 1,
-            ("/charges", "key_refused"): 1,
-            ("/charges", "passed_through"): 2,
-            ("/required", "key_refused"): 2,
-            ("/commits-then-raises", "failed_after_commit"): 1,
-        }
+
+        def outcomes() -> dict[tuple[str, str], float]:
+            by_outcome = {
+                row["metric"]["idempotency_outcome"]: float(row["value"][1])
+                for row in prometheus.query(
+                    "sum by (idempotency_outcome) (idempotency_requests_total)"
+                )
+            }
+            assert by_outcome == expected
+            refusals = {
+                row["metric"].get("idempotency_key_refusal"): float(row["value"][1])
+                for row in prometheus.query(
+                    "sum by (idempotency_key_refusal)"
+                    ' (idempotency_requests_total{idempotency_outcome="key_refused"})'
+                )
+            }
+            assert refusals == {"missing": 2, "too_long": 1}
+            by_route = {
+                (row["metric"]["http_route"], row["metric"]["idempotency_outcome"]): float(
+                    row["value"][1]
+                )
+                for row in prometheus.query(
+                    "sum by (http_route, idempotency_outcome) (idempotency_requests_total)"
+                )
+            }
+            assert by_route == {
+                ("/slow", "executed"): WORKERS,
+                ("/charges", "executed"): 10,
+                ("/charges", "replayed"): 6,
+                ("/charges", "mismatch"): 1,
+                ("/charges", "key_refused"): 1,
+                ("/charges", "passed_through"): 2,
+                ("/required", "key_refused"): 2,
+                ("/commits-then-raises", "failed_after_commit"): 1,
+            }
+            return by_route
+
+        by_route = prometheus.holds(outcomes)
         # The totals came from several workers (the slow requests were held at once).
         assert prometheus.value("count(count by (instance) (idempotency_requests_total))") >= 2
 
@@ -265,10 +272,14 @@ def test_prometheus_scrapes_exact_totals_from_four_gunicorn_workers(
         # One completed record per key that ran: executed, or failed after its commit.
         records = expected["executed"] + expected["failed_after_commit"]
         prometheus.wait_for("max(idempotency_records_live)", records)
-        prometheus.wait_for("min(idempotency_records_live)", records)
-        assert prometheus.value("count(idempotency_records_live)") == WORKERS
-        assert prometheus.value("max(idempotency_records_in_flight)") == 0
-        assert prometheus.value("max(idempotency_records_past_lease)") == 0
+
+        def gauges() -> None:
+            assert prometheus.value("min(idempotency_records_live)") == records
+            assert prometheus.value("count(idempotency_records_live)") == WORKERS
+            assert prometheus.value("max(idempotency_records_in_flight)") == 0
+            assert prometheus.value("max(idempotency_records_past_lease)") == 0
+
+        prometheus.holds(gauges)
 
         # The jobs, by the names the rules file's IdempotencyJobNotRunning expects.
         deadline = time.monotonic() + 60

@@ -26,6 +26,8 @@ import pytest
 
 from tests.support.live import ROOT
 
+T = t.TypeVar("T")
+
 DOCS = ROOT / "docs"
 RULES = DOCS / "examples" / "prometheus" / "idempotency-rules.yml"
 RULES_TESTS = DOCS / "examples" / "prometheus" / "idempotency-rules.test.yml"
@@ -171,6 +173,20 @@ class Prometheus:
         deadline = time.monotonic() + seconds
         while (got := self.value(expr)) != expected:
             assert time.monotonic() < deadline, f"{expr} is {got}, not {expected}"
+            time.sleep(0.5)
+
+    def holds(self, check: t.Callable[[], T], seconds: float = 60) -> T:
+        """``check()``'s value once it stops failing its asserts. A scrape that
+        failed (a worker slow to answer on a loaded machine) makes its series
+        stale until the next: a check of several series waits for one where all
+        are fresh."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return check()
+            except AssertionError:
+                if time.monotonic() >= deadline:
+                    raise
             time.sleep(0.5)
 
     def stop(self) -> None:
