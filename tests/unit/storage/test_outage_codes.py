@@ -165,8 +165,17 @@ def test_mariadb_kill_query_answers_503() -> None:
             deadline = time.monotonic() + 10
             while not _running and time.monotonic() < deadline:
                 time.sleep(0.02)
-            time.sleep(0.3)  # in the lock wait by now
+            # Only a query in its lock wait: KILL QUERY on an idle connection does nothing.
+            waiting = sa.text(
+                "SELECT count(*) FROM information_schema.innodb_trx"
+                " WHERE trx_mysql_thread_id = :id AND trx_state = 'LOCK WAIT'"
+            )
             with admin.connect() as conn:
+                while time.monotonic() < deadline + 20:
+                    if conn.execute(waiting, {"id": _running[0]}).scalar_one():
+                        break
+                    conn.rollback()  # a fresh snapshot of the view each time
+                    time.sleep(0.02)
                 conn.execute(sa.text(f"KILL QUERY {_running[0]}"))
 
         killer = threading.Thread(target=kill)
