@@ -259,11 +259,16 @@ class PrivateMariaDB:
         self.base = Path(tempfile.mkdtemp(prefix="idem-mariadb-"))
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # Its own tmpdir: at start mariadbd deletes every "#sql*" file in its
+        # tmpdir, and in /tmp those are the live temporary tables of the other
+        # servers on the machine (a shared one's DESCRIBE then failed, errno 2).
+        (self.base / "tmp").mkdir()
         subprocess.run(
             [
                 install,
                 "--no-defaults",
                 f"--datadir={self.base / 'data'}",
+                f"--tmpdir={self.base / 'tmp'}",
                 "--user=root" if os.geteuid() == 0 else f"--user={pwd.getpwuid(os.geteuid())[0]}",
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
@@ -279,6 +284,7 @@ class PrivateMariaDB:
             self.server,
             "--no-defaults",
             f"--datadir={self.base / 'data'}",
+            f"--tmpdir={self.base / 'tmp'}",
             f"--port={self.port}",
             "--bind-address=127.0.0.1",
             f"--socket={self.base / 'mariadb.sock'}",
