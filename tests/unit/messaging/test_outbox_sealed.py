@@ -62,10 +62,14 @@ def test_payload_and_headers_are_sealed_at_rest_and_published_in_clear(
         session.commit()
     stored = raw(app, "SELECT event_id, payload, headers FROM idempotency_outbox ORDER BY id")
     assert len(stored) == 2
+    # Whole clear values: a short one (say "777") turns up in random base64 now and then.
+    clear = ("777001", "777002", "777003", "amount", "card")
     for _event_id, payload, headers in stored:
         assert seal.key_id_of(payload) == "A", payload
-        assert "777" not in payload
-        assert headers is None or (seal.key_id_of(headers) == "A" and "777" not in headers)
+        assert not [c for c in clear if c in payload], payload
+        if headers is not None:
+            assert seal.key_id_of(headers) == "A", headers
+            assert not [c for c in clear if c in headers], headers
     assert stored[1].headers is not None
     publisher = ListPublisher()
     assert relay_once(app, publisher) == 2
