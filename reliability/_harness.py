@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import uuid
 from pathlib import Path
 
 import sqlalchemy as sa
+
+from flask_idempotency.testing._server import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,12 +329,6 @@ def new_database(cluster: t.Any, name: str, driver: str = "psycopg2") -> str:
     finally:
         admin.dispose()
     return str(cluster.url(driver, name))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def gunicorn_options() -> list[str]:

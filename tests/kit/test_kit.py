@@ -288,3 +288,53 @@ def test_the_entry_point_registers_the_plugin(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     twice = _pytest(project, "-p", "flask_idempotency.testing.plugin", pythonpath=[site])
     assert twice.returncode == 0, twice.stdout + twice.stderr
+
+
+# -- the served app's port ---------------------------------------------------------------
+
+
+def _outgoing_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        return 32768
+
+
+def test_the_served_port_is_outside_the_range_outgoing_connections_take() -> None:
+    """A port from the kernel's range for outgoing connections can be taken by any
+    connection opened before the server binds it (seen: "Address already in use"
+    on a busy run); the kit's ports come from below that range, and are free."""
+    import socket
+
+    from flask_idempotency.testing import _server
+
+    low = _outgoing_low()
+    if low - _server.PORTS_FROM < 1000:
+        pytest.skip(f"this machine's outgoing range starts at {low}: no room below it")
+    ports = [free_port() for _ in range(50)]
+    assert all(_server.PORTS_FROM <= port < low for port in ports), ports
+    assert len(set(ports)) > 40  # at random: concurrent runs rarely pick the same
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+
+
+def test_a_port_something_listens_on_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from flask_idempotency.testing import _server
+
+    if _outgoing_low() - _server.PORTS_FROM < 1000:
+        pytest.skip("no room below this machine's outgoing range")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        other = free_port()
+        picks = iter([taken, other])
+        monkeypatch.setattr(_server._pick, "randrange", lambda *_: next(picks))
+        assert free_port() == other
+        # Nowhere to look below the range: the kernel's pick.
+        monkeypatch.setattr(_server, "_ephemeral_low", lambda: _server.PORTS_FROM + 10)
+        assert free_port() != taken

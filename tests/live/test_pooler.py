@@ -34,6 +34,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idempotency._messaging.listener import Listener
+from flask_idempotency.testing._server import free_port
 from tests.conftest import (
     direct_postgres_url,
     pgbouncer_mode,
@@ -53,12 +54,6 @@ COPIES = 3
 #: Requests in flight from the client at a time.
 CLIENTS = 32
 UNSAFE_ENV = "IDEMPOTENCY_TEST_POOLER_UNSAFE"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _post(port: int, key: str) -> tuple[int, str, bytes]:
@@ -88,7 +83,7 @@ def test_a_gunicorn_load_through_pgbouncer_has_no_5xx_and_one_row_per_key() -> N
             "SQLALCHEMY_ENGINE_OPTIONS": {"pool_size": 40, "max_overflow": 10},
             "IDEMPOTENCY_DATABASE_POOLER": None,
         }
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

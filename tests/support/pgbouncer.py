@@ -34,6 +34,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from flask_idempotency.testing._server import free_port
+
 #: Where Debian installs it.
 BINARY = "/usr/sbin/pgbouncer"
 #: The ``application_name`` of every connection through the pooler.
@@ -151,12 +153,6 @@ def role_with_settings(url: str, **settings: str) -> t.Iterator[str]:
         admin.dispose()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _quote(value: str) -> str:
     """A libpq connection-string value, quoted."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -217,7 +213,7 @@ class PgBouncer:
         if search_path is not None:
             entry += f" connect_query={_quote(f'SET search_path TO {search_path}')}"
         self.dir = Path(tempfile.mkdtemp(prefix="idempotency-pgbouncer-"))
-        self.port = _free_port()
+        self.port = free_port()
         users = self.dir / "users.txt"
         users.write_text(f'"{self.upstream.username or "postgres"}" ""\n')
         ini = self.dir / "pgbouncer.ini"

@@ -18,7 +18,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,14 +26,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from flask_idempotency.testing._server import free_port as free_port
+
 #: Servers refuse to run as root; as root they run as this user (pgserver's own).
 SERVER_USER = "pgserver"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _server_user() -> pwd.struct_passwd | None:

@@ -26,6 +26,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
+from flask_idempotency.testing._server import free_port
 from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
 from tests.support.flow import assert_problem
@@ -306,12 +307,6 @@ def test_a_commit_the_database_refuses_frees_a_leased_key_at_once(driver: str) -
 # -- a real gunicorn worker timeout -------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _post(port: int, path: str, key: str, hang: float, timeout: float) -> Reply | None:
     import http.client
     import json
@@ -348,7 +343,7 @@ def test_a_gunicorn_worker_timeout_after_the_views_commit_charges_once(
     past the timeout; the arbiter aborts the worker, whose SystemExit unwinds the
     view. The retry must get the recorded failure, and the ledger hold one charge."""
     reset_tables(pg_url)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TEST_DATABASE_URL": pg_url}
     proc = subprocess.Popen(
         [
