@@ -16,19 +16,18 @@ import uuid
 from unittest import mock
 
 import pytest
-import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency._confirms import ConfirmChannel, amqp_message
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency._messaging.publishing import publish_many_of
 from flask_idempotency._messaging.relay import relay_batch, relay_once
-from flask_idempotency._storage.schema import outbox_table
 from flask_idempotency.publishers import CallablePublisher, KombuPublisher, ListPublisher
 from tests.conftest import Clock
 from tests.support import outbox_app
 from tests.support.broker import RABBITMQ, Broker, delete_queue, drain, text, waiting
-from tests.support.outbox import reset
+from tests.support.outbox import fresh_app
+from tests.support.outbox import rows as stored
 from tests.support.tcp_proxy import TcpProxy
 
 
@@ -45,18 +44,6 @@ def add_events(app: Flask, *event_ids: str, topic: str = "order.created") -> Non
         for event_id in event_ids:
             add_event(outbox_app.db.session, topic, {"id": event_id}, event_id=event_id)
         outbox_app.db.session.commit()
-
-
-def stored(app: Flask) -> list[dict[str, t.Any]]:
-    with app.app_context():
-        table = outbox_table(outbox_app.db.metadata)
-        with outbox_app.db.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(sa.select(table).order_by(table.c.id))]
-
-
-def dispose(app: Flask) -> None:
-    with app.app_context():
-        outbox_app.db.engine.dispose()
 
 
 class Counting(KombuPublisher):
@@ -91,10 +78,8 @@ class Counting(KombuPublisher):
 
 @pytest.fixture
 def app(pg_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(pg_url, clock=clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2)
-    reset(pg_url)
-    yield app
-    dispose(app)
+    with fresh_app(pg_url, clock, IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS=2) as app:
+        yield app
 
 
 @pytest.fixture

@@ -19,18 +19,17 @@ from flask_idempotency._messaging import relay
 from flask_idempotency._messaging.outbox import OutboxEvent, add_event
 from flask_idempotency.publishers import KombuPublisher
 from tests.conftest import Clock
-from tests.live.test_relay_pipelined import add_events, dispose, rabbitmq, stored
+from tests.live.test_relay_pipelined import add_events, rabbitmq
 from tests.support import outbox_app
 from tests.support.broker import delete_queue, drain, text
-from tests.support.outbox import reset
+from tests.support.outbox import fresh_app
+from tests.support.outbox import rows as stored
 
 
 @pytest.fixture
 def app(pg_url: str, clock: Clock) -> t.Iterator[Flask]:
-    app = outbox_app.create_app(pg_url, clock=clock)
-    reset(pg_url)
-    yield app
-    dispose(app)
+    with fresh_app(pg_url, clock) as app:
+        yield app
 
 
 @pytest.fixture
