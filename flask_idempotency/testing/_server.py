@@ -70,8 +70,9 @@ class Response:
 #: the kernel gives outgoing connections their local ports from.
 PORTS_FROM = 15000
 
-#: Linux's default range for those ports, where the machine does not say its own.
-_EPHEMERAL_DEFAULT = (32768, 60999)
+#: The start of Linux's default range for those ports, where the machine does
+#: not say its own.
+_EPHEMERAL_LOW_DEFAULT = 32768
 
 _pick = random.SystemRandom()  # not the random a test may seed
 
@@ -81,7 +82,7 @@ def _ephemeral_low() -> int:
         text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
         return int(text.split()[0])
     except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_DEFAULT[0]
+        return _EPHEMERAL_LOW_DEFAULT
 
 
 def _bindable(port: int) -> bool:

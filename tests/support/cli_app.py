@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idempotency import signals
+from flask_idempotency._storage.schema import as_utc
 from flask_idempotency.models import job_lock_table
 from tests.support import testapp
 
@@ -39,11 +40,6 @@ job_runs = sa.Table(
 
 _started: dict[tuple[int, str], tuple[float, float]] = {}
 _lock = threading.Lock()
-
-
-def utc(value: dt.datetime) -> dt.datetime:
-    """A datetime as read back: naive ones (SQLite, MariaDB) are UTC."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
 
 
 def create_app() -> Flask:
@@ -65,7 +61,10 @@ def create_app() -> Flask:
                     )
                 ).scalar_one()
             with _lock:
-                _started[(os.getpid(), kw["name"])] = (now, utc(acquired).timestamp())
+                _started[(os.getpid(), kw["name"])] = (
+                    now,
+                    t.cast(dt.datetime, as_utc(acquired)).timestamp(),
+                )
             time.sleep(float(stretch))
 
         def on_finish(sender: t.Any, **kw: t.Any) -> None:
