@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from flask import Flask, request
 
 from flask_idempotency import Idempotency
-from tests.conftest import Clock, ledger_count, record_rows
+from tests.conftest import Clock, ledger_count, record_rows, reset_tables
 from tests.support import testapp
 from tests.support.gates import Gates, send
 from tests.support.live import LiveServer
@@ -247,13 +247,12 @@ def test_business_unique_conflict_with_the_winner_replays_it(
 def test_live_concurrent_duplicates_make_one_charge(pg_url: str) -> None:
     """Real HTTP, a threaded server, 12 simultaneous requests with one key and
     a view slow enough that they all run it: one ledger row, one record, one answer."""
+    # The test app's own tables, recreated: another test may have left a table of
+    # the same name and another shape (a ledger without its route column).
+    reset_tables(pg_url)
     server = LiveServer("tests", pg_url).start()
     try:
         app = testapp.create_app(pg_url)
-        with app.app_context():
-            testapp.db.session.execute(sa.delete(testapp.Ledger))
-            testapp.db.session.execute(sa.text("DELETE FROM idempotency_keys"))
-            testapp.db.session.commit()
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             replies = list(
                 pool.map(
